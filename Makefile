@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine:  `make demo` (main job)  and  `make test` (test suite).
+PYTHON ?= python3
+STAMP := .venv-stamp
+
+.PHONY: install demo test bench clean
+
+# torch==2.13.0 first: a CPU build is on disk; the project's torch range keeps it (no CUDA wheels pulled).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	oomdoctor diagnose meta-llama/Llama-2-7b-hf --gpu-mem 24GB --seq-len 1024
+	oomdoctor tune meta-llama/Llama-2-7b-hf --gpu-mem 24GB --seq-len 1024 --global-batch 32 --output runs/demo/llama2-7b-24gb.yaml
+	oomdoctor train configs/train/tiny-cpu.yaml
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
+
+bench: $(STAMP)
+	$(PYTHON) scripts/bench_diagnose.py
+
+clean:
+	rm -rf $(STAMP) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""`oomdoctor explain` (being written)."""

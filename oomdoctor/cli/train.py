@@ -1,0 +1,1 @@
+"""`oomdoctor train` (being written)."""

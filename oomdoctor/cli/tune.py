@@ -1,0 +1,1 @@
+"""`oomdoctor tune` (being written)."""

@@ -1,0 +1,276 @@
+"""Model spec: what oomdoctor knows about a model from its ``config.json`` alone (no weights, no torch import).
+
+``load_spec(MODEL)`` accepts a Hugging Face id (resolved offline from the bundled registry ``configs/models/``;
+fetched from the hub, ``config.json`` only, when the hub is reachable), a local directory holding ``config.json``,
+or a path to a ``config.json``. The result is a frozen :class:`ModelSpec` with the structural numbers the memory
+model needs and the module inventory (:class:`ParamGroup` list) built by ``oomdoctor.architectures``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from oomdoctor.errors import BadInput
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: Bundled configs: ``configs/models/<org>__<name>.json`` (a verbatim HF config.json) + ``registry.json`` (metadata).
+MODELS_DIR = Path(os.environ.get("OOMDOCTOR_MODELS_DIR", REPO_ROOT / "configs" / "models"))
+
+ParamKind = Literal["linear", "embedding", "norm", "other"]
+ArchKind = Literal["decoder", "encoder", "encoder-decoder"]
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """A set of identical modules, e.g. the ``q_proj`` of every layer (``count = num_layers``).
+
+    For ``linear``: weight is (out_features, in_features), plus ``out_features`` bias values if ``bias``.
+    For ``embedding``: (num_embeddings=in_features, dim=out_features). For ``norm``/``other``: ``numel`` elements.
+    """
+
+    name: str
+    """Module name suffix as in the HF model (``q_proj``, ``embed_tokens``, ``lm_head``...): LoRA targets match it."""
+    kind: ParamKind
+    in_features: int = 0
+    out_features: int = 0
+    bias: bool = False
+    count: int = 1
+    """Number of such modules in the whole model."""
+    per_layer: bool = True
+    """True when the module repeats in every transformer block."""
+    numel_each: int = 0
+    """Element count for ``norm``/``other`` groups (weights + biases of one module)."""
+
+    @property
+    def weight_numel(self) -> int:
+        if self.kind in ("linear", "embedding"):
+            return self.in_features * self.out_features
+        return self.numel_each
+
+    @property
+    def bias_numel(self) -> int:
+        return self.out_features if (self.kind == "linear" and self.bias) else 0
+
+    @property
+    def numel(self) -> int:
+        """Elements of one module (weight + bias)."""
+        return self.weight_numel + self.bias_numel
+
+    @property
+    def total_numel(self) -> int:
+        return self.numel * self.count
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Structural description of a model, enough to price its training memory."""
+
+    name: str
+    """What the user typed (id or path)."""
+    model_type: str
+    """HF ``model_type`` (llama, mistral, falcon, gpt2...)."""
+    arch_kind: ArchKind
+    hidden_size: int
+    num_layers: int
+    """Transformer blocks (for encoder-decoder: encoder + decoder blocks)."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    groups: tuple[ParamGroup, ...]
+    """Module inventory; sums to the model's parameter count (tied weights counted once)."""
+    mlp_kind: Literal["gated", "plain"] = "gated"
+    """``gated``: act(gate(x)) * up(x) (SwiGLU/GeGLU, 3 matrices); ``plain``: fc2(act(fc1(x)))."""
+    norm_kind: Literal["rms", "layer"] = "rms"
+    parallel_attn: bool = False
+    """Attention and MLP read the same normed input (Falcon, Phi-2, GPT-J)."""
+    num_experts: int = 0
+    """MoE experts per layer (0 = dense)."""
+    experts_per_token: int = 0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 0
+    sliding_window: int | None = None
+    encoder_layers: int = 0
+    """Encoder-decoder only: blocks in the encoder (``num_layers - encoder_layers`` in the decoder)."""
+    num_labels: int = 0
+    """Encoder classifiers: output classes of the head (sequence classification)."""
+    source: str = "local"
+    """``bundled`` (configs/models), ``local`` (a path) or ``hub`` (fetched config.json)."""
+    family: str = ""
+    """Family in the bundled registry (for "a smaller model of the same family fits")."""
+    published_params: int | None = None
+    """Parameter count published by the model's authors (bundled registry), for cross-checks."""
+    config: dict = field(default_factory=dict, compare=False, repr=False)
+    """The raw config.json."""
+
+    @property
+    def num_params(self) -> int:
+        return sum(g.total_numel for g in self.groups)
+
+    @property
+    def layer_groups(self) -> tuple[ParamGroup, ...]:
+        return tuple(g for g in self.groups if g.per_layer)
+
+    @property
+    def linear_groups(self) -> tuple[ParamGroup, ...]:
+        return tuple(g for g in self.groups if g.kind == "linear")
+
+    @property
+    def head_name(self) -> str:
+        """Name of the output head module (``lm_head`` for causal LMs)."""
+        for g in self.groups:
+            if g.name in ("lm_head", "score", "classifier"):
+                return g.name
+        return "lm_head"
+
+    def group(self, name: str) -> ParamGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+@lru_cache(maxsize=1)
+def _registry() -> dict[str, dict]:
+    path = MODELS_DIR / "registry.json"
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return {entry["id"]: entry for entry in data["models"]}
+
+
+def bundled_ids() -> list[str]:
+    """Ids of every bundled model config."""
+    return sorted(_registry())
+
+
+def registry_entry(model_id: str) -> dict | None:
+    reg = _registry()
+    if model_id in reg:
+        return reg[model_id]
+    low = model_id.lower()
+    for k, v in reg.items():
+        if k.lower() == low or low in [a.lower() for a in v.get("aliases", [])]:
+            return v
+    return None
+
+
+def close_names(model_id: str, n: int = 5) -> list[str]:
+    ids = bundled_ids()
+    low = {i.lower(): i for i in ids}
+    hits = difflib.get_close_matches(model_id.lower(), list(low), n=n, cutoff=0.4)
+    short = {i.split("/")[-1].lower(): i for i in ids}
+    hits += [short[h] for h in difflib.get_close_matches(model_id.split("/")[-1].lower(), list(short), n=n, cutoff=0.4)]
+    out: list[str] = []
+    for h in hits:
+        name = low.get(h, h)
+        if name not in out:
+            out.append(name)
+    return out[:n]
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise BadInput(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadInput(
+            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
+            "pass a Hugging Face config.json, a directory holding one, or a bundled id (`oomdoctor models`)",
+        ) from None
+    if not isinstance(cfg, dict):
+        raise BadInput(f"{path} holds JSON but not an object; a Hugging Face config.json is an object")
+    return cfg
+
+
+def _fetch_from_hub(model_id: str) -> dict | None:
+    """config.json of ``model_id`` from the hub, or None when offline/unreachable/unknown. Only that one file."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("OOMDOCTOR_OFFLINE") == "1":
+        return None
+    if model_id.count("/") != 1:
+        return None
+    try:
+        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "5")
+        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(model_id, "config.json")
+    except Exception:  # noqa: BLE001 - any network/auth/404 failure means "not available"
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def load_config(model: str) -> tuple[dict, str, dict | None]:
+    """Resolve MODEL to (config dict, source, registry entry or None)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        cfg_path = p / "config.json"
+        if not cfg_path.exists():
+            raise BadInput(
+                f"{p} is a directory without a config.json",
+                "pass the model directory that holds config.json, or a bundled id (`oomdoctor models`)",
+            )
+        return _read_config(cfg_path), "local", None
+    if p.suffix == ".json" or p.exists():
+        if not p.exists():
+            raise BadInput(f"{p}: no such file", "pass an existing config.json, or a bundled id (`oomdoctor models`)")
+        return _read_config(p), "local", None
+    entry = registry_entry(model)
+    if entry is not None:
+        return _read_config(MODELS_DIR / entry["file"]), "bundled", entry
+    cfg = _fetch_from_hub(model)
+    if cfg is not None:
+        return cfg, "hub", None
+    close = close_names(model)
+    hint = (
+        f"close bundled names: {', '.join(close)}"
+        if close
+        else "run `oomdoctor models` for the bundled ids, or pass a local config.json"
+    )
+    raise BadInput(
+        f"unknown model {model!r}: not a local path, not in the bundled registry, and the hub is not reachable",
+        hint + "; or pass a local directory / config.json",
+    )
+
+
+def spec_from_config(cfg: dict, name: str = "config", *, source: str = "local", entry: dict | None = None) -> ModelSpec:
+    """Build a ModelSpec from a config dict (raises BadInput on missing/invalid fields)."""
+    from oomdoctor.architectures import build_spec
+
+    spec = build_spec(cfg, name=name)
+    if entry is not None or source != "local":
+        from dataclasses import replace
+
+        spec = replace(
+            spec,
+            source=source,
+            family=(entry or {}).get("family", ""),
+            published_params=(entry or {}).get("published_params"),
+        )
+    return spec
+
+
+@lru_cache(maxsize=64)
+def load_spec(model: str) -> ModelSpec:
+    """Resolve MODEL (HF id, directory or config.json) to a :class:`ModelSpec`."""
+    cfg, source, entry = load_config(model)
+    return spec_from_config(cfg, name=model, source=source, entry=entry)
