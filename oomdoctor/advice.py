@@ -1,0 +1,342 @@
+"""Advice: for a plan that does not fit, the smallest changes that make it fit, with the bytes each saves.
+
+Every candidate is a one-knob change of the plan, priced with the memory model (bytes saved = the plan's
+``peak_device`` minus the changed plan's). Candidates are ranked by what they cost the user — first changes that
+keep the same math (micro-batch split with more accumulation, memory-efficient attention, fused optimizer), then
+compute for memory (gradient checkpointing, offload), then numerics (bf16, 8-bit states), then what is trained
+(LoRA, QLoRA), and last the data (shorter sequences). If no single change fits, a greedy path of changes is
+returned; if nothing fits at all, the largest bundled model of the same family that does.
+
+The texts teach the techniques as they are: LoRA is Low-Rank Adaptation (peft), AdamW costs exactly Adam's
+memory (decoupled weight decay adds no state), Xavier init saves nothing (efficient init = meta device / loading
+straight into the target dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from oomdoctor.memory import MemoryBreakdown, estimate
+from oomdoctor.plan import Plan
+from oomdoctor.spec import ModelSpec
+
+Estimator = Callable[[ModelSpec, Plan], MemoryBreakdown]
+
+
+def _analytic(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
+    return estimate(spec, plan, "analytic")
+
+
+def fits(memory: MemoryBreakdown, capacity: int | None, margin: float = 0.0) -> bool | None:
+    """Does the plan's device peak fit ``capacity`` minus a safety ``margin`` (fraction)? None without capacity."""
+    if capacity is None:
+        return None
+    return memory.peak_device <= capacity * (1.0 - margin)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change to a plan and what it buys."""
+
+    id: str
+    """Stable id, e.g. ``gradient-checkpointing``, ``optimizer:adamw-8bit``, ``method:qlora``."""
+    description: str
+    """What to do and what it costs, in words."""
+    how: str
+    """The flag / config key that applies it."""
+    cost: int
+    """Rank of what the change costs the user (0 = same math ... 9 = different data)."""
+    plan: Plan
+    """The plan after the change."""
+    saves_bytes: int = 0
+    """peak_device before minus after."""
+    fits: bool | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "description": self.description,
+            "how": self.how,
+            "saves_bytes": self.saves_bytes,
+            "fits": self.fits,
+            "settings": self.plan.settings(),
+        }
+
+
+def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, int, dict]]:
+    """(id, description, how, cost, plan changes) for every one-knob change that could save memory."""
+    c: list[tuple[str, str, str, int, dict]] = []
+    if plan.micro_batch > 1:
+        mb = plan.micro_batch // 2
+        acc = plan.grad_accum * plan.micro_batch // mb if plan.micro_batch % mb == 0 else plan.grad_accum * 2
+        c.append((
+            "micro-batch",
+            f"micro-batch {plan.micro_batch} -> {mb} with gradient accumulation {plan.grad_accum} -> {acc}: "
+            "same effective batch, same math, activations scale with the micro-batch",
+            f"--micro-batch {mb} (per_device_train_batch_size: {mb}, gradient_accumulation_steps: {acc})",
+            0,
+            dict(micro_batch=mb, grad_accum=acc),
+        ))
+    if plan.attn == "eager":
+        c.append((
+            "attn:sdpa",
+            "use memory-efficient attention (sdpa/flash): eager attention materializes seq x seq scores per head",
+            "--attn sdpa (attn_implementation: sdpa)",
+            0,
+            dict(attn="sdpa"),
+        ))
+    torch_opt = plan.optimizer in ("adamw", "sgd")
+    if torch_opt and plan.optimizer_impl == "foreach" and not plan.offload_optimizer:
+        c.append((
+            "optimizer:fused",
+            "fused optimizer step (torch fused=True): no parameter-group-sized temporaries, same math",
+            "optim: adamw_torch_fused",
+            0,
+            dict(optimizer_impl="fused"),
+        ))
+    if not plan.gradient_checkpointing:
+        c.append((
+            "gradient-checkpointing",
+            "gradient checkpointing: keep only each layer's input and recompute the layer in backward "
+            "(the biggest activation saver; about one third more compute)",
+            "--gradient-checkpointing (gradient_checkpointing: true)",
+            1,
+            dict(gradient_checkpointing=True),
+        ))
+    if not plan.offload_activations:
+        c.append((
+            "offload:activations",
+            "offload activations saved for backward to pinned CPU memory (costs PCIe transfer time)",
+            "offload_activations: true",
+            2,
+            dict(offload_activations=True),
+        ))
+    if not plan.offload_optimizer and plan.optimizer not in ("sgd",) and not plan.optimizer_is_paged:
+        c.append((
+            "offload:optimizer",
+            "offload optimizer states and the optimizer step to the CPU (ZeRO-Offload style; costs PCIe + CPU time)",
+            "offload_optimizer: true",
+            2,
+            dict(offload_optimizer=True),
+        ))
+    if plan.precision == "fp32":
+        c.append((
+            "precision:bf16-mixed",
+            "bf16 mixed precision (AMP): fp32 master weights, bf16 activations and matmuls",
+            "--precision bf16-mixed (bf16: true)",
+            2,
+            dict(precision="bf16-mixed"),
+        ))
+    if plan.precision in ("fp32", "fp16-mixed", "bf16-mixed"):
+        c.append((
+            "precision:bf16",
+            "pure bf16: weights, gradients and optimizer states in bf16, no fp32 master copy "
+            "(halves model states; small updates can be lost to bf16 rounding)",
+            "--precision bf16",
+            3,
+            dict(precision="bf16"),
+        ))
+    if plan.optimizer in ("adamw", "paged-adamw"):
+        c.append((
+            "optimizer:adamw-8bit",
+            "8-bit AdamW (bitsandbytes): Adam's two states quantized blockwise to 8 bits. "
+            "(Switching Adam to AdamW saves nothing: AdamW keeps exactly Adam's two states.)",
+            "--optimizer adamw-8bit (optim: adamw_bnb_8bit)",
+            3,
+            dict(optimizer="adamw-8bit"),
+        ))
+    if plan.optimizer in ("adamw", "adamw-8bit"):
+        c.append((
+            "optimizer:paged-adamw-8bit",
+            "paged 8-bit AdamW (bitsandbytes): 8-bit states in unified memory that pages to the CPU under pressure",
+            "--optimizer paged-adamw-8bit (optim: paged_adamw_8bit)",
+            3,
+            dict(optimizer="paged-adamw-8bit"),
+        ))
+    if plan.optimizer not in ("adafactor", "sgd", "lion"):
+        c.append((
+            "optimizer:adafactor",
+            "Adafactor: factored second moment (row + column statistics), no first moment",
+            "--optimizer adafactor (optim: adafactor)",
+            4,
+            dict(optimizer="adafactor"),
+        ))
+        c.append((
+            "optimizer:lion",
+            "Lion: one momentum state instead of Adam's two (needs a ~3-10x smaller learning rate)",
+            "--optimizer lion (optim: lion_32bit)",
+            4,
+            dict(optimizer="lion"),
+        ))
+    if plan.optimizer != "sgd":
+        c.append((
+            "optimizer:sgd",
+            "plain SGD: no optimizer state at all (converges slower on transformers)",
+            "--optimizer sgd (optim: sgd)",
+            4,
+            dict(optimizer="sgd", sgd_momentum=0.0),
+        ))
+    if plan.method == "full":
+        c.append((
+            "method:lora",
+            "LoRA (Low-Rank Adaptation, peft): freeze the base, train rank-r adapters; gradients and optimizer "
+            "states shrink to the adapters'",
+            f"--method lora --lora-r {plan.lora_r}",
+            5,
+            dict(method="lora"),
+        ))
+    if plan.method in ("full", "lora"):
+        c.append((
+            "method:qlora",
+            "QLoRA: LoRA on a 4-bit NF4 base with double quantization (bitsandbytes), about 0.52 byte per weight",
+            "--method qlora --quant nf4 --double-quant (load_in_4bit: true, bnb_4bit_quant_type: nf4, "
+            "bnb_4bit_use_double_quant: true)",
+            6,
+            dict(method="qlora", quant="nf4", double_quant=True,
+                 precision="bf16-mixed" if plan.precision == "fp32" else plan.precision),
+        ))
+    if plan.method == "qlora" and plan.quant == "int8":
+        c.append((
+            "quant:nf4",
+            "4-bit NF4 base instead of int8 (QLoRA paper): half the weight bytes",
+            "--quant nf4 --double-quant",
+            5,
+            dict(quant="nf4", double_quant=True),
+        ))
+    if plan.method == "qlora" and plan.quant in ("nf4", "fp4") and not plan.double_quant:
+        c.append((
+            "quant:double",
+            "double quantization: quantize the 4-bit block constants again (~0.37 bit per weight)",
+            "--double-quant (bnb_4bit_use_double_quant: true)",
+            1,
+            dict(double_quant=True),
+        ))
+    if plan.uses_lora and plan.lora_on_head:
+        c.append((
+            "lora:no-head",
+            "do not adapt the output head: its adapter input/grad spans the whole vocabulary projection",
+            "drop --lora-on-head",
+            2,
+            dict(lora_on_head=False),
+        ))
+    if plan.seq_len > 256:
+        c.append((
+            "seq-len",
+            f"shorter sequences ({plan.seq_len} -> {plan.seq_len // 2} tokens): changes the data the model sees "
+            "(truncation) - a last resort",
+            f"--seq-len {plan.seq_len // 2} (max_seq_length: {plan.seq_len // 2})",
+            8,
+            dict(seq_len=plan.seq_len // 2),
+        ))
+    return c
+
+
+def _priced(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, capacity: int | None, estimator: Estimator,
+            margin: float) -> list[Change]:
+    out: list[Change] = []
+    for cid, desc, how, cost, changes in candidate_changes(spec, plan):
+        try:
+            new_plan = plan.with_(**changes)
+        except Exception:  # noqa: BLE001 - a change that is invalid for this plan is simply not offered
+            continue
+        after = estimator(spec, new_plan)
+        saved = before.peak_device - after.peak_device
+        if saved <= 0:
+            continue
+        out.append(Change(cid, desc, how, cost, new_plan, saved, fits(after, capacity, margin)))
+    return out
+
+
+@dataclass
+class Advice:
+    """Ranked ways to make one plan fit."""
+
+    single: list[Change] = field(default_factory=list)
+    """One-knob changes that save memory: those that make the plan fit first, then by cost, then bytes saved."""
+    path: list[Change] = field(default_factory=list)
+    """When no single change fits: cumulative changes, cheapest first, until the plan fits (may not reach it)."""
+    path_fits: bool = False
+
+    def to_dict(self) -> dict:
+        return {
+            "changes": [c.to_dict() for c in self.single],
+            "path": [c.to_dict() for c in self.path],
+            "path_fits": self.path_fits,
+        }
+
+
+def advise(spec: ModelSpec, plan: Plan, capacity: int | None, *, margin: float = 0.0,
+           estimator: Estimator | None = None, max_steps: int = 8, with_path: bool = True) -> Advice:
+    """Ranked changes that make ``plan`` fit ``capacity`` (bytes); ``with_path=False`` skips the greedy path."""
+    est = estimator or _analytic
+    before = est(spec, plan)
+    single = _priced(spec, plan, before, capacity, est, margin)
+    single.sort(key=lambda ch: (not ch.fits, ch.cost, -ch.saves_bytes))
+    advice = Advice(single=single)
+    if capacity is None or fits(before, capacity, margin) or any(ch.fits for ch in single) or not with_path:
+        advice.path_fits = bool(capacity is not None and (fits(before, capacity, margin) or single and single[0].fits))
+        return advice
+    # Greedy: take the cheapest change that saves at least 1% (largest saving among equal cost), repeat.
+    cur_plan, cur_mem = plan, before
+    for _ in range(max_steps):
+        options = _priced(spec, cur_plan, cur_mem, capacity, est, margin)
+        if not options:
+            break
+        fitting = [o for o in options if o.fits]
+        if fitting:
+            choice = min(fitting, key=lambda o: (o.cost, -o.saves_bytes))
+        else:
+            worthwhile = [o for o in options if o.saves_bytes >= 0.01 * cur_mem.peak_device] or options
+            choice = min(worthwhile, key=lambda o: (o.cost, -o.saves_bytes))
+        advice.path.append(choice)
+        cur_plan = choice.plan
+        cur_mem = est(spec, cur_plan)
+        if choice.fits:
+            advice.path_fits = True
+            break
+    return advice
+
+
+@dataclass(frozen=True)
+class SmallerModel:
+    """A bundled model of the same family that fits, with the most faithful plan that does."""
+
+    model_id: str
+    params: int
+    plan: Plan
+    memory: MemoryBreakdown
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model_id,
+            "params": self.params,
+            "settings": self.plan.settings(),
+            "memory": self.memory.to_dict(),
+        }
+
+
+def smaller_model_that_fits(spec: ModelSpec, base: Plan, capacity: int, *, margin: float = 0.0,
+                            estimator: Estimator | None = None) -> SmallerModel | None:
+    """Largest bundled model of ``spec``'s family, smaller than it, for which some matrix plan fits."""
+    from oomdoctor.matrix import enumerate_plans
+    from oomdoctor.spec import bundled_ids, load_spec, registry_entry
+
+    est = estimator or _analytic
+    if not spec.family:
+        return None
+    candidates = []
+    for mid in bundled_ids():
+        entry = registry_entry(mid) or {}
+        if entry.get("family") != spec.family or mid == spec.name:
+            continue
+        other = load_spec(mid)
+        if other.num_params < spec.num_params:
+            candidates.append((other.num_params, mid, other))
+    pins = {"micro_batch": base.micro_batch, "seq_len": base.seq_len}
+    for params, mid, other in sorted(candidates, key=lambda t: (-t[0], t[1])):
+        for plan in enumerate_plans(pins, base):
+            mem = est(other, plan)
+            if fits(mem, capacity, margin):
+                return SmallerModel(mid, params, plan, mem)
+    return None

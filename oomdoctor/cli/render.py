@@ -1,0 +1,136 @@
+"""Rich rendering of diagnose reports (printing only; the numbers come from ``oomdoctor.diagnose``)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from oomdoctor.memory.breakdown import LABELS
+from oomdoctor.units import format_bytes, gib
+
+console = Console()
+
+FIT = {True: "[green]yes[/]", False: "[red]no[/]", None: "[dim]-[/]"}
+
+
+def _g(n: int) -> str:
+    return f"{gib(n):.2f}"
+
+
+def model_line(report) -> str:
+    s = report.spec
+    src = {"bundled": "bundled config", "local": "local config", "hub": "hub config.json"}.get(s.source, s.source)
+    return (
+        f"[bold]{s.name}[/] ({s.model_type}, {s.num_params / 1e9:.2f} B params, {s.num_layers} layers, "
+        f"hidden {s.hidden_size}, vocab {s.vocab_size:,}; {src})"
+    )
+
+
+def capacity_line(report) -> str:
+    if report.capacity_bytes is None:
+        return "card: none given and no GPU found (pass --gpu-mem 24GB for fit verdicts)"
+    cap = report.capacity_bytes
+    where = "--gpu-mem" if report.capacity_source == "--gpu-mem" else f"NVML: {report.gpu.name}"
+    return f"card: {format_bytes(cap, binary=False)} = {format_bytes(cap)} ({where})"
+
+
+def plan_table(report) -> Table:
+    first = report.results[0].plan
+    t = Table(
+        title=f"Training memory per plan, GiB  (micro-batch {first.micro_batch} x {first.seq_len} tokens, "
+        f"engine: {report.engine})",
+        show_lines=False,
+        header_style="bold",
+    )
+    for name, just in (
+        ("#", "right"), ("plan", "left"), ("weights", "right"), ("grads", "right"), ("optim", "right"),
+        ("activ.", "right"), ("logits", "right"), ("other", "right"), ("peak alloc", "right"),
+        ("peak dev", "right"), ("fits", "center"),
+    ):
+        t.add_column(name, justify=just, no_wrap=name != "plan")
+    for i, r in enumerate(report.results, 1):
+        m = r.memory
+        t.add_row(
+            str(i), r.plan.label(), _g(m.parameters), _g(m.gradients), _g(m.optimizer_states + m.paged_optimizer),
+            _g(m.activations), _g(m.logits), _g(m.master_weights + m.temporaries), _g(m.peak_allocated),
+            _g(m.peak_device), FIT[r.fits],
+        )
+    return t
+
+
+def breakdown_table(m) -> Table:
+    t = Table(title="Breakdown at the peak", header_style="bold")
+    t.add_column("component")
+    t.add_column("bytes", justify="right")
+    t.add_column("GiB", justify="right")
+    for key in ("parameters", "adapters", "master_weights", "gradients", "optimizer_states", "activations",
+                "logits", "temporaries"):
+        label = LABELS[key] + (" (of weights)" if key == "adapters" else "")
+        t.add_row(label, f"{getattr(m, key):,}", _g(getattr(m, key)))
+    t.add_row("[bold]peak allocated[/] (" + m.peak_phase + ")", f"{m.peak_allocated:,}", _g(m.peak_allocated))
+    t.add_row(LABELS["allocator_slack"], f"{m.allocator_slack:,}", _g(m.allocator_slack))
+    t.add_row("[bold]peak reserved[/]", f"{m.peak_reserved:,}", _g(m.peak_reserved))
+    for key in ("cuda_context", "cublas_workspace", "paged_optimizer"):
+        t.add_row(LABELS[key], f"{getattr(m, key):,}", _g(getattr(m, key)))
+    t.add_row("[bold]peak device[/] (nvidia-smi)", f"{m.peak_device:,}", _g(m.peak_device))
+    if m.cpu_offloaded:
+        t.add_row(LABELS["cpu_offloaded"] + " (host RAM)", f"{m.cpu_offloaded:,}", _g(m.cpu_offloaded))
+    return t
+
+
+def print_advice(result, index: int) -> None:
+    adv = result.advice
+    if adv is None:
+        return
+    console.print(f"\n[bold]#{index} {result.plan.label()}[/] needs {format_bytes(result.memory.peak_device)}:")
+    fitting = [c for c in adv.single if c.fits]
+    if fitting:
+        for c in fitting[:4]:
+            console.print(f"  [green]fits[/] with {c.description}  (saves {format_bytes(c.saves_bytes)}; {c.how})")
+        return
+    if adv.path:
+        verdict = "[green]fits[/]" if adv.path_fits else "[red]still does not fit[/]"
+        console.print(f"  no single change is enough; cheapest combination ({verdict}):")
+        for k, c in enumerate(adv.path, 1):
+            console.print(f"   {k}. {c.description}  (saves {format_bytes(c.saves_bytes)}; {c.how})")
+    else:
+        for c in adv.single[:3]:
+            console.print(f"  - {c.description}  (saves {format_bytes(c.saves_bytes)})")
+
+
+def print_diagnose(report) -> None:
+    console.print(model_line(report))
+    console.print(capacity_line(report))
+    console.print(plan_table(report))
+    console.print(
+        "[dim]weights: stored weights incl. quantization constants and LoRA adapters; grads: trainable only; "
+        "optim: optimizer states (paged: unified memory); activ.: saved for backward; logits: logits + fp32 "
+        "upcast + loss; other: AMP weight copies + temporaries; peak alloc: tensor bytes (max_memory_allocated); "
+        "peak dev: + allocator slack, CUDA context, cuBLAS workspace (what nvidia-smi shows).[/]"
+    )
+    if len(report.results) == 1:
+        console.print(breakdown_table(report.results[0].memory))
+        for note in report.results[0].memory.notes:
+            console.print(f"[dim]note: {note}[/]")
+    if report.capacity_bytes is None:
+        return
+    fitting = report.fitting
+    console.print(f"\n{len(fitting)} of {len(report.results)} plans fit.")
+    if fitting:
+        best = fitting[0]
+        idx = report.results.index(best) + 1
+        console.print(f"Most faithful plan that fits: [bold]#{idx} {best.plan.label()}[/] "
+                      f"({format_bytes(best.memory.peak_device)} of {format_bytes(report.capacity_bytes)})")
+    shown = set()  # advice for the most faithful plan of each method (the rows with a full advice path)
+    for i, r in enumerate(report.results, 1):
+        if r.plan.method not in shown:
+            shown.add(r.plan.method)
+            print_advice(r, i)
+    if report.smaller_model:
+        sm = report.smaller_model
+        console.print(
+            f"\nNothing fits. A smaller model of the same family does: [bold]{sm.model_id}[/] "
+            f"({sm.params / 1e9:.2f} B) with {sm.plan.label()} at {format_bytes(sm.memory.peak_device)}."
+        )
+    elif not fitting:
+        console.print("\nNothing fits, and no smaller bundled model of this family does either.")

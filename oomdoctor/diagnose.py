@@ -1,0 +1,117 @@
+"""``diagnose``: price every plan of the technique matrix for one model, give a fit verdict and advice.
+
+Computing only (the CLI module prints). The capacity is ``--gpu-mem`` when given, else the local GPU's total
+memory through NVML, else None (no verdict).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomdoctor.advice import Advice, SmallerModel, advise, fits, smaller_model_that_fits
+from oomdoctor.errors import BadInput
+from oomdoctor.gpu import GpuInfo, detect_gpu
+from oomdoctor.matrix import enumerate_plans
+from oomdoctor.memory import MemoryBreakdown, estimate
+from oomdoctor.plan import Plan
+from oomdoctor.spec import ModelSpec, load_spec
+
+#: The simulate/measure engines run real steps (seconds each): refuse huge matrices, ask to pin more flags.
+MAX_PLANS_SLOW_ENGINE = 12
+
+
+@dataclass
+class PlanResult:
+    """One row of the diagnose table."""
+
+    plan: Plan
+    memory: MemoryBreakdown
+    fits: bool | None
+    advice: Advice | None = None
+
+    def to_dict(self) -> dict:
+        d: dict[str, Any] = {
+            "label": self.plan.label(),
+            "settings": self.plan.settings(),
+            "fits": self.fits,
+            "memory": self.memory.to_dict(),
+        }
+        if self.advice is not None:
+            d["advice"] = self.advice.to_dict()
+        return d
+
+
+@dataclass
+class DiagnoseReport:
+    """Everything ``oomdoctor diagnose`` shows."""
+
+    spec: ModelSpec
+    engine: str
+    capacity_bytes: int | None
+    """Card size the verdicts use (None: no --gpu-mem and no GPU found)."""
+    capacity_source: str | None
+    """``--gpu-mem``, ``nvml`` or None."""
+    gpu: GpuInfo | None
+    results: list[PlanResult] = field(default_factory=list)
+    smaller_model: SmallerModel | None = None
+    """Set when no plan fits and a smaller bundled model of the same family does."""
+
+    @property
+    def fitting(self) -> list[PlanResult]:
+        return [r for r in self.results if r.fits]
+
+    def to_dict(self) -> dict:
+        s = self.spec
+        return {
+            "model": {
+                "name": s.name,
+                "model_type": s.model_type,
+                "source": s.source,
+                "params": s.num_params,
+                "layers": s.num_layers,
+                "hidden_size": s.hidden_size,
+                "vocab_size": s.vocab_size,
+            },
+            "engine": self.engine,
+            "capacity_bytes": self.capacity_bytes,
+            "capacity_source": self.capacity_source,
+            "gpu": self.gpu.to_dict() if self.gpu else None,
+            "plans": [r.to_dict() for r in self.results],
+            "smaller_model": self.smaller_model.to_dict() if self.smaller_model else None,
+        }
+
+
+def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_mem: int | None = None,
+             engine: str = "analytic", advice: bool = True) -> DiagnoseReport:
+    """Price the matrix of plans for ``model`` (pins fix dimensions; see ``oomdoctor.matrix``)."""
+    spec = load_spec(model) if isinstance(model, str) else model
+    pins = dict(pins or {})
+    if "seq_len" not in pins and spec.max_position_embeddings:
+        pins["seq_len"] = min(Plan().seq_len, spec.max_position_embeddings)
+    plans = enumerate_plans(pins)
+    if engine != "analytic" and len(plans) > MAX_PLANS_SLOW_ENGINE:
+        raise BadInput(
+            f"--engine {engine} runs a real training step per plan and these flags leave {len(plans)} plans",
+            "pin more techniques (e.g. --method lora --precision bf16-mixed --optimizer adamw "
+            "--gradient-checkpointing), or use --engine analytic for the whole matrix",
+        )
+    gpu = None
+    if gpu_mem is not None:
+        capacity, source = gpu_mem, "--gpu-mem"
+    else:
+        gpu = detect_gpu()
+        capacity, source = (gpu.total_bytes, "nvml") if gpu else (None, None)
+    report = DiagnoseReport(spec=spec, engine=engine, capacity_bytes=capacity, capacity_source=source, gpu=gpu)
+    headline = {p.method: p for p in reversed(plans)}  # most faithful plan of each method: full advice path
+    for plan in plans:
+        mem = estimate(spec, plan, engine)
+        ok = fits(mem, capacity)
+        adv = None
+        if advice and ok is False:
+            adv = advise(spec, plan, capacity, with_path=headline.get(plan.method) == plan or len(plans) == 1)
+        report.results.append(PlanResult(plan, mem, ok, adv))
+    if capacity is not None and not report.fitting and advice:
+        base = plans[0]
+        report.smaller_model = smaller_model_that_fits(spec, base, capacity)
+    return report
