@@ -1,0 +1,66 @@
+"""Shared test set-up: offline hub, tiny model configs, the GPU skip marker."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OOMDOCTOR_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+#: A tiny Llama-shaped config: 2 layers, hidden 64 (the size every CPU test uses).
+TINY_LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tiny_config() -> dict:
+    return dict(TINY_LLAMA)
+
+
+@pytest.fixture
+def tiny_config_path(tmp_path, tiny_config) -> str:
+    p = tmp_path / "tiny" / "config.json"
+    p.parent.mkdir()
+    p.write_text(json.dumps(tiny_config))
+    return str(p)
+
+
+@pytest.fixture
+def tiny_spec(tiny_config):
+    from oomdoctor.spec import spec_from_config
+
+    return spec_from_config(tiny_config, name="tiny-llama")
