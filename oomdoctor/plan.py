@@ -7,7 +7,7 @@ changing the data path; today only ``world_size=1, sharding="none"`` is executed
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal
 
 from oomdoctor.errors import BadInput
@@ -233,4 +233,4 @@ def plan_field_names() -> list[str]:
 __all__ = ["Plan", "validate", "HF_OPTIM_NAMES", "plan_field_names"] + [
     n for n in ("METHODS", "PRECISIONS", "OPTIMIZERS", "ATTNS", "QUANTS", "OPTIMIZER_IMPLS", "SHARDINGS")
 ]
-_ = field  # dataclasses.field kept for subclasses
+
