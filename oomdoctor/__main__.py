@@ -1,0 +1,5 @@
+"""``python -m oomdoctor`` == the ``oomdoctor`` command."""
+
+from oomdoctor.cli import main
+
+main()
