@@ -46,6 +46,19 @@ class ParamGroup:
     """True when the module repeats in every transformer block."""
     numel_each: int = 0
     """Element count for ``norm``/``other`` groups (weights + biases of one module)."""
+    path: str = ""
+    """Dotted path in the HF model, ``{i}`` standing for the block index (``model.layers.{i}.self_attn.q_proj``).
+    For a raw ``nn.Parameter`` (Mixtral's fused experts) the parameter's own path. Several groups may share a leaf
+    ``name`` (BERT's four ``dense``, GPT-2's two ``c_proj``): a LoRA target ``dense`` then adapts all of them."""
+    module: str = ""
+    """Class of the HF module (``Linear``, ``Conv1D``, ``FalconLinear``, ``Embedding``, ``LayerNorm``, ``RMSNorm``,
+    ``Parameter``). GPT-2's ``Conv1D`` stores its weight as (in, out) but holds the same elements as a Linear."""
+    quantizable: bool = False
+    """True when bitsandbytes quantization through transformers (``replace_with_bnb_linear``, transformers 5.x)
+    replaces this module: exactly ``type(m) is nn.Linear`` or ``Conv1D``. Falcon's ``FalconLinear`` (a subclass)
+    and Mixtral's fused 3D expert tensors are NOT replaced and stay in the load dtype; neither are embeddings and
+    norms. The output head is excluded by transformers too (``lm_head`` is in ``modules_to_not_convert``); that
+    is the memory model's call, so the head's flag only says whether its class could be quantized."""
 
     @property
     def weight_numel(self) -> int:
@@ -121,6 +134,14 @@ class ModelSpec:
     @property
     def linear_groups(self) -> tuple[ParamGroup, ...]:
         return tuple(g for g in self.groups if g.kind == "linear")
+
+    @property
+    def head_group(self) -> ParamGroup | None:
+        """The output head's own group (None when it is tied to the input embedding and has no bias)."""
+        for g in self.groups:
+            if g.name == self.head_name and not g.per_layer:
+                return g
+        return None
 
     @property
     def head_name(self) -> str:
