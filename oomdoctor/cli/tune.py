@@ -1,1 +1,152 @@
-"""`oomdoctor tune` (being written)."""
+"""``oomdoctor tune MODEL``: the plan that fits, its largest micro-batch, exact accumulation, verified, emitted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional
+
+import typer
+
+from oomdoctor.cli.app import app
+
+HELP = """Pick the training plan that fits, the largest micro-batch, and the gradient accumulation that keeps
+--global-batch exact; verify it; write a commented `oomdoctor train` config and print the command to run it.
+
+Capacity: --gpu-mem (24GB = 10^9 bytes, 24GiB = 2^30), else the local GPU's free memory (NVML; other processes'
+usage is subtracted). Plans must fit the capacity minus --margin. Ranking: --prefer quality (default) keeps the
+most faithful plan (full > LoRA > QLoRA, fp32 master weights > pure bf16, 32-bit > 8-bit optimizer states,
+no gradient checkpointing > checkpointing), then the fastest; --prefer speed ranks by estimated throughput first.
+Verification: on a GPU a child process runs 2 real steps at --seq-len (steps down on OOM); without one, the
+simulated engine replays the Hugging Face step on fake tensors, and the output says so.
+"""
+HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
+
+
+@app.command(help=HELP)
+def tune(
+    model: str = typer.Argument(..., help="HF id (e.g. meta-llama/Llama-2-7b-hf), model dir, or config.json"),
+    gpu_mem: Optional[str] = typer.Option(None, help="card size: 24GB (10^9), 24GiB (2^30), 24000MiB; default: NVML"),
+    seq_len: Optional[int] = typer.Option(None, help="longest sequence in tokens (default min(2048, model max))"),
+    global_batch: Optional[int] = typer.Option(
+        None, help="effective batch per optimizer step: micro-batch x accumulation equals it exactly"
+    ),
+    method: Optional[str] = typer.Option(None, help="pin the method: full | lora | qlora (default: search all)"),
+    prefer: str = typer.Option("quality", help="quality (fidelity first, then speed) | speed (throughput first)"),
+    margin: str = typer.Option("10%", help="safety margin kept free: a fraction (0.1), a percentage (10%) or a size (2GB)"),
+    precision: Optional[str] = typer.Option(None, help="pin: fp32 | fp16-mixed | bf16-mixed | bf16"),
+    optimizer: Optional[str] = typer.Option(
+        None, help="pin: adamw | adamw-8bit | paged-adamw | paged-adamw-8bit | adafactor | sgd | lion "
+                   "(default: the AdamW family only)"),
+    gradient_checkpointing: Optional[bool] = typer.Option(
+        None, "--gradient-checkpointing/--no-gradient-checkpointing", help="pin gradient checkpointing on/off"),
+    quant: Optional[str] = typer.Option(None, help="pin the QLoRA base: int8 | nf4 | fp4"),
+    lora_r: Optional[int] = typer.Option(None, help="LoRA rank (default 16)"),
+    lora_targets: Optional[str] = typer.Option(None, help="LoRA targets: q_proj,v_proj,... or all-linear"),
+    verify: str = typer.Option("auto", help="auto (GPU if present, else simulate) | gpu | simulate | none"),
+    output: Optional[str] = typer.Option(
+        None, "--output", "-o", help="YAML to write (default ./oomdoctor-plan.yaml, or -2, -3... if it exists)"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --output file"),
+    dataset: Optional[str] = typer.Option(None, help="dataset.path for the emitted config (default: bundled sample)"),
+    tokenizer: Optional[str] = typer.Option(None, help="tokenizer for config-only models (init: random)"),
+    launch: bool = typer.Option(False, "--launch", help="run `oomdoctor train` on the written config right away"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
+) -> None:
+    from oomdoctor.errors import BadInput
+    from oomdoctor.search import PREFERS, parse_margin
+    from oomdoctor.tune import tune as run_tune
+    from oomdoctor.tune import write_config
+    from oomdoctor.units import parse_size
+
+    if prefer not in PREFERS:
+        raise BadInput(f"--prefer {prefer!r}: use quality or speed")
+    if method is not None and method not in ("full", "lora", "qlora"):
+        raise BadInput(f"--method {method!r}: use full, lora or qlora")
+    if seq_len is not None and seq_len < 1:
+        raise BadInput(f"--seq-len must be a positive integer, got {seq_len}")
+    if global_batch is not None and global_batch < 1:
+        raise BadInput(f"--global-batch must be a positive integer, got {global_batch}")
+    cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
+    frac = parse_margin(margin, cap)
+    pins: dict = {}
+    for k, v in (("precision", precision), ("optimizer", optimizer), ("gradient_checkpointing", gradient_checkpointing),
+                 ("quant", quant), ("lora_r", lora_r)):
+        if v is not None:
+            pins[k] = v
+    if lora_targets:
+        pins["lora_targets"] = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+    if not as_json:
+        typer.echo("searching plans with the analytic memory model...", err=True)
+    result = run_tune(model, gpu_mem=cap, seq_len=seq_len, global_batch=global_batch, method=method, prefer=prefer,
+                      margin=frac, pins=pins, verify_mode=verify)
+    path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        _print(result)
+    if launch:
+        env = dict(os.environ)
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", result.alloc_conf)
+        if not as_json:
+            typer.echo(f"\nlaunching: {result.command}", err=True)
+        rc = subprocess.call([sys.executable, "-m", "oomdoctor", "train", str(path)], env=env)
+        raise typer.Exit(rc)
+
+
+def _print(r) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from oomdoctor.memory.breakdown import LABELS, TENSOR_COMPONENTS
+    from oomdoctor.units import format_bytes
+
+    con = Console()
+    p, m = r.plan, r.memory
+    con.print(f"[bold]{r.spec.name}[/]  {r.spec.num_params / 1e9:.2f}B params  seq_len {r.seq_len}  "
+              f"capacity {format_bytes(r.capacity_bytes)} ({r.capacity_source}), margin {r.margin:.0%} -> budget "
+              f"{format_bytes(r.budget_bytes)}")
+    con.print(f"\n[bold green]plan[/]  {p.label()}")
+    eff = f"effective batch {p.effective_batch}" + (" (exact)" if r.batch.exact and r.global_batch else "")
+    con.print(f"      micro-batch {p.micro_batch} x gradient accumulation {p.grad_accum} = {eff}; "
+              f"largest micro-batch that fits: {r.batch.max_micro_batch}")
+    con.print(f"      predicted peak {format_bytes(m.peak_device)} ({m.peak_phase}) of {format_bytes(r.budget_bytes)} "
+              f"budget; engine {m.engine}")
+    if r.throughput:
+        con.print(f"      est. throughput ~{r.throughput.tokens_per_s:,.0f} tokens/s ({r.throughput.profile}; "
+                  "rough, for ranking)")
+    parts = [(LABELS.get(c, c), getattr(m, c)) for c in TENSOR_COMPONENTS if getattr(m, c)]
+    parts += [(LABELS.get(c, c), getattr(m, c)) for c in ("allocator_slack", "cuda_context", "cublas_workspace",
+                                                          "paged_optimizer") if getattr(m, c)]
+    con.print("      " + ", ".join(f"{n} {format_bytes(v)}" for n, v in parts))
+
+    if r.trials:
+        t = Table(title=f"verification: {r.verification}", title_justify="left")
+        for col in ("trial", "plan", "micro x accum", "outcome", "predicted", "measured", "time"):
+            t.add_column(col)
+        for i, tr in enumerate(r.trials, 1):
+            t.add_row(str(i), tr.plan_label, f"{tr.micro_batch} x {tr.grad_accum}", tr.outcome,
+                      format_bytes(tr.predicted_peak_bytes), format_bytes(tr.measured_peak_bytes),
+                      f"{tr.seconds:.1f}s")
+        con.print(t)
+    else:
+        con.print(f"verification: {r.verification}")
+
+    alt = Table(title="ranking (fitting plans)", title_justify="left")
+    for col in ("#", "plan", "max micro", "micro x accum", "peak", "est. tok/s"):
+        alt.add_column(col)
+    for c in r.search.fitting[:6]:
+        alt.add_row(str(c.rank), c.plan.label(), str(c.batch.max_micro_batch),
+                    f"{c.plan.micro_batch} x {c.plan.grad_accum}", format_bytes(c.memory.peak_device),
+                    f"{c.throughput.tokens_per_s:,.0f}" if c.throughput else "-")
+    con.print(alt)
+    nf = len(r.search.candidates) - len(r.search.fitting)
+    if nf:
+        con.print(f"{nf} more plan(s) do not fit at micro-batch 1 (see `oomdoctor diagnose`).")
+    for n in r.notes:
+        con.print(f"[yellow]note:[/] {n}")
+    con.print(f"\nwrote {r.config_path}")
+    con.print(f"run:  [bold]{r.command}[/]")
+    con.print(f"      (PYTORCH_CUDA_ALLOC_CONF={r.alloc_conf}: expandable segments cut fragmentation, "
+              "the 'reserved but unallocated' part of OOM messages)")

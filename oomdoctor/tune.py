@@ -1,0 +1,528 @@
+"""``tune``: the plan that fits, its largest micro-batch, the accumulation that keeps the effective batch — verified.
+
+Computing only (``oomdoctor.cli.tune`` prints). Steps:
+
+1. capacity: ``--gpu-mem``, else the local GPU's *free* memory through NVML (other processes' usage already
+   subtracted), else BadInput; the budget is the capacity minus the safety margin;
+2. search (``oomdoctor.search``): enumerate plans, drop those whose ``peak_device`` does not fit the budget at
+   micro-batch 1, size every survivor's micro-batch (binary search over the memory model, then the largest
+   divisor of the global batch), rank by fidelity then estimated throughput (or throughput first);
+3. verify the winner: on a real GPU a child process runs 2+ full steps at the longest sequence
+   (``oomdoctor.probe``); without a GPU the simulated engine replays the step on fake tensors. A failure steps
+   the micro-batch down (next divisor, calibrated by the overshoot), then falls back to the next plan;
+4. the result carries everything ``--json`` prints; :func:`write_config` emits the ``oomdoctor train`` YAML
+   through the train renderer (atomically, never overwriting an existing file unless asked).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from oomdoctor.errors import BadInput, DoesNotFit
+from oomdoctor.gpu import GpuInfo, detect_gpu
+from oomdoctor.memory.breakdown import MemoryBreakdown
+from oomdoctor.plan import Plan
+from oomdoctor.search import (
+    DEFAULT_MICRO_LIMIT,
+    BatchChoice,
+    Candidate,
+    Estimator,
+    SearchResult,
+    Throughput,
+    analytic_estimator,
+    budget_bytes,
+    choose_micro_batch,
+    divisors,
+    enumerate_candidates,
+    estimate_throughput,
+    profile_for,
+    search,
+)
+from oomdoctor.spec import ModelSpec, load_spec
+from oomdoctor.units import format_bytes
+
+#: Recommended caching-allocator setting: expandable segments map more memory into one growing segment instead of
+#: fixed-size blocks, so freed blocks of different sizes can be reused (fragmentation is the "reserved but
+#: unallocated" part of an OOM message). torch >= 2.1; CUDA only (ignored on ROCm/CPU). See torchtune #1185.
+ALLOC_CONF = "expandable_segments:True"
+
+#: Default file ``tune`` writes (a numbered sibling is used when it exists; see :func:`default_output_path`).
+DEFAULT_OUTPUT = "oomdoctor-plan.yaml"
+
+#: The bundled sample dataset the emitted config points at unless ``--dataset`` is given.
+SAMPLE_DATASET = "data/tiny/train.jsonl"
+#: Tokenizer used with ``init: random`` configs (config-only models) unless ``--tokenizer`` is given.
+SAMPLE_TOKENIZER = "data/tiny/tokenizer"
+
+VERIFY_MODES: tuple[str, ...] = ("auto", "gpu", "simulate", "none")
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One verification of a (plan, micro-batch): a real GPU probe or a simulated step."""
+
+    micro_batch: int
+    grad_accum: int
+    outcome: str
+    """``fits``, ``oom`` (out of memory / over the budget) or ``error`` (the probe itself failed)."""
+    verified_by: str
+    """``gpu`` (child process on the real device) or ``simulate`` (fake-tensor replay)."""
+    plan_label: str
+    predicted_peak_bytes: int
+    """The search's (analytic) ``peak_device`` for this micro-batch."""
+    measured_peak_bytes: int | None = None
+    """GPU: peak device memory used by the probe (reserved + context); simulate: its ``peak_device``."""
+    measured_peak_allocated_bytes: int | None = None
+    """GPU: ``torch.cuda.max_memory_allocated``; simulate: its ``peak_allocated``."""
+    steps: int = 0
+    """Full training steps run (forward, backward, optimizer step)."""
+    seconds: float = 0.0
+    message: str | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "micro_batch": self.micro_batch,
+            "gradient_accumulation_steps": self.grad_accum,
+            "outcome": self.outcome,
+            "verified_by": self.verified_by,
+            "plan": self.plan_label,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "measured_peak_allocated_bytes": self.measured_peak_allocated_bytes,
+            "steps": self.steps,
+            "seconds": round(self.seconds, 3),
+            "message": self.message,
+        }
+
+
+#: A prober runs one (plan, micro-batch) and returns a Trial; ``predicted`` is the analytic peak.
+Prober = Callable[[Plan, int], Trial]
+
+
+@dataclass
+class TuneResult:
+    """Everything ``oomdoctor tune`` reports (``--json`` prints :meth:`to_dict`)."""
+
+    spec: ModelSpec
+    capacity_bytes: int
+    """Memory the plan may use before the margin: ``--gpu-mem``, or the GPU's free memory."""
+    capacity_source: str
+    """``--gpu-mem`` or ``nvml (free memory)``."""
+    margin: float
+    """Safety margin, fraction of the capacity."""
+    budget_bytes: int
+    """``capacity * (1 - margin)``: the most ``peak_device`` may be."""
+    gpu: GpuInfo | None
+    prefer: str
+    seq_len: int
+    global_batch: int | None
+    plan: Plan
+    """The chosen plan with ``micro_batch`` and ``grad_accum`` set."""
+    memory: MemoryBreakdown
+    """Memory model breakdown of the chosen plan (same keys as ``diagnose``)."""
+    batch: BatchChoice
+    throughput: Throughput | None
+    search: SearchResult
+    trials: list[Trial] = field(default_factory=list)
+    verification: str = "none"
+    """``gpu``, ``simulate`` or ``none`` — what checked the prediction."""
+    notes: list[str] = field(default_factory=list)
+    alloc_conf: str = ALLOC_CONF
+    config_path: str | None = None
+    """Where the YAML was written (set by :func:`write_config`)."""
+
+    @property
+    def command(self) -> str:
+        """The exact command that runs the emitted config."""
+        path = self.config_path or DEFAULT_OUTPUT
+        return f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} oomdoctor train {shlex.quote(path)}"
+
+    @property
+    def measured_peak_bytes(self) -> int | None:
+        ok = [t for t in self.trials if t.outcome == "fits" and t.micro_batch == self.plan.micro_batch]
+        return ok[-1].measured_peak_bytes if ok else None
+
+    def to_dict(self, max_candidates: int = 10) -> dict:
+        s = self.spec
+        plan = dict(self.plan.settings())
+        plan["label"] = self.plan.label()
+        return {
+            "model": {"name": s.name, "model_type": s.model_type, "params": s.num_params, "source": s.source},
+            "capacity_bytes": self.capacity_bytes,
+            "capacity_source": self.capacity_source,
+            "margin": self.margin,
+            "budget_bytes": self.budget_bytes,
+            "gpu": self.gpu.to_dict() if self.gpu else None,
+            "prefer": self.prefer,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "plan": plan,
+            "memory": self.memory.to_dict(),
+            "batch": self.batch.to_dict(),
+            "throughput": self.throughput.to_dict() if self.throughput else None,
+            "verification": self.verification,
+            "trials": [t.to_dict() for t in self.trials],
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "config_path": self.config_path,
+            "command": self.command if self.config_path else None,
+            "pytorch_cuda_alloc_conf": self.alloc_conf,
+            "candidates": [c.to_dict() for c in self.search.candidates[:max_candidates]],
+            "candidates_total": len(self.search.candidates),
+            "candidates_fitting": len(self.search.fitting),
+            "memory_evaluations": self.search.evaluations,
+            "notes": list(self.notes),
+        }
+
+
+# ---------------------------------------------------------------------------------------------- capacity
+
+
+def resolve_capacity(gpu_mem: int | None, gpu: GpuInfo | None) -> tuple[int, str, list[str]]:
+    """(capacity bytes, source, notes). ``--gpu-mem`` wins; else the GPU's free memory; else BadInput."""
+    notes: list[str] = []
+    if gpu_mem is not None:
+        if gpu_mem <= 0:
+            raise BadInput("--gpu-mem must be a positive size, e.g. 24GB")
+        if gpu is not None and gpu_mem > gpu.free_bytes:
+            notes.append(
+                f"--gpu-mem {format_bytes(gpu_mem)} is more than the {format_bytes(gpu.free_bytes)} free on "
+                f"{gpu.name} now: the plan is for the card you named, not this one"
+            )
+        return gpu_mem, "--gpu-mem", notes
+    if gpu is None:
+        raise BadInput(
+            "no --gpu-mem given and no NVIDIA GPU found (NVML): tune needs to know how much memory to plan for",
+            "pass the card's memory, e.g. `oomdoctor tune MODEL --gpu-mem 24GB`",
+        )
+    if gpu.used_by_others_bytes:
+        notes.append(
+            f"{gpu.name}: {format_bytes(gpu.total_bytes)} total, {format_bytes(gpu.used_by_others_bytes)} held by "
+            f"{len(gpu.other_processes)} other process(es); planning for the {format_bytes(gpu.free_bytes)} free"
+        )
+    return gpu.free_bytes, "nvml (free memory)", notes
+
+
+# ---------------------------------------------------------------------------------------------- verification
+
+
+def simulate_prober(spec: ModelSpec, budget: int, predicted: Callable[[Plan], int]) -> Prober:
+    """Verification without a GPU: ``estimate(spec, plan, "simulate")`` (the real HF step on fake tensors)."""
+
+    def run(plan: Plan, micro: int) -> Trial:
+        from oomdoctor.memory import estimate
+
+        p = plan.with_(micro_batch=micro)
+        t0 = time.perf_counter()
+        try:
+            mem = estimate(spec, p, "simulate")
+        except Exception as exc:  # noqa: BLE001 - any simulator failure is reported, not fatal
+            return Trial(micro, p.grad_accum, "error", "simulate", p.label(), predicted(p),
+                         seconds=time.perf_counter() - t0, message=f"{type(exc).__name__}: {exc}"[:500])
+        ok = mem.peak_device <= budget
+        return Trial(
+            micro, p.grad_accum, "fits" if ok else "oom", "simulate", p.label(), predicted(p),
+            measured_peak_bytes=mem.peak_device, measured_peak_allocated_bytes=mem.peak_allocated,
+            steps=2, seconds=time.perf_counter() - t0,
+            message=None if ok else f"simulated peak {format_bytes(mem.peak_device)} > budget {format_bytes(budget)}",
+        )
+
+    return run
+
+
+def gpu_prober(model_ref: str, spec: ModelSpec, capacity: int, predicted: Callable[[Plan], int], *,
+               steps: int = 2, timeout_s: float = 900.0) -> Prober:
+    """Verification on the local GPU: a child process runs ``steps`` real steps (``oomdoctor.probe``), its
+    allocator capped at ``capacity`` so that an OOM means "does not fit the card you planned for"."""
+
+    def run(plan: Plan, micro: int) -> Trial:
+        from oomdoctor.probe import run_probe
+
+        p = plan.with_(micro_batch=micro)
+        res = run_probe(model_ref, p, device="cuda", steps=steps, cap_bytes=capacity, timeout_s=timeout_s)
+        return Trial(
+            micro, p.grad_accum, res.outcome, "gpu", p.label(), predicted(p),
+            measured_peak_bytes=res.peak_device_bytes, measured_peak_allocated_bytes=res.peak_allocated_bytes,
+            steps=res.steps, seconds=res.seconds, message=res.message,
+        )
+
+    return run
+
+
+def step_down(failed: int, global_batch: int | None, predicted: Callable[[int], int], budget: int,
+              overshoot: float) -> int:
+    """Next micro-batch after a failure at ``failed``: the largest allowed size (a divisor of the global batch,
+    or any integer) below ``failed`` whose prediction, scaled by the observed ``overshoot`` (measured/predicted,
+    > 1), fits the budget; at least one step down. 0 when ``failed`` is 1."""
+    if failed <= 1:
+        return 0
+    allowed = [d for d in (divisors(global_batch) if global_batch else range(1, failed)) if d < failed]
+    for d in sorted(allowed, reverse=True):
+        if predicted(d) * overshoot <= budget:
+            return d
+    return allowed[0] if allowed else 0
+
+
+def verify(
+    candidates: list[Candidate],
+    prober: Prober,
+    *,
+    global_batch: int | None,
+    budget: int,
+    capacity: int,
+    predicted_peak: Callable[[Plan], int],
+    max_trials: int = 6,
+) -> tuple[Candidate | None, Plan | None, list[Trial]]:
+    """Probe the best candidate at its micro-batch; on failure step down (next divisor, calibrated by the
+    overshoot), and after micro-batch 1 fails move to the next candidate. Returns (candidate, verified plan,
+    trials); the plan is None when every trial failed or the trial budget ran out. ``error`` outcomes (the probe
+    could not run) stop verification and return the prediction unverified (plan None)."""
+    trials: list[Trial] = []
+    for cand in candidates:
+        if not cand.fits:
+            continue
+        micro = cand.plan.micro_batch
+        while micro >= 1 and len(trials) < max_trials:
+            ga = (global_batch // micro) if global_batch else 1
+            plan = cand.plan.with_(micro_batch=micro, grad_accum=ga)
+            t = prober(plan, micro)
+            trials.append(t)
+            if t.outcome == "fits":
+                return cand, plan, trials
+            if t.outcome == "error":
+                return cand, None, trials
+            pred = max(predicted_peak(plan), 1)
+            seen = t.measured_peak_bytes if t.measured_peak_bytes else capacity
+            overshoot = max(seen / pred, budget / pred, 1.0) * 1.02
+            micro = step_down(micro, global_batch,
+                              lambda b: predicted_peak(cand.plan.with_(micro_batch=b, grad_accum=1)),
+                              budget, overshoot)
+        if len(trials) >= max_trials:
+            break
+    return None, None, trials
+
+
+# ---------------------------------------------------------------------------------------------- tune
+
+
+def tune(
+    model: str | ModelSpec,
+    *,
+    gpu_mem: int | None = None,
+    seq_len: int | None = None,
+    global_batch: int | None = None,
+    method: str | None = None,
+    prefer: str = "quality",
+    margin: float = 0.10,
+    pins: dict[str, Any] | None = None,
+    verify_mode: str = "auto",
+    estimator: Estimator = analytic_estimator,
+    probe_steps: int = 2,
+    max_trials: int = 6,
+    gpu: GpuInfo | None | bool = True,
+    micro_limit: int = DEFAULT_MICRO_LIMIT,
+) -> TuneResult:
+    """Find the plan for ``model`` (see the module docstring). ``gpu=True`` queries NVML, ``None``/``False``
+    means "no GPU" (tests), a :class:`GpuInfo` is used as given."""
+    if verify_mode not in VERIFY_MODES:
+        raise BadInput(f"--verify {verify_mode!r}: use one of {', '.join(VERIFY_MODES)}")
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch < 1):
+        raise BadInput(f"--global-batch must be a positive integer, got {global_batch!r}")
+    if not 0 <= margin <= 0.9:
+        raise BadInput(f"--margin {margin}: must be between 0 and 0.9")
+    spec = load_spec(model) if isinstance(model, str) else model
+    model_ref = model if isinstance(model, str) else spec.name
+    gpu_info: GpuInfo | None = detect_gpu() if gpu is True else (gpu or None)
+    capacity, source, notes = resolve_capacity(gpu_mem, gpu_info)
+    budget = budget_bytes(capacity, margin)
+
+    if seq_len is None:
+        seq_len = min(Plan().seq_len, spec.max_position_embeddings or Plan().seq_len)
+        notes.append(f"no --seq-len: planning for {seq_len} tokens per sequence (the longest batch sets the peak)")
+    elif spec.max_position_embeddings and seq_len > spec.max_position_embeddings:
+        notes.append(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
+                     f"({spec.max_position_embeddings}); quality may suffer without RoPE scaling")
+    if global_batch is None:
+        notes.append("no --global-batch: the effective batch is the largest micro-batch that fits (accumulation 1); "
+                     "pass --global-batch to keep it fixed")
+
+    all_pins = dict(pins or {})
+    if method is not None:
+        all_pins["method"] = method
+    profile = profile_for(gpu_info.name if gpu_info else None)
+    plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16)
+    result = search(spec, plans, budget, global_batch=global_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
+                    profile=profile, micro_limit=micro_limit)
+    if result.best is None:
+        low = result.smallest
+        raise DoesNotFit(
+            f"no plan fits {format_bytes(capacity)} minus the {margin:.0%} margin ({format_bytes(budget)}) at "
+            f"seq_len {seq_len}: the leanest, {low.plan.label()}, needs {format_bytes(low.memory.peak_device)} "
+            "at micro-batch 1",
+            f"try a shorter --seq-len, a smaller --margin, a bigger GPU, or see "
+            f"`oomdoctor diagnose {model_ref} --gpu-mem {format_bytes(capacity, binary=False).replace(' ', '')} "
+            f"--seq-len {seq_len}`",
+        )
+
+    pred_cache: dict[Plan, int] = {}
+
+    def predicted_peak(p: Plan) -> int:
+        key = p.with_(grad_accum=1)
+        if key not in pred_cache:
+            pred_cache[key] = estimator(spec, key).peak_device
+        return pred_cache[key]
+
+    mode = verify_mode
+    if mode == "auto":
+        mode = "gpu" if gpu_info is not None and (gpu_mem is None or gpu_mem <= gpu_info.free_bytes) else "simulate"
+    if mode == "gpu" and gpu_info is None:
+        raise BadInput("--verify gpu: no NVIDIA GPU found", "use --verify simulate (fake-tensor replay) or none")
+    chosen = result.best
+    plan = chosen.plan
+    trials: list[Trial] = []
+    verification = "none"
+    if mode != "none":
+        prober = (gpu_prober(model_ref, spec, capacity, predicted_peak, steps=probe_steps) if mode == "gpu"
+                  else simulate_prober(spec, budget, predicted_peak))
+        cand, vplan, trials = verify(result.fitting, prober, global_batch=global_batch, budget=budget,
+                                     capacity=capacity, predicted_peak=predicted_peak, max_trials=max_trials)
+        verification = mode
+        if vplan is not None and cand is not None:
+            if cand is not chosen:
+                notes.append(f"{chosen.plan.label()} failed verification; using the next plan, {cand.plan.label()}")
+            chosen, plan = cand, vplan
+        elif trials and trials[-1].outcome == "error":
+            notes.append(f"verification by {mode} could not run ({trials[-1].message}); the plan is the memory "
+                         "model's prediction, unverified")
+            verification = f"{mode} (failed to run)"
+        else:
+            raise DoesNotFit(
+                f"the predicted plans failed verification by {mode} ({len(trials)} trial(s)): "
+                + "; ".join(f"{t.plan_label} micro-batch {t.micro_batch}: {t.outcome}" for t in trials),
+                "raise --margin, shorten --seq-len, or check other processes on the GPU (nvidia-smi)",
+            )
+    if mode == "simulate":
+        notes.append("no GPU verification: the plan was checked with the simulated engine (the real Hugging Face "
+                     "training step replayed on fake tensors), not on a device")
+    if plan.micro_batch != chosen.plan.micro_batch:
+        batch = BatchChoice(chosen.batch.max_micro_batch if chosen.batch else plan.micro_batch, plan.micro_batch,
+                            plan.grad_accum, global_batch,
+                            f"verification stepped the micro-batch down from {chosen.plan.micro_batch} to "
+                            f"{plan.micro_batch}")
+        memory = estimator(spec, plan)
+    else:
+        batch = chosen.batch or choose_micro_batch(plan.micro_batch, global_batch)
+        memory = chosen.memory
+    if batch.note:
+        notes.append(batch.note)
+    throughput = estimate_throughput(spec, plan, profile, memory)
+    if profile is not None and gpu_info is None:
+        notes.append(f"throughput ranks use the {profile.name} profile (no GPU detected)")
+    return TuneResult(
+        spec=spec, capacity_bytes=capacity, capacity_source=source, margin=margin, budget_bytes=budget,
+        gpu=gpu_info, prefer=prefer, seq_len=seq_len, global_batch=global_batch, plan=plan, memory=memory,
+        batch=batch, throughput=throughput, search=result, trials=trials, verification=verification, notes=notes,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- emitting
+
+
+def default_output_path(directory: str | os.PathLike = ".") -> Path:
+    """``./oomdoctor-plan.yaml``, or the first free ``oomdoctor-plan-N.yaml`` when it exists (never overwrite)."""
+    d = Path(directory)
+    p = d / DEFAULT_OUTPUT
+    n = 2
+    while p.exists():
+        p = d / f"oomdoctor-plan-{n}.yaml"
+        n += 1
+    return p
+
+
+def _is_weights_dir(ref: str) -> bool:
+    p = Path(ref).expanduser()
+    if not p.is_dir():
+        return False
+    return any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
+
+
+def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = None,
+                  tokenizer: str | None = None, **extra: Any) -> str:
+    """The ``oomdoctor train`` YAML for the tuned plan, through the train renderer (every key commented).
+
+    A hub id or a weights directory becomes ``model.path`` (pretrained); a bare config (``config.json`` or a
+    directory without weights) becomes ``init: random`` with a tokenizer. ``gpu_mem`` is the tuned capacity so
+    that ``oomdoctor train --dry-run`` checks the same budget."""
+    from oomdoctor.train.config import config_from_plan, render_yaml
+
+    p = Path(model_ref).expanduser()
+    local = p.exists()
+    kwargs: dict[str, Any] = dict(extra)
+    if local and not _is_weights_dir(model_ref):
+        kwargs.update(init="random", tokenizer=tokenizer or SAMPLE_TOKENIZER)
+        ref = str(p.resolve())
+    else:
+        ref = str(p.resolve()) if local else model_ref
+        if tokenizer:
+            kwargs["tokenizer"] = tokenizer
+    kwargs.setdefault("dataset", dataset or SAMPLE_DATASET)
+    kwargs.setdefault("gpu_mem", result.capacity_bytes)
+    cfg = config_from_plan(ref, result.plan, **kwargs)
+    m = result.memory
+    lines = [
+        f"Written by `oomdoctor tune` for {result.spec.name} on {format_bytes(result.capacity_bytes)} "
+        f"({result.capacity_source}), margin {result.margin:.0%}, seq_len {result.seq_len}.",
+        f"Plan: {result.plan.label()}; micro-batch {result.plan.micro_batch} x {result.plan.grad_accum} accumulation "
+        f"= effective batch {result.plan.effective_batch}.",
+        f"Predicted peak {format_bytes(m.peak_device)} of {format_bytes(result.budget_bytes)} budget "
+        f"(verification: {result.verification}"
+        + (f", measured {format_bytes(result.measured_peak_bytes)}" if result.measured_peak_bytes else "") + ").",
+        f"Run: PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} oomdoctor train THIS.yaml",
+    ]
+    if not dataset and "dataset" not in extra:
+        lines.append(f"dataset.path is the bundled sample ({SAMPLE_DATASET}): point it at your data.")
+    if local and not _is_weights_dir(model_ref) and not tokenizer:
+        lines.append(f"model: built from the config with random weights and the bundled sample tokenizer "
+                     f"({SAMPLE_TOKENIZER}) - a smoke run; point model.path at real weights to fine-tune.")
+    return render_yaml(cfg, header="\n".join(lines))
+
+
+def write_config(result: TuneResult, model_ref: str, path: str | os.PathLike | None = None, *,
+                 overwrite: bool = False, **render_kw: Any) -> Path:
+    """Write the YAML atomically (temp file + rename in the same directory) and set ``result.config_path``.
+
+    ``path=None``: :func:`default_output_path` (a fresh name, never overwriting). An explicit path that exists is
+    refused (BadInput) unless ``overwrite``."""
+    out = Path(path) if path is not None else default_output_path()
+    if out.exists() and out.is_dir():
+        raise BadInput(f"--output {out} is a directory", "pass a file name, e.g. --output plan.yaml")
+    if out.exists() and not overwrite:
+        raise BadInput(f"--output {out} exists; not overwriting it",
+                       "pass --force to replace it, or another --output path")
+    text = render_config(result, model_ref, **render_kw)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    result.config_path = str(out)
+    return out
+
+
+__all__ = ["tune", "TuneResult", "Trial", "write_config", "render_config", "default_output_path", "verify",
+           "step_down", "resolve_capacity", "ALLOC_CONF", "DEFAULT_OUTPUT", "VERIFY_MODES"]
