@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from oomdoctor.errors import BadInput
+from oomdoctor.errors import BadInput, ConfigErrors
 from oomdoctor.spec import ModelSpec, ParamGroup
 
 Builder = Callable[[dict, str], ModelSpec]
@@ -50,8 +50,9 @@ class _Cfg:
 
     def check(self) -> None:
         if self.problems:
-            raise BadInput(
-                f"{self.name}: malformed {self.cfg.get('model_type', '?')} config: " + "; ".join(self.problems),
+            raise ConfigErrors(
+                f"{self.name} ({self.cfg.get('model_type', '?')} config)",
+                self.problems,
                 "pass a complete Hugging Face config.json (see `oomdoctor models` for bundled ones)",
             )
 
@@ -453,7 +454,7 @@ def _bert(cfg: dict, name: str) -> ModelSpec:
 @register("t5")
 def _t5(cfg: dict, name: str) -> ModelSpec:
     """T5ForConditionalGeneration (modeling_t5.py): one ``shared`` embedding (encoder and decoder ``embed_tokens``
-    are the same tensor; ``lm_head`` too when ``tie_word_embeddings``, the T5 1.0 default). Encoder block:
+    are the same tensor; so is ``lm_head``: transformers 5.x ties it for every T5, whatever the config says). Encoder block:
     ``SelfAttention`` q/k/v/o (heads*d_kv inner dim, no bias) + ``layer_norm`` (RMS-style, weight only), then
     ``DenseReluDense`` ``wi``/``wo`` (or gated ``wi_0``/``wi_1``/``wo`` for ``feed_forward_proj`` gated-*,
     T5 v1.1/Flan) + ``layer_norm``. Decoder blocks add ``EncDecAttention`` q/k/v/o + ``layer_norm``. Only block 0
@@ -468,7 +469,10 @@ def _t5(cfg: dict, name: str) -> ModelSpec:
     Ld = _pos(c, "num_decoder_layers", default=Le)
     V = _pos(c, "vocab_size")
     buckets = _pos(c, "relative_attention_num_buckets", default=32)
-    tie = _bool(c, "tie_word_embeddings", True)
+    # transformers 5.x (configuration_t5.py) forces tie_word_embeddings=True for every T5, v1.1/Flan included:
+    # a ``false`` in the config only switches off the decoder-output scaling. So lm_head is always ``shared``.
+    _bool(c, "tie_word_embeddings", True)
+    tie = True
     ff = c.get("feed_forward_proj", "relu")
     if not isinstance(ff, str) or len(ff.split("-")) > 2 or (ff.count("-") == 1 and not ff.startswith("gated-")):
         c.problems.append(f"feed_forward_proj={ff!r} must be 'ACT' or 'gated-ACT'")
@@ -499,8 +503,6 @@ def _t5(cfg: dict, name: str) -> ModelSpec:
         groups.append(_norm("layer_norm", d, n, path=f"{B}.layer.{fi}.layer_norm", module="T5LayerNorm"))
         groups.append(_norm("final_layer_norm", d, 1, per_layer=False, path=f"{stack}.final_layer_norm",
                             module="T5LayerNorm"))
-    if not tie:
-        groups.append(_lin("lm_head", d, V, 1, per_layer=False, path="lm_head"))
     return ModelSpec(
         name=name, model_type="t5", arch_kind="encoder-decoder", hidden_size=d, num_layers=Le + Ld, num_heads=nh,
         num_kv_heads=nh, head_dim=dkv, intermediate_size=dff, vocab_size=V, groups=tuple(groups),

@@ -220,24 +220,75 @@ def _read_config(path: Path) -> dict:
     return cfg
 
 
-def _fetch_from_hub(model_id: str) -> dict | None:
-    """config.json of ``model_id`` from the hub, or None when offline/unreachable/unknown. Only that one file."""
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("OOMDOCTOR_OFFLINE") == "1":
-        return None
-    if model_id.count("/") != 1:
-        return None
-    try:
-        os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "5")
-        os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
-        from huggingface_hub import hf_hub_download
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """One TCP connection to the hub endpoint (``HF_ENDPOINT``), so an offline machine answers in seconds instead
+    of waiting through huggingface_hub's retries (five, about 20 s, measured here)."""
+    import socket
+    from urllib.parse import urlparse
 
-        path = hf_hub_download(model_id, "config.json")
-    except Exception:  # noqa: BLE001 - any network/auth/404 failure means "not available"
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _fetch_from_hub(model_id: str) -> dict | None:
+    """config.json of ``model_id`` from the hub (only that one file), or None when offline/unreachable.
+
+    Tries the local Hugging Face cache first, then the hub when it is reachable. Raises BadInput when the hub
+    answers definitively: no such repository, a gated repository without access, or no config.json in it.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or os.environ.get(
+        "OOMDOCTOR_OFFLINE"
+    ) == "1":
+        return None
+    if model_id.count("/") != 1 or any(not part for part in model_id.split("/")):
         return None
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, RepositoryNotFoundError
+    except ImportError:  # pragma: no cover - huggingface_hub comes with transformers
         return None
+    path = None
+    try:
+        path = hf_hub_download(model_id, "config.json", local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the local cache (or a bad id): ask the hub below
+        path = None
+    if path is None:
+        if not _hub_reachable():
+            return None
+        try:
+            path = hf_hub_download(model_id, "config.json", etag_timeout=5)
+        except GatedRepoError:
+            raise BadInput(
+                f"{model_id} is a gated repository on the Hugging Face hub and this machine has no access to it",
+                "accept its license on huggingface.co and run `hf auth login`, or pass a local config.json",
+            ) from None
+        except RepositoryNotFoundError:
+            close = close_names(model_id)
+            raise BadInput(
+                f"no model {model_id!r} on the Hugging Face hub (or it is private)",
+                (f"close bundled names: {', '.join(close)}; " if close else "")
+                + "check the id, log in (`hf auth login`) for a private repo, or pass a local config.json",
+            ) from None
+        except EntryNotFoundError:
+            raise BadInput(
+                f"{model_id} on the hub has no config.json (not a transformers model?)",
+                "pass a local config.json, or a bundled id (`oomdoctor models`)",
+            ) from None
+        except Exception:  # noqa: BLE001 - network failure mid-way: treat as unreachable
+            return None
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        raise BadInput(f"the config.json fetched for {model_id} is not valid JSON") from None
+    if not isinstance(cfg, dict):
+        raise BadInput(f"the config.json fetched for {model_id} is not a JSON object")
+    return cfg
 
 
 def load_config(model: str) -> tuple[dict, str, dict | None]:

@@ -189,3 +189,57 @@ def test_structural_details():
     assert load_spec("mistralai/Mistral-7B-v0.1").sliding_window == 4096
     phi3 = load_spec("microsoft/Phi-3-mini-4k-instruct")
     assert phi3.group("qkv_proj").out_features == 3 * 3072 and phi3.group("gate_up_proj").out_features == 2 * 8192
+
+
+# ---------------------------------------------------------------------------------------------- config variants
+# Branches of the builders that no bundled config takes, checked the same way on tiny configs.
+
+_TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": 128}
+
+VARIANTS = {
+    "llama-biases-headdim": {**_TINY, "model_type": "llama", "attention_bias": True, "mlp_bias": True,
+                             "head_dim": 32, "num_key_value_heads": 2},
+    "llama-tied": {**_TINY, "model_type": "llama", "tie_word_embeddings": True},
+    "mistral-headdim": {**_TINY, "model_type": "mistral", "head_dim": 8, "num_key_value_heads": 2},
+    "qwen2-untied": {**_TINY, "model_type": "qwen2", "num_key_value_heads": 2, "tie_word_embeddings": False},
+    "qwen3": {**_TINY, "model_type": "qwen3", "head_dim": 16, "num_key_value_heads": 2},
+    "olmo2": {**_TINY, "model_type": "olmo2", "num_key_value_heads": 2},
+    "granite": {**_TINY, "model_type": "granite"},
+    "gemma-untied": {**_TINY, "model_type": "gemma", "head_dim": 16, "num_key_value_heads": 1,
+                     "tie_word_embeddings": False},
+    "gemma2-default-tie": {**_TINY, "model_type": "gemma2", "head_dim": 16, "num_key_value_heads": 2},
+    "mixtral-4x-top1": {**_TINY, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 1,
+                        "num_key_value_heads": 2},
+    "phi-qk-layernorm": {**_TINY, "model_type": "phi", "qk_layernorm": True},
+    "phi-tied": {**_TINY, "model_type": "phi", "tie_word_embeddings": True},
+    "phi3-gqa": {**_TINY, "model_type": "phi3", "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 1},
+    "falcon-rw-sequential": {"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 4,
+                             "num_hidden_layers": 2, "vocab_size": 128, "parallel_attn": False, "bias": True,
+                             "multi_query": False, "alibi": True, "bos_token_id": 1, "eos_token_id": 2},
+    "falcon-new-one-ln": {"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 8, "num_kv_heads": 2,
+                          "num_hidden_layers": 2, "vocab_size": 128, "new_decoder_architecture": True,
+                          "num_ln_in_parallel_attn": 1, "ffn_hidden_size": 96, "tie_word_embeddings": False,
+                          "bos_token_id": 1, "eos_token_id": 2},
+    "gpt2-n-inner-untied": {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 32,
+                            "n_inner": 96, "vocab_size": 128, "tie_word_embeddings": False,
+                            "bos_token_id": 1, "eos_token_id": 2},
+    "bert-5-labels": {**_TINY, "model_type": "bert", "num_labels": 5, "max_position_embeddings": 40},
+    "bert-id2label": {**_TINY, "model_type": "bert", "id2label": {"0": "a", "1": "b", "2": "c"}},
+    "t5-gated-untied-asym": {"model_type": "t5", "d_model": 64, "d_ff": 96, "d_kv": 8, "num_heads": 4,
+                             "num_layers": 2, "num_decoder_layers": 3, "vocab_size": 128,
+                             "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_builder_variant_matches_transformers(name):
+    from oomdoctor.spec import spec_from_config
+
+    cfg = VARIANTS[name]
+    spec = spec_from_config(dict(cfg), name=name)
+    total, hf_paths, hf_linears = hf_inventory(build_meta(dict(cfg)))
+    ours_paths, ours_linears = spec_inventory(spec)
+    assert spec.num_params == total
+    assert ours_paths == hf_paths
+    assert ours_linears == hf_linears
