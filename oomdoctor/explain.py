@@ -1,0 +1,1134 @@
+"""Read an out-of-memory message (a log, a traceback) and say why it happened and what to change.
+
+Pure text processing and arithmetic: no torch, no rich. ``explain(text)`` is the entry point; the CLI
+(``oomdoctor/cli/explain.py``) only prints what it returns.
+
+Formats understood (wordings as printed by PyTorch's ``c10/cuda/CUDACachingAllocator.cpp``, whose ``format_size``
+prints ``N bytes`` up to 1 KiB, then KiB/MiB/GiB with two decimals; larger units are accepted too):
+
+* torch >= 2.2: ``CUDA out of memory. Tried to allocate X. GPU 0 has a total capacity of T of which F is free.
+  [Process P has Y memory in use. ...] Including non-PyTorch memory, this process has Y memory in use. Of the allocated
+  memory A is allocated by PyTorch, [with Z allocated in private pools (e.g., CUDA Graphs), ]and U is reserved by
+  PyTorch but unallocated.`` (the hint names ``PYTORCH_CUDA_ALLOC_CONF``, or ``PYTORCH_ALLOC_CONF`` in newer torch);
+* torch 2.1: the same with the ``total capacty`` typo and a ``max_split_size_mb`` hint;
+* torch <= 2.0: ``CUDA out of memory. Tried to allocate X (GPU 0; T total capacity; A already allocated; F free;
+  [M allowed; ]R reserved in total by PyTorch)`` (torch < 1.5 printed ``R cached`` instead);
+* ``HIP``/``XPU out of memory`` (same layout), ``MPS backend out of memory (...)``;
+* FSDP's ``UserWarning: Failed to clone() tensor with name ... Error: CUDA out of memory...`` (an OOM that only
+  warns, during ``state_dict()`` at checkpoint time);
+* ``CUDA error: out of memory`` / ``CUBLAS_STATUS_ALLOC_FAILED`` (allocations outside the caching allocator:
+  CUDA context creation, cuBLAS/NCCL workspaces);
+* CPU: ``DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes`` (and the older
+  ``not enough memory`` wording);
+* transformers/accelerate refusing a bitsandbytes-quantized model that ``device_map="auto"`` spilled to CPU/disk
+  (``Some modules are dispatched on the CPU or the disk. Make sure you have enough GPU RAM to fit the quantized
+  model...``, ``You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload``).
+
+Lines may carry ``[rank3]:`` / ``[default0]:`` prefixes (torchrun) and messages may be wrapped over several lines.
+Values NVML cannot know are printed by torch as ``2**64 - 1`` bytes (``17179869184.00 GiB``, seen under WSL and in
+some containers) or as ``0 bytes``; such values are reported as unknown (``None``), never used as numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from oomdoctor.errors import BadInput
+from oomdoctor.units import format_bytes, parse_size
+
+GiB = 2**30
+MiB = 2**20
+
+#: Cause ids, in no particular order (the diagnosis orders them by likelihood).
+CAUSE_IDS: tuple[str, ...] = ("fragmentation", "other-processes", "huge-allocation", "capacity")
+#: Phases a traceback can reveal.
+PHASES: tuple[str, ...] = ("forward", "loss", "backward", "optimizer-step", "evaluation", "checkpoint-save")
+
+#: Anything at or above this is not a real GPU/host size (NVML's "not available" is 2**64 - 1 bytes).
+ABSURD_BYTES = 2**50
+
+_SIZE = r"\d+(?:\.\d+)?\s*(?:bytes|[KMGTPE]i?B)\b"
+_PREFIX_RE = re.compile(r"^\s*\[(?:rank|default)(\d+)\]:\s?")
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class ProcessUse:
+    """One ``Process N has X memory in use`` entry of the message."""
+
+    pid: int | None
+    """Process id (``None`` for the ``this process`` entry)."""
+    bytes: int | None
+    """Memory in use, ``None`` when NVML could not tell (printed as 0 bytes or 2**64 - 1 bytes)."""
+    is_self: bool = False
+    """The process that raised the OOM."""
+
+
+@dataclass(frozen=True)
+class OomReport:
+    """What one out-of-memory message says, as numbers. ``None`` wherever the message does not say."""
+
+    kind: str
+    """``cuda-allocator`` (torch's caching allocator), ``cuda-error`` (``CUDA error: out of memory``), ``cpu-allocator``,
+    ``mps-allocator``, ``fsdp-clone-warning`` or ``quantized-offload`` (bitsandbytes model spilled to CPU/disk)."""
+    format: str
+    """Which wording was recognised, e.g. ``torch>=2.2``, ``torch-2.1``, ``torch<=2.0``."""
+    device: str
+    """``cuda:0``, ``cpu``, ``mps``... (``cuda`` when the index is not printed)."""
+    message: str
+    """The OOM sentence itself, as found (prefixes stripped, whitespace collapsed)."""
+    requested_bytes: int | None = None
+    """Size of the allocation that failed (``Tried to allocate``)."""
+    total_bytes: int | None = None
+    """Total memory of the device (``total capacity``; MPS: ``max allowed``)."""
+    free_bytes: int | None = None
+    """Memory the driver reported free on the device when the allocation failed."""
+    allocated_bytes: int | None = None
+    """Bytes held by live tensors (``allocated by PyTorch`` / ``already allocated``), private pools included."""
+    reserved_bytes: int | None = None
+    """Bytes held by PyTorch's caching allocator (allocated + reserved-but-unallocated)."""
+    reserved_unallocated_bytes: int | None = None
+    """Cached by PyTorch but not holding a tensor: free for PyTorch, but maybe in blocks too small (fragmentation)."""
+    private_pool_bytes: int | None = None
+    """Of ``allocated_bytes``: allocated in private pools (CUDA Graphs), torch >= 2.2 only."""
+    allowed_bytes: int | None = None
+    """Per-process cap set with ``torch.cuda.set_per_process_memory_fraction`` (``allowed``), torch <= 2.0 only."""
+    this_process_bytes: int | None = None
+    """``Including non-PyTorch memory, this process has X memory in use`` (PyTorch + CUDA context + other libs)."""
+    other_processes_bytes: int | None = None
+    """Sum of ``Process N has X memory in use`` for every other process; ``None`` when not listed or unknowable."""
+    processes: tuple[ProcessUse, ...] = ()
+    """Every process entry, in the order printed."""
+    non_pytorch_bytes: int | None = None
+    """``total - free - reserved``: held outside PyTorch's allocator (CUDA context, cuBLAS/NCCL, other processes)."""
+    phase: str | None = None
+    """Training phase the traceback shows (one of :data:`PHASES`), ``None`` without a telling frame."""
+    phase_frame: str | None = None
+    """The traceback frame that decided the phase (``file:line in func: code``)."""
+    failing_frame: str | None = None
+    """The innermost traceback frame: the line that asked for the memory."""
+    ranks: tuple[int, ...] = ()
+    """Distributed ranks (``[rankN]:`` prefixes / ``on rank N``) that reported an OOM."""
+    occurrences: int = 1
+    """How many OOM messages the text holds (one per rank and retry); the numbers are from the first full one."""
+    alloc_conf_var: str = "PYTORCH_CUDA_ALLOC_CONF"
+    """Allocator env var name for this torch: ``PYTORCH_ALLOC_CONF`` when the message already prints that name."""
+    tensor_name: str | None = None
+    """FSDP clone warnings: the state-dict entry that failed to clone."""
+    notes: tuple[str, ...] = ()
+    """Things worth knowing about how the numbers were read (unknown values, assumptions)."""
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "format": self.format,
+            "device": self.device,
+            "requested_bytes": self.requested_bytes,
+            "total_bytes": self.total_bytes,
+            "free_bytes": self.free_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "reserved_unallocated_bytes": self.reserved_unallocated_bytes,
+            "private_pool_bytes": self.private_pool_bytes,
+            "allowed_bytes": self.allowed_bytes,
+            "this_process_bytes": self.this_process_bytes,
+            "other_processes_bytes": self.other_processes_bytes,
+            "processes": [{"pid": p.pid, "bytes": p.bytes, "is_self": p.is_self} for p in self.processes],
+            "non_pytorch_bytes": self.non_pytorch_bytes,
+            "phase": self.phase,
+            "phase_frame": self.phase_frame,
+            "failing_frame": self.failing_frame,
+            "ranks": list(self.ranks),
+            "occurrences": self.occurrences,
+            "tensor_name": self.tensor_name,
+            "message": self.message,
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One concrete change: what to set, where."""
+
+    id: str
+    """Stable id (``expandable-segments``, ``gradient-checkpointing``, ``eval-batch-size``...)."""
+    text: str
+    """What to do and why, one sentence."""
+    how: str
+    """The exact env var / config key / flag to set."""
+    saves_bytes: int | None = None
+    """Peak bytes saved for the user's plan (memory model), when ``--model`` was given and the fix changes the plan."""
+    peak_after_bytes: int | None = None
+    """The plan's device peak with this fix applied (memory model)."""
+    fits: bool | None = None
+    """Whether the plan with this fix fits the card (memory model vs. the card's capacity)."""
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "text": self.text,
+            "how": self.how,
+            "saves_bytes": self.saves_bytes,
+            "peak_after_bytes": self.peak_after_bytes,
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One likely cause with the numbers behind it and the fixes that address it, best first."""
+
+    id: str
+    """One of :data:`CAUSE_IDS`."""
+    score: float
+    """Likelihood in [0, 1] used for ordering (a heuristic weight, not a probability)."""
+    evidence: tuple[str, ...]
+    """Sentences with the numbers from the message (and the memory model) that point to this cause."""
+    fixes: tuple[Fix, ...]
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "score": round(self.score, 2),
+            "evidence": list(self.evidence),
+            "fixes": [f.to_dict() for f in self.fixes],
+        }
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The parsed message plus its causes, most likely first."""
+
+    report: OomReport
+    causes: tuple[Cause, ...]
+    plan_label: str | None = None
+    """The user's plan (``--model``/``--config``), when given."""
+    plan_peak_bytes: int | None = None
+    """Device peak of the user's plan according to the memory model."""
+    plan_peak_phase: str | None = None
+    capacity_bytes: int | None = None
+    """Card capacity used for the fits/does-not-fit verdicts (``--gpu-mem`` or the message's total)."""
+    next_command: str | None = None
+
+    def to_dict(self) -> dict:
+        d = self.report.to_dict()
+        out = {k: d[k] for k in (
+            "requested_bytes", "total_bytes", "free_bytes", "allocated_bytes", "reserved_unallocated_bytes",
+            "other_processes_bytes", "phase")}
+        out["causes"] = [c.to_dict() for c in self.causes]
+        for k, v in d.items():
+            if k not in out:
+                out[k] = v
+        out["plan"] = (
+            None
+            if self.plan_label is None
+            else {"label": self.plan_label, "peak_bytes": self.plan_peak_bytes, "peak_phase": self.plan_peak_phase}
+        )
+        out["capacity_bytes"] = self.capacity_bytes
+        out["next_command"] = self.next_command
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def _size(text: str | None) -> int | None:
+    if text is None:
+        return None
+    return parse_size(re.sub(r"\s+", " ", text.strip()))
+
+
+def _mps_size(text: str | None) -> int | None:
+    """MPSAllocator prints binary sizes labelled KB/MB/GB (``size / 1048576.0 << " MB"``)."""
+    if text is None:
+        return None
+    t = text.strip()
+    t = re.sub(r"([KMGTPE])B$", r"\1iB", t)
+    return parse_size(t)
+
+
+def _clean_lines(text: str) -> tuple[list[str], list[int | None]]:
+    """Strip torchrun/accelerate rank prefixes; return the lines and each line's rank."""
+    lines, ranks = [], []
+    for raw in text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
+        rank = None
+        m = _PREFIX_RE.match(raw)
+        while m:  # nested prefixes ("[default0]:[rank0]: ...")
+            rank = int(m.group(1))
+            raw = raw[m.end():]
+            m = _PREFIX_RE.match(raw)
+        lines.append(raw)
+        ranks.append(rank)
+    return lines, ranks
+
+
+_CUDA_OOM_RE = re.compile(rf"\b(CUDA|HIP|XPU) out of memory\.?\s*(?:Tried to allocate ({_SIZE}))?", re.I)
+_NEW_TOTAL_RE = re.compile(
+    rf"GPU (\d+) has a total (capacity|capacty) of ({_SIZE}) of which ({_SIZE}) is free"
+)
+_PROC_RE = re.compile(
+    rf"(?:Process (\d+)|Including non-PyTorch memory, this process) has ({_SIZE}) memory in use"
+)
+_NEW_ALLOC_RE = re.compile(
+    rf"Of the allocated memory ({_SIZE}) is allocated by PyTorch,\s*"
+    rf"(?:with ({_SIZE}) allocated in private pools \(e\.g\., CUDA Graphs\),\s*)?"
+    rf"and ({_SIZE}) is reserved by PyTorch but unallocated"
+)
+_OLD_RE = re.compile(
+    rf"\(GPU (\d+); ({_SIZE}) total capacity; ({_SIZE}) already allocated; ({_SIZE}) free;\s*"
+    rf"(?:({_SIZE}) allowed;\s*)?({_SIZE}) (reserved in total by PyTorch|cached)\)"
+)
+_MPS_RE = re.compile(
+    r"MPS backend out of memory \(MPS allocated: ([\d.]+\s*\w+), other allocations: ([\d.]+\s*\w+), "
+    r"max allowed: ([\d.]+\s*\w+)\)\.\s*Tried to allocate ([\d.]+\s*\w+)"
+)
+_CPU_RE = re.compile(
+    r"DefaultCPUAllocator: (?:can't allocate memory|not enough memory): you tried to allocate (\d+) bytes"
+)
+_CUDA_ERR_RE = re.compile(
+    r"CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|"
+    r"Cuda failure '?out of memory|CUDA driver error: out of memory|CUDNN_STATUS_ALLOC_FAILED"
+)
+_QUANT_RE = re.compile(
+    r"Some modules are dispatched on the CPU or the disk\.? Make sure you have enough GPU RAM to fit\s+the quantized model"
+    r"|You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload"
+)
+_CLONE_RE = re.compile(r"Failed to clone\(\) tensor with name (\S+) on rank (\d+)")
+
+
+def _is_absurd(value: int | None, total: int | None) -> bool:
+    if value is None:
+        return False
+    return value >= ABSURD_BYTES or (total is not None and value > total)
+
+
+def _parse_cuda(flat: str, start: int, end: int, device_kind: str) -> dict:
+    """Numbers of one caching-allocator message found at ``flat[start:]`` (window up to ``end``)."""
+    win = flat[start:end]
+    out: dict = {"notes": []}
+    m = _CUDA_OOM_RE.match(win)
+    out["requested_bytes"] = _size(m.group(2)) if m and m.group(2) else None
+    m_var = re.search(r"(PYTORCH_(?:CUDA_|HIP_)?ALLOC_CONF)=expandable", win)
+    out["alloc_conf_var"] = m_var.group(1) if m_var else (
+        "PYTORCH_HIP_ALLOC_CONF" if device_kind.upper() == "HIP" else "PYTORCH_CUDA_ALLOC_CONF")
+    dev = device_kind.lower() if device_kind.upper() != "HIP" else "cuda"
+    new = _NEW_TOTAL_RE.search(win)
+    old = _OLD_RE.search(win)
+    if new and (not old or new.start() < old.start()):
+        out["format"] = "torch-2.1" if new.group(2) == "capacty" else "torch>=2.2"
+        out["device"] = f"{dev}:{new.group(1)}"
+        total, free = _size(new.group(3)), _size(new.group(4))
+        if _is_absurd(total, None):
+            out["notes"].append(f"total capacity printed as {new.group(3)}: not a real size, treated as unknown")
+            total = None
+        if _is_absurd(free, total):
+            out["notes"].append(f"free memory printed as {new.group(4)}: not a real size, treated as unknown")
+            free = None
+        out["total_bytes"], out["free_bytes"] = total, free
+        alloc = _NEW_ALLOC_RE.search(win)
+        tail_end = alloc.start() if alloc else len(win)
+        procs: list[ProcessUse] = []
+        unknown_proc = []
+        for pm in _PROC_RE.finditer(win, new.end(), tail_end):
+            val = _size(pm.group(2))
+            is_self = pm.group(1) is None
+            if val == 0 or _is_absurd(val, total):
+                unknown_proc.append(f"{'this process' if is_self else 'process ' + pm.group(1)} ({pm.group(2)})")
+                val = None
+            procs.append(ProcessUse(pid=None if is_self else int(pm.group(1)), bytes=val, is_self=is_self))
+        if alloc:
+            out["allocated_bytes"] = _size(alloc.group(1))
+            out["private_pool_bytes"] = _size(alloc.group(2)) if alloc.group(2) else None
+            out["reserved_unallocated_bytes"] = _size(alloc.group(3))
+            out["reserved_bytes"] = out["allocated_bytes"] + out["reserved_unallocated_bytes"]
+        reserved = out.get("reserved_bytes")
+        if unknown_proc:
+            out["notes"].append(
+                "per-process memory is not available from the driver here (printed as "
+                + ", ".join(unknown_proc)
+                + "; typical of WSL/Windows WDDM and some containers): other processes' share is unknown"
+            )
+        selfs = [p for p in procs if p.is_self]
+        if selfs:
+            out["this_process_bytes"] = selfs[0].bytes
+        elif procs and reserved is not None:
+            # In a container the own PID differs from the host PID NVML reports, so torch prints "Process N" for
+            # itself too. The entry holding at least PyTorch's reservation (plus <= 2 GiB of context) is us.
+            cands = [p for p in procs if p.bytes is not None and reserved <= p.bytes <= reserved + 2 * GiB]
+            if len(cands) >= 1:
+                me = min(cands, key=lambda p: p.bytes - reserved)
+                procs = [ProcessUse(p.pid, p.bytes, p is me) for p in procs]
+                out["this_process_bytes"] = me.bytes
+                out["notes"].append(
+                    f"no 'this process' entry (PID namespaces in containers hide it): process {me.pid} "
+                    f"({format_bytes(me.bytes)}) matches PyTorch's reservation, taken to be this process"
+                )
+        out["processes"] = tuple(procs)
+        others = [p for p in procs if not p.is_self]
+        if procs:
+            out["other_processes_bytes"] = (
+                None if any(p.bytes is None for p in others) else sum(p.bytes for p in others)
+            )
+        else:
+            out["other_processes_bytes"] = None
+            out["notes"].append("the message lists no processes (NVML unavailable): other processes' share unknown")
+    elif old:
+        out["format"] = "torch<1.5" if old.group(7) == "cached" else "torch<=2.0"
+        out["device"] = f"{dev}:{old.group(1)}"
+        total = _size(old.group(2))
+        out["total_bytes"] = None if _is_absurd(total, None) else total
+        out["allocated_bytes"] = _size(old.group(3))
+        free = _size(old.group(4))
+        out["free_bytes"] = None if _is_absurd(free, out["total_bytes"]) else free
+        out["allowed_bytes"] = _size(old.group(5)) if old.group(5) else None
+        out["reserved_bytes"] = _size(old.group(6))
+        out["reserved_unallocated_bytes"] = max(0, out["reserved_bytes"] - out["allocated_bytes"])
+        out["other_processes_bytes"] = None
+        out["notes"].append("this torch version does not list processes: other processes' share is not printed")
+    else:
+        out["format"] = "torch (numbers not printed)" if out["requested_bytes"] is None else "torch (partial)"
+        out["device"] = dev
+        out["notes"].append("the message carries no capacity/free/allocated numbers (truncated or reworded)")
+    t, f, r = out.get("total_bytes"), out.get("free_bytes"), out.get("reserved_bytes")
+    if t is not None and f is not None and r is not None:
+        out["non_pytorch_bytes"] = max(0, t - f - r)
+    return out
+
+
+def _find_frames(lines: list[str], upto: int) -> list[tuple[str, int, str, str]]:
+    """Frames ``(file, line, func, code)`` of the last traceback that starts before line ``upto``."""
+    start = 0
+    for i in range(min(upto, len(lines) - 1), -1, -1):
+        if "Traceback (most recent call last)" in lines[i]:
+            start = i
+            break
+    frames = []
+    frame_re = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+    i = start
+    stop = min(len(lines), upto + 1) if start else len(lines)
+    if start == 0 and "Traceback (most recent call last)" not in (lines[0] if lines else ""):
+        stop = len(lines)
+    while i < stop:
+        m = frame_re.match(lines[i])
+        if m:
+            code = ""
+            j = i + 1
+            if j < len(lines) and not frame_re.match(lines[j]) and lines[j].strip():
+                code = lines[j].strip()
+            frames.append((m.group(1), int(m.group(2)), m.group(3), code))
+        i += 1
+    return frames
+
+
+# Phase rules, checked in precedence order: an outer context (saving, evaluating) decides over what runs inside it
+# (a forward pass, a loss); backward decides over the forward recomputation of gradient checkpointing inside it.
+_PHASE_RULES: tuple[tuple[str, re.Pattern, re.Pattern, re.Pattern], ...] = (
+    (
+        "checkpoint-save",
+        re.compile(r"^(save_pretrained|save_model|_save_checkpoint|_save|save_state|save_checkpoint|"
+                   r"_save_optimizer_and_scheduler|merge_and_unload|save_file|save_lora_weights|"
+                   r"get_peft_model_state_dict|_full_post_state_dict_hook|full_state_dict)$"),
+        re.compile(r"torch\.save\(|save_pretrained\(|save_model\(|merge_and_unload\(|save_checkpoint\(|save_state\("),
+        re.compile(r"$^"),
+    ),
+    (
+        "evaluation",
+        re.compile(r"^(evaluate|_evaluate|evaluation_loop|prediction_loop|prediction_step|predict|validation_step|"
+                   r"eval_step|evaluate_loop|run_evaluation|_run_evaluation|eval_loop|test_step)$"),
+        re.compile(r"\bevaluate\(|prediction_step\(|evaluation_loop\(|\.predict\(|validation_step\("),
+        re.compile(r"$^"),
+    ),
+    (
+        "optimizer-step",
+        re.compile(r"^(_multi_tensor_adamw?|_single_tensor_adamw?|_fused_adamw?|adamw?|_init_group|"
+                   r"optimizer_step|_multi_tensor_sgd|_single_tensor_sgd|update_step|init_state|prefetch_state)$"),
+        re.compile(r"\boptimizer\.step\(|\boptim\.step\(|scaler\.step\(|optimizer_step\(|\bopt\.step\("),
+        re.compile(r"/torch/optim/|/bitsandbytes/optim/|/accelerate/optimizer\.py|/transformers/optimization\.py"),
+    ),
+    (
+        "backward",
+        re.compile(r"^(_engine_run_backward|run_backward|manual_backward|unpack_hook|recompute_fn|"
+                   r"backward_step)$"),
+        re.compile(r"\.backward\(|accelerator\.backward\(|autograd\.backward\(|autograd\.grad\("),
+        re.compile(r"/torch/autograd/"),
+    ),
+    (
+        "loss",
+        re.compile(r"^(cross_entropy|nll_loss|loss_function|ForCausalLMLoss|ForMaskedLMLoss|fixed_cross_entropy|"
+                   r"ForSequenceClassificationLoss|ForTokenClassification|chunked_cross_entropy|"
+                   r"LigerFusedLinearCrossEntropy\w*)$"),
+        re.compile(r"cross_entropy\(|loss_function\(|loss_fct\(|CrossEntropyLoss|ForCausalLMLoss|nll_loss\("),
+        re.compile(r"/transformers/loss/"),
+    ),
+    (
+        "forward",
+        re.compile(r"^(forward|_forward|_call_impl|_wrapped_call_impl|training_step|compute_loss)$"),
+        re.compile(r"\bmodel\(|self\.model\(|outputs = |self\.lm_head\(|hidden_states = "),
+        re.compile(r"/transformers/models/|/torch/nn/modules/|/peft/tuners/"),
+    ),
+)
+
+
+def _frame_str(frame: tuple[str, int, str, str]) -> str:
+    path, line, func, code = frame
+    short = "/".join(path.replace("\\", "/").split("/")[-2:])
+    return f"{short}:{line} in {func}" + (f": {code}" if code else "")
+
+
+def detect_phase(frames: list[tuple[str, int, str, str]]) -> tuple[str | None, str | None]:
+    """The phase a traceback shows and the frame that shows it (``None`` when no frame tells)."""
+    found: dict[str, tuple[str, int, str, str]] = {}
+    # Outer contexts (save, evaluate, step, backward) are shown by their outermost frame, the user's own call;
+    # forward and loss by their innermost frame, the module that ran out.
+    for frame in frames:
+        path, _, func, code = frame
+        p = path.replace("\\", "/")
+        for phase, func_re, code_re, path_re in _PHASE_RULES:
+            if phase in found and phase not in ("forward", "loss"):
+                continue
+            if phase == "backward" and func == "backward" and ("/torch/" in p or "/accelerate/" in p):
+                found[phase] = frame
+            elif phase == "optimizer-step" and func == "step" and path_re.search(p):
+                found[phase] = frame
+            elif func_re.match(func) or (code and code_re.search(code)):
+                if phase == "forward" and func in ("training_step", "compute_loss") and not code_re.search(code):
+                    continue
+                found[phase] = frame
+            elif phase in ("loss",) and path_re.search(p):
+                found[phase] = frame
+    for phase, *_ in _PHASE_RULES:
+        if phase in found:
+            return phase, _frame_str(found[phase])
+    return None, None
+
+
+def parse_oom(text: str) -> OomReport:
+    """Find the out-of-memory message in ``text`` (a log or traceback) and read its numbers.
+
+    Raises :class:`BadInput` ("no out-of-memory error found") when the text holds none.
+    """
+    lines, line_ranks = _clean_lines(text)
+    # Flatten: one string with single spaces, so that wrapped messages read as one; remember line starts.
+    offsets, parts, pos = [], [], 0
+    for ln in lines:
+        s = re.sub(r"\s+", " ", ln.strip())
+        offsets.append(pos)
+        parts.append(s)
+        pos += len(s) + 1
+    flat = " ".join(parts)
+
+    def line_of(off: int) -> int:
+        lo, hi = 0, len(offsets) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if offsets[mid] <= off:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    cuda_hits = list(_CUDA_OOM_RE.finditer(flat))
+    mps = _MPS_RE.search(flat)
+    cpu = _CPU_RE.search(flat)
+    quant = _QUANT_RE.search(flat)
+    cerr = _CUDA_ERR_RE.search(flat)
+    clone = _CLONE_RE.search(flat)
+
+    ranks = sorted({r for r, ln in zip(line_ranks, lines) if r is not None and re.search(
+        r"out of memory|DefaultCPUAllocator|Failed to clone|dispatched on the CPU", ln, re.I)})
+    if clone:
+        ranks = sorted(set(ranks) | {int(m.group(2)) for m in _CLONE_RE.finditer(flat)})
+
+    fields: dict
+    if cuda_hits:
+        # Pick the first occurrence that carries numbers (ranks repeat the same message; some lines are echoes).
+        bounds = [h.start() for h in cuda_hits] + [len(flat)]
+        parsed = []
+        for i, h in enumerate(cuda_hits):
+            end = min(bounds[i + 1], h.start() + 4000)
+            parsed.append((h, _parse_cuda(flat, h.start(), end, h.group(1))))
+        full = [p for p in parsed if p[1].get("total_bytes") is not None or p[1].get("allocated_bytes") is not None]
+        with_req = [p for p in parsed if p[1].get("requested_bytes") is not None]
+        hit, fields = (full or with_req or parsed)[0]
+        # Count distinct messages, not echoes of the same one (e.g. "OutOfMemoryError: CUDA out of memory." lines
+        # printed by a logger next to the full message).
+        occurrences = max(1, len([p for p in parsed if p[1].get("requested_bytes") is not None]))
+        kind = "cuda-allocator"
+        if clone and clone.start() < hit.start() + 10 and flat.rfind("Failed to clone", 0, hit.start()) >= 0:
+            kind = "fsdp-clone-warning"
+            fields["tensor_name"] = clone.group(1)
+        msg_end = flat.find("reserved by PyTorch but unallocated", hit.start())
+        if msg_end < 0 or msg_end - hit.start() > 3000:
+            msg_end = flat.find(")", hit.start())
+            msg_end = msg_end + 1 if 0 <= msg_end - hit.start() < 600 else min(len(flat), hit.start() + 200)
+        else:
+            msg_end += len("reserved by PyTorch but unallocated.")
+        message = flat[hit.start():msg_end].strip()
+        anchor = hit.start()
+    elif mps:
+        kind, anchor, occurrences = "mps-allocator", mps.start(), len(_MPS_RE.findall(flat))
+        allocated, other, allowed, req = (_mps_size(mps.group(i)) for i in range(1, 5))
+        fields = {
+            "format": "torch-mps", "device": "mps", "requested_bytes": req, "total_bytes": allowed,
+            "allocated_bytes": allocated, "non_pytorch_bytes": other, "free_bytes": max(0, allowed - allocated - other),
+            "other_processes_bytes": None,
+            "notes": ["MPS: 'max allowed' is the high-watermark limit (PYTORCH_MPS_HIGH_WATERMARK_RATIO), "
+                      "'other allocations' are this process's non-tensor allocations"],
+        }
+        message = mps.group(0)
+    elif cpu:
+        kind, anchor, occurrences = "cpu-allocator", cpu.start(), len(_CPU_RE.findall(flat))
+        fields = {"format": "torch-cpu", "device": "cpu", "requested_bytes": int(cpu.group(1)), "notes": []}
+        message = cpu.group(0)
+    elif quant:
+        kind, anchor, occurrences = "quantized-offload", quant.start(), 1
+        fields = {
+            "format": "transformers/accelerate", "device": "cuda",
+            "notes": ["raised while loading the model: device_map='auto' placed some quantized modules on the "
+                      "CPU/disk because the GPU had too little free memory at load time"],
+        }
+        message = quant.group(0)
+    elif cerr:
+        kind, anchor, occurrences = "cuda-error", cerr.start(), len(_CUDA_ERR_RE.findall(flat))
+        fields = {
+            "format": "cuda-runtime", "device": "cuda",
+            "notes": ["raised by the CUDA runtime/cuBLAS outside PyTorch's caching allocator (context creation, "
+                      "library workspaces, NCCL): no sizes are printed, and HF auto_find_batch_size / accelerate's "
+                      "should_reduce_batch_size do not recognise it as an OOM"],
+        }
+        message = cerr.group(0)
+    else:
+        raise BadInput(
+            "no out-of-memory error found in the input (looked for PyTorch CUDA/HIP/XPU/MPS/CPU allocator "
+            "messages, 'CUDA error: out of memory', FSDP clone warnings and bitsandbytes offload errors)",
+            "pass the full log or traceback, e.g. `python train.py 2>&1 | oomdoctor explain -`",
+        )
+
+    line_idx = line_of(anchor)
+    frames = _find_frames(lines, line_idx)
+    phase, frame = detect_phase(frames)
+    failing = _frame_str(frames[-1]) if frames else None
+    notes = list(fields.pop("notes", []))
+    if kind == "fsdp-clone-warning":
+        phase, frame = "checkpoint-save", frame or "FSDP state_dict() clone of " + str(fields.get("tensor_name"))
+        notes.append("FSDP only warned: the run went on, but the saved state-dict entry may point to invalid memory "
+                     "(the checkpoint can be silently broken)")
+    if line_ranks[line_idx] is not None and not ranks:
+        ranks = [line_ranks[line_idx]]
+    return OomReport(
+        kind=kind,
+        message=message,
+        phase=phase,
+        phase_frame=frame,
+        failing_frame=failing,
+        ranks=tuple(ranks),
+        occurrences=occurrences,
+        notes=tuple(notes),
+        **fields,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- diagnosis
+
+# Common vocabulary sizes (for "this request is the logits"), most used first: Llama-3 128256, Llama-2/Mistral 32000,
+# Qwen2 151936/152064, Gemma 256000, Gemma-3 262144, GPT-2 50257, Pythia 50304, Phi-2 51200, Phi-3 32064. Power-of-two
+# vocabularies (Mistral-Nemo 131072, Gemma-3 262144) are left out: they match every power-of-two sized tensor.
+COMMON_VOCABS: tuple[int, ...] = (
+    128256, 32000, 151936, 152064, 256000, 50257, 50304, 51200, 32064)
+
+
+def _logits_match(requested: int, vocabs: tuple[int, ...], tokens_hint: int | None = None) -> str | None:
+    """If ``requested`` is (within print rounding) tokens x vocab x 4|2 bytes, say so; else ``None``.
+
+    torch prints sizes with two decimals, so a request is known to +-0.005 of its unit. To keep chance matches rare
+    the token count must be the user's micro-batch x sequence length (``tokens_hint``) or a power of two >= 512
+    (micro-batch and sequence length usually are); the result reads "consistent with", a heuristic, not proof.
+    """
+    unit = GiB if requested > GiB else (MiB if requested > MiB else 1024)
+    tol = 0.005 * unit + 1
+    candidates = ([tokens_hint] if tokens_hint else []) + [2**k for k in range(9, 21)]
+    for v in vocabs:
+        for nbytes, what in ((4, "fp32"), (2, "bf16/fp16")):
+            for k in candidates:
+                if abs(k * v * nbytes - requested) <= tol:
+                    who = "your micro-batch x sequence length" if k == tokens_hint else "micro-batch x sequence length"
+                    return (
+                        f"{format_bytes(requested)} = {k} x vocab {v} x {nbytes} bytes ({what}): consistent with the "
+                        f"logits of {who} = {k} tokens"
+                        + (" (or with an embedding/lm_head weight of that vocabulary)" if k <= 16384 else "")
+                    )
+    return None
+
+
+def _pct(part: int, whole: int | None) -> str:
+    return f"{100 * part / whole:.0f}% of the card" if whole else ""
+
+
+def _frag_fixes(r: OomReport) -> list[Fix]:
+    var = r.alloc_conf_var
+    fixes = []
+    if r.format in ("torch<=2.0", "torch<1.5"):
+        fixes.append(Fix(
+            "max-split-size",
+            "Stop the caching allocator from splitting large blocks (this torch predates expandable segments; "
+            "torch >= 2.1 has the better fix below).",
+            "export PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128",
+        ))
+    fixes.append(Fix(
+        "expandable-segments",
+        "Let the allocator grow segments instead of caching fixed-size blocks, so reserved-but-unallocated memory can "
+        "serve big requests. Set it before the first CUDA allocation (before `import torch`); if it was already set, "
+        "fragmentation is not the cause (torch prints this hint regardless, pytorch#173049).",
+        f"export {var}=expandable_segments:True"
+        + ("  (torch >= 2.9 reads PYTORCH_ALLOC_CONF; the old name still works)" if var == "PYTORCH_CUDA_ALLOC_CONF"
+           else ""),
+    ))
+    fixes.append(Fix(
+        "constant-shapes",
+        "Variable-length batches request differently sized blocks and strand reserved memory; pad to a constant or "
+        "bucketed length so every step reuses the same blocks (and the worst case shows up at step 1).",
+        "DataCollatorWithPadding(pad_to_multiple_of=64) or padding='max_length'; axolotl: pad_to_sequence_len: true; "
+        "or sample packing",
+    ))
+    fixes.append(Fix(
+        "empty-cache-steps",
+        "Release cached blocks periodically (about 10% slower).",
+        "TrainingArguments(torch_empty_cache_steps=50)",
+    ))
+    return fixes
+
+
+def _other_fixes(r: OomReport) -> list[Fix]:
+    pids = [str(p.pid) for p in r.processes if not p.is_self and p.pid is not None]
+    dev = r.device.split(":")[-1] if ":" in r.device else "0"
+    return [
+        Fix(
+            "free-other-processes",
+            "Other processes hold memory on this GPU (a leftover notebook kernel, a previous run, an inference "
+            "server); stop them or wait for them"
+            + (f": PIDs {', '.join(pids)}" if pids else "") + ".",
+            f"nvidia-smi --query-compute-apps=pid,used_memory --format=csv -i {dev}"
+            + (f"; kill {' '.join(pids)}" if pids else ""),
+        ),
+        Fix(
+            "pick-free-gpu",
+            "Run on a GPU nobody else uses.",
+            "CUDA_VISIBLE_DEVICES=<free gpu index> python train.py",
+        ),
+    ]
+
+
+def _chunked_loss_fix() -> Fix:
+    return Fix(
+        "chunked-loss",
+        "Do not materialise the full [batch, seq, vocab] logits and their fp32 upcast: use a fused/chunked "
+        "linear-cross-entropy (the logits of a 128k-256k vocabulary are often the largest single tensor).",
+        "TrainingArguments(use_liger_kernel=True) (pip install liger-kernel); TRL SFTConfig(loss_type='chunked_nll')",
+    )
+
+
+def _huge_fixes(r: OomReport) -> list[Fix]:
+    fixes = []
+    if r.phase == "evaluation":
+        fixes += _eval_fixes()
+    elif r.phase == "checkpoint-save":
+        fixes += _save_fixes()
+    fixes.append(_chunked_loss_fix())
+    fixes.append(Fix(
+        "attention-kernel",
+        "Eager attention materialises batch x heads x seq x seq scores; use a memory-efficient kernel.",
+        "from_pretrained(..., attn_implementation='sdpa')  (or 'flash_attention_2'); oomdoctor: --attn sdpa",
+    ))
+    fixes.append(Fix(
+        "check-shapes",
+        "A request this size for one tensor often comes from an unexpected shape: an untruncated sample, a packing "
+        "bug, a collator padding to the longest raw sequence. Print input_ids.shape of the failing batch.",
+        "tokenizer(..., truncation=True, max_length=N); SFTConfig(max_length=N); check the collator",
+    ))
+    return fixes
+
+
+def _eval_fixes() -> list[Fix]:
+    return [
+        Fix(
+            "eval-batch-size",
+            "Evaluation runs at its own batch size (HF default 8, often larger than the train micro-batch); set it "
+            "to at most the train micro-batch.",
+            "TrainingArguments(per_device_eval_batch_size=1)",
+        ),
+        Fix(
+            "eval-logits",
+            "By default the Trainer gathers every eval batch's logits on the GPU (N x seq x vocab x 4 bytes); keep "
+            "only what the metric needs, or move them to the CPU every few steps.",
+            "Trainer(preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1)); "
+            "TrainingArguments(eval_accumulation_steps=4) or prediction_loss_only=True",
+        ),
+        Fix(
+            "eval-half-precision",
+            "Evaluate in bf16/fp16 instead of upcasting.",
+            "TrainingArguments(bf16_full_eval=True)",
+        ),
+    ]
+
+
+def _save_fixes() -> list[Fix]:
+    return [
+        Fix(
+            "fsdp-state-dict-offload",
+            "Gathering the full state dict on the GPU needs the whole model (fp32) at once; gather to the CPU on "
+            "rank 0 only, or save sharded.",
+            "FullStateDictConfig(offload_to_cpu=True, rank0_only=True); accelerate: "
+            "fsdp_state_dict_type: SHARDED_STATE_DICT",
+        ),
+        Fix(
+            "save-adapter-only",
+            "Save only the LoRA adapter; merge (merge_and_unload) on the CPU or in a separate process, never with a "
+            "deepcopy of the model on the GPU.",
+            "model.save_pretrained(dir)  # a PeftModel saves the adapter only; merge later with device_map='cpu'",
+        ),
+    ]
+
+
+def _optimizer_fixes() -> list[Fix]:
+    return [
+        Fix(
+            "optimizer-8bit",
+            "The optimizer state is created at the first optimizer.step() (after forward/backward), 2 fp32 values "
+            "per trainable parameter for AdamW; 8-bit/paged AdamW needs about a quarter.",
+            "TrainingArguments(optim='paged_adamw_8bit'); oomdoctor: --optimizer paged-adamw-8bit",
+        ),
+        Fix(
+            "fused-optimizer",
+            "The default foreach AdamW allocates temporaries the size of a parameter group during step(); the fused "
+            "kernel does not.",
+            "TrainingArguments(optim='adamw_torch_fused'); oomdoctor: --optimizer-impl fused",
+        ),
+    ]
+
+
+def _generic_capacity_fixes() -> list[Fix]:
+    return [
+        Fix(
+            "gradient-checkpointing",
+            "Keep only each layer's input in forward and recompute the rest in backward (the biggest activation "
+            "saver, about a third more compute).",
+            "TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': False}); "
+            "oomdoctor: --gradient-checkpointing",
+        ),
+        Fix(
+            "micro-batch",
+            "Halve the micro-batch and double gradient accumulation: the same effective batch, half the activations.",
+            "TrainingArguments(per_device_train_batch_size=B/2, gradient_accumulation_steps=2*G); "
+            "oomdoctor: --micro-batch",
+        ),
+        Fix(
+            "seq-len",
+            "Shorter sequences shrink activations and logits linearly (truncate, or filter outliers).",
+            "SFTConfig(max_length=N) / tokenizer(truncation=True, max_length=N); oomdoctor: --seq-len",
+        ),
+        Fix(
+            "lora",
+            "Train low-rank adapters on a frozen (optionally 4-bit) base instead of every weight: no gradients or "
+            "optimizer state for the base.",
+            "peft LoraConfig(r=16, target_modules='all-linear') + BitsAndBytesConfig(load_in_4bit=True); "
+            "oomdoctor: --method qlora",
+        ),
+    ] + _optimizer_fixes()
+
+
+def _quant_offload_fixes() -> list[Fix]:
+    return [
+        Fix(
+            "load-on-one-gpu",
+            "Load the whole quantized model on the GPU (training cannot use CPU/disk-offloaded bitsandbytes modules); "
+            "free the GPU first: device_map='auto' only uses the memory free at load time.",
+            "from_pretrained(..., device_map={'': 0}) and check nvidia-smi before loading",
+        ),
+        Fix(
+            "fp32-cpu-offload",
+            "For inference only: keep the offloaded modules unquantized on the CPU.",
+            "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True) with a custom device_map",
+        ),
+        Fix(
+            "smaller-model",
+            "Use a smaller model of the same family, or 4-bit instead of 8-bit.",
+            "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'); `oomdoctor tune MODEL --gpu-mem SIZE`",
+        ),
+    ]
+
+
+def _cpu_fixes() -> list[Fix]:
+    return [
+        Fix(
+            "host-ram",
+            "Host RAM ran out: load weights lazily and in the target dtype, and do not offload more than the host "
+            "can hold.",
+            "from_pretrained(..., dtype=torch.bfloat16, low_cpu_mem_usage=True); drop --offload-optimizer / "
+            "--offload-params or add swap",
+        ),
+        Fix(
+            "dataloader-workers",
+            "Each DataLoader worker copies the dataset; use fewer workers or a memory-mapped dataset (datasets/Arrow).",
+            "TrainingArguments(dataloader_num_workers=0)",
+        ),
+    ]
+
+
+def _phase_capacity_fixes(phase: str | None) -> list[Fix]:
+    generic = _generic_capacity_fixes()
+    by_id = {f.id: f for f in generic}
+    if phase == "evaluation":
+        return _eval_fixes() + generic
+    if phase == "checkpoint-save":
+        return _save_fixes() + generic
+    if phase == "optimizer-step":
+        return _optimizer_fixes() + [by_id[i] for i in ("lora", "gradient-checkpointing", "micro-batch", "seq-len")]
+    if phase == "loss":
+        return [_chunked_loss_fix()] + [by_id[i] for i in ("micro-batch", "seq-len", "gradient-checkpointing", "lora")] + \
+            _optimizer_fixes()
+    return generic
+
+
+def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic") -> tuple[int, str, list[Fix]]:
+    """(device peak of ``plan``, its peak phase, single-knob fixes sorted by bytes saved, largest first).
+
+    The candidate changes and their prices come from ``oomdoctor.advice`` (one knob each, priced as
+    ``estimate(plan).peak_device - estimate(plan.with_(change)).peak_device``); explain orders them by bytes saved,
+    because after an OOM the user wants the biggest lever first.
+    """
+    from oomdoctor.advice import advise
+    from oomdoctor.memory import estimate
+
+    base = estimate(spec, plan, engine)
+    advice = advise(spec, plan, capacity, estimator=lambda s, p: estimate(s, p, engine), with_path=False)
+    fixes = [
+        Fix(ch.id, ch.description, ch.how, saves_bytes=int(ch.saves_bytes),
+            peak_after_bytes=int(base.peak_device - ch.saves_bytes), fits=ch.fits)
+        for ch in advice.single
+        if ch.saves_bytes > 0
+    ]
+    fixes.sort(key=lambda f: (-(f.saves_bytes or 0), f.id))
+    return int(base.peak_device), base.peak_phase, fixes
+
+
+def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None = None) -> Diagnosis:
+    """Order the likely causes of ``report``; with ``spec`` and ``plan``, price the plan fixes with the memory model."""
+    r = report
+    R, T, F = r.requested_bytes, r.total_bytes, r.free_bytes
+    A, U, O, N = r.allocated_bytes, r.reserved_unallocated_bytes, r.other_processes_bytes, r.non_pytorch_bytes
+    cap = capacity_bytes if capacity_bytes is not None else T
+    fb = format_bytes
+    causes: list[Cause] = []
+
+    plan_need = plan_phase = None
+    plan_fixes: list[Fix] = []
+    if spec is not None and plan is not None:
+        plan_need, plan_phase, plan_fixes = rank_plan_fixes(spec, plan, cap)
+
+    # Free memory the process could actually use: a per-process cap (set_per_process_memory_fraction) can bind first.
+    Feff = F
+    if F is not None and r.allowed_bytes is not None and r.reserved_bytes is not None:
+        Feff = max(0, min(F, r.allowed_bytes - r.reserved_bytes))
+
+    # -- fragmentation: reserved-but-unallocated memory would have served the request. (Before raising, the caching
+    # allocator already released every fully free cached segment and retried; what is left in U sits in partly used
+    # segments, so U >= R means fragmentation proper.) Whether fixing it helps depends on the slack left after the
+    # request: with < 5% of the card left the next allocations of the step fail anyway (then capacity leads).
+    if U is not None and R is not None and r.kind in ("cuda-allocator", "fsdp-clone-warning"):
+        ev, score = [], 0.0
+        slack = U + (Feff or 0) - R
+        roomy = slack >= 0.05 * T if T else slack >= 1 * GiB
+        if U >= R:
+            score = 0.9 if roomy else 0.6
+            ev.append(f"PyTorch held {fb(U)} reserved but unallocated, more than the {fb(R)} requested: the memory "
+                      "was there, but split into cached blocks none of which was big enough")
+        elif Feff is not None and U + Feff >= R:
+            score = 0.75 if roomy else 0.55
+            ev.append(f"{fb(U)} reserved-but-unallocated + {fb(Feff)} free = {fb(U + Feff)} >= the {fb(R)} "
+                      "requested: enough memory existed, only not in one piece")
+        elif U >= max(0.05 * (T or 0), 512 * MiB):
+            score = 0.3
+            ev.append(f"{fb(U)} ({_pct(U, T) or 'of the card'}) is reserved by PyTorch but unallocated: "
+                      "fragmentation adds to the shortage")
+        if score and not roomy and score > 0.3:
+            ev.append(f"but only {fb(max(0, slack))} would be left after serving it ({_pct(max(0, slack), T)}): "
+                      "the rest of the step would likely fail next")
+        if score:
+            causes.append(Cause("fragmentation", score, tuple(ev), tuple(_frag_fixes(r))))
+
+    # -- other processes
+    ev, score = [], 0.0
+    if O is not None and O > 0:
+        listed = ", ".join(f"PID {p.pid}: {fb(p.bytes)}" for p in r.processes if not p.is_self and p.bytes)
+        deficit = (R - F) if (R is not None and F is not None) else None
+        big = O >= (0.05 * T if T else 1 * GiB)
+        if deficit is not None and O >= deficit and big:
+            score = 0.8
+            ev.append(f"other processes hold {fb(O)}{' (' + _pct(O, T) + ')' if T else ''} ({listed}); without them "
+                      f"the {fb(R)} request would have fit ({fb(F)} free + {fb(O)})")
+        elif T and O >= 0.1 * T:
+            score = 0.5
+            ev.append(f"other processes hold {fb(O)} ({_pct(O, T)}): {listed}")
+        elif O >= 256 * MiB:
+            score = 0.15
+            ev.append(f"other processes hold {fb(O)} ({listed})")
+    elif O is None and N is not None and T and N >= max(2 * GiB, 0.1 * T):
+        score = 0.45
+        ev.append(f"total - free - reserved = {fb(N)} ({_pct(N, T)}) is held outside PyTorch's allocator; a CUDA "
+                  "context takes ~0.3-1 GiB, so the rest is likely other processes or libraries (the message does "
+                  "not list processes)")
+    elif r.kind == "cuda-error":
+        score = 0.6
+        ev.append("'CUDA error: out of memory' is raised outside the caching allocator, typically when creating "
+                  "the CUDA context or a cuBLAS/NCCL workspace on a card another process already fills")
+    elif r.kind == "quantized-offload":
+        score = 0.4
+        ev.append("device_map='auto' sizes the GPU share by the memory free at load time: memory held by other "
+                  "processes pushes modules to the CPU/disk")
+    if score:
+        causes.append(Cause("other-processes", score, tuple(ev), tuple(_other_fixes(r))))
+
+    # -- huge allocation: one request is a large share of the card (or is recognisably the logits)
+    ev, score = [], 0.0
+    if R is not None:
+        if r.kind == "cpu-allocator":
+            if R >= 8 * GiB:
+                score = 0.6
+                ev.append(f"one host allocation of {fb(R)}")
+        elif T:
+            frac = R / T
+            if frac > 1:
+                score = 0.95
+                ev.append(f"{fb(R)} requested is more than the whole card ({fb(T)}): no allocator setting can serve "
+                          "it; look for a shape bug (packing, missing truncation) or an enormous logits tensor")
+            elif frac >= 0.25:
+                score = 0.75
+                ev.append(f"one request of {fb(R)} is {_pct(R, T)} ({fb(T)})")
+            elif frac >= 0.10:
+                score = 0.45
+                ev.append(f"one request of {fb(R)} is {_pct(R, T)} ({fb(T)})")
+        elif R >= 8 * GiB:
+            score = 0.5
+            ev.append(f"one request of {fb(R)}")
+        lm = None
+        if R >= 64 * MiB and r.kind != "cpu-allocator":
+            vocabs = (spec.vocab_size,) if spec is not None else COMMON_VOCABS
+            hint = plan.micro_batch * plan.seq_len if plan is not None else None
+            lm = _logits_match(R, vocabs, hint)
+        if lm:
+            if not score:
+                score = 0.3
+                ev.append(f"one request of {fb(R)}" + (f" ({_pct(R, T)})" if T else ""))
+            ev.append(lm)
+            score += 0.15
+        code = (r.failing_frame or "").split(": ", 1)[-1]
+        if score and re.search(r"logits|lm_head|cross_entropy|loss_fct", code):
+            ev.append(f"the failing line computes the logits/loss: {code}")
+            score += 0.1
+        if score and r.phase in ("loss", "evaluation"):
+            ev.append(f"it happened in the {r.phase} phase, where the [batch, seq, vocab] logits (and their fp32 "
+                      "copies) are the largest tensors")
+            score += 0.1
+        score = min(score, 0.97)
+    if score:
+        causes.append(Cause("huge-allocation", score, tuple(ev), tuple(_huge_fixes(r))))
+
+    # -- capacity
+    ev, score = [], 0.5
+    if r.kind == "cpu-allocator":
+        score = 0.7
+        ev.append(f"the host could not provide {fb(R)} of RAM")
+    elif r.kind == "quantized-offload":
+        score = 0.8
+        ev.append("the quantized model did not fit in the GPU memory that was free when it was loaded")
+    elif r.kind == "cuda-error":
+        ev.append("no numbers are printed; check the plan against the card with `oomdoctor diagnose`")
+    if r.allowed_bytes is not None and R is not None and r.reserved_bytes is not None and F is not None \
+            and r.reserved_bytes + R > r.allowed_bytes and F >= R:
+        score = max(score, 0.9)
+        ev.append(f"the process is capped at {fb(r.allowed_bytes)} (torch.cuda.set_per_process_memory_fraction) "
+                  f"and had reserved {fb(r.reserved_bytes)}; the card itself still had {fb(F)} free")
+    if A is not None and T:
+        share = A / T
+        ev.append(f"PyTorch's live tensors held {fb(A)} ({_pct(A, T)}) when the {fb(R) if R else 'new'} request came")
+        if share >= 0.9:
+            score = max(score, 0.75)
+        elif share >= 0.75:
+            score = max(score, 0.65)
+    if None not in (R, Feff, U) and R > Feff + U + (O or 0):
+        score = max(score, 0.85)
+        ev.append(f"even with no fragmentation and no other processes, only {fb(Feff + U + (O or 0))} could have "
+                  f"served the {fb(R)} request: the plan needs more than this card")
+    if plan_need is not None:
+        if cap and plan_need > cap:
+            score = max(score, 0.9)
+            ev.append(f"the memory model puts your plan's peak at {fb(plan_need)} ({plan_phase}), more than the "
+                      f"{fb(cap)} card")
+        elif cap:
+            score = min(score, 0.4)
+            ev.append(f"the memory model puts your plan's peak at {fb(plan_need)} ({plan_phase}), within the "
+                      f"{fb(cap)} card: look at the other causes and at phases it does not model (eval, save)")
+    if any(c.score >= 0.8 for c in causes) and plan_need is None and score < 0.85:
+        score = min(score, 0.4)
+    fixes = _phase_capacity_fixes(r.phase)
+    if r.allowed_bytes is not None:
+        fixes = [Fix("memory-fraction", "Raise or drop the per-process memory cap this process set.",
+                     "torch.cuda.set_per_process_memory_fraction(0.95)  # or remove the call")] + fixes
+    if r.kind == "cpu-allocator":
+        fixes = _cpu_fixes()
+    elif r.kind == "quantized-offload":
+        fixes = _quant_offload_fixes()
+    if plan_fixes:
+        # Fixes the memory model cannot price (eval settings, save settings) stay first in their phases;
+        # elsewhere the priced fixes lead, largest saving first. Generic plan fixes give way to the priced ones.
+        unpriced = [f for f in fixes if f.id not in PLAN_FIX_IDS]
+        fixes = unpriced + plan_fixes if r.phase in ("evaluation", "checkpoint-save") else plan_fixes + unpriced
+    elif plan is not None:
+        fixes = [f for f in fixes if not _already(plan, f.id)]
+    causes.append(Cause("capacity", score, tuple(ev), tuple(fixes)))
+
+    causes.sort(key=lambda c: -c.score)
+    nxt = None
+    if r.kind not in ("cpu-allocator",):
+        model = spec.name if spec is not None else "MODEL"
+        mem = format_bytes(cap, binary=True).replace(" ", "") if cap else "SIZE"
+        nxt = f"oomdoctor tune {model} --gpu-mem {mem}"
+    return Diagnosis(
+        report=r,
+        causes=tuple(causes),
+        plan_label=plan.label() if plan is not None else None,
+        plan_peak_bytes=plan_need,
+        plan_peak_phase=plan_phase,
+        capacity_bytes=cap,
+        next_command=nxt,
+    )
+
+
+#: Generic fixes that are plan changes (replaced by the priced ``oomdoctor.advice`` changes when a plan is known).
+PLAN_FIX_IDS = ("gradient-checkpointing", "micro-batch", "seq-len", "lora", "optimizer-8bit", "fused-optimizer")
+
+
+def _already(plan, fix_id: str) -> bool:
+    """True when the plan already has what the fix proposes."""
+    return (
+        (fix_id == "gradient-checkpointing" and plan.gradient_checkpointing)
+        or (fix_id == "micro-batch" and plan.micro_batch == 1)
+        or (fix_id == "lora" and plan.method != "full" and plan.quant is not None)
+        or (fix_id == "optimizer-8bit" and plan.optimizer in ("adamw-8bit", "paged-adamw-8bit"))
+        or (fix_id == "fused-optimizer" and plan.optimizer_impl == "fused")
+    )
+
+
+def explain(text: str, spec=None, plan=None, capacity_bytes: int | None = None) -> Diagnosis:
+    """Parse ``text`` and diagnose the OOM it holds (raises BadInput when it holds none)."""
+    return diagnose(parse_oom(text), spec=spec, plan=plan, capacity_bytes=capacity_bytes)
+
+
+__all__ = [
+    "CAUSE_IDS", "PHASES", "ProcessUse", "OomReport", "Fix", "Cause", "Diagnosis",
+    "parse_oom", "detect_phase", "diagnose", "explain", "rank_plan_fixes",
+]
+_ = field
