@@ -1,1 +1,188 @@
-"""`oomdoctor train` (being written)."""
+"""``oomdoctor train CONFIG``: run the plan for real, recovering from OOM without losing a step (or --dry-run it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from oomdoctor.cli.app import app
+
+HELP = """Train from a YAML config (what `oomdoctor tune` writes; see configs/train/ and docs/train.md).
+
+Every technique in the config is really applied (precision, bitsandbytes 4/8-bit + LoRA, gradient checkpointing,
+the optimizer, optimizer/activation offload). When a micro-batch runs out of memory it is split in two and both
+halves are accumulated: same data, same effective batch; the smaller micro-batch is kept. If one sample does not
+fit, a checkpoint is saved and the run exits 4. Checkpoints are atomic; --resume continues exactly.
+
+--dry-run validates and prices the config without training: exit 0 fits, 3 does not (with the changes that fit).
+On a CPU, --gpu-mem SIZE caps live tensor bytes and raises torch's OutOfMemoryError past it (a simulated GPU).
+
+Exit codes: 0 done / fits, 2 bad input (every config problem listed), 3 does not fit, 4 OOM not recoverable.
+"""
+HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
+
+
+def _fmt(n) -> str:
+    from oomdoctor.units import format_bytes
+
+    return format_bytes(n)
+
+
+class _Reporter:
+    """Progress: rich live bar (loss, tokens/s, peak memory) on a terminal, plain lines otherwise (stderr)."""
+
+    def __init__(self, tty: bool):
+        from rich.console import Console
+
+        self.tty = tty
+        self.console = Console(stderr=True)
+        self.progress = None
+        self.task = None
+
+    def __call__(self, e: dict) -> None:
+        kind = e["type"]
+        if kind == "start":
+            line = (f"training on {e['device']}: {e['plan']}; {e['params']:,} params ({e['trainable']:,} trainable); "
+                    f"{e['samples']} samples; effective batch {e['effective_batch']} (micro {e['micro_batch']})"
+                    + (f"; memory cap {_fmt(e['cap'])}" if e.get("cap") else ""))
+            self._print(line)
+            if self.tty:
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+                self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                         console=self.console, transient=False)
+                self.progress.start()
+                self.task = self.progress.add_task("train", total=e["max_steps"], completed=e["step"], info="")
+        elif kind == "step":
+            info = (f"loss {e['loss']:.4f}  {e['tokens_per_s']:,.0f} tok/s  peak {_fmt(e['peak_bytes'])}  "
+                    f"micro {e['micro_batch']}x{e['grad_accum']}")
+            if self.progress is not None:
+                self.progress.update(self.task, completed=e["step"], info=info)
+            else:
+                self._print(f"step {e['step']}/{e['max_steps']}  {info}  lr {e['lr']:.3g}")
+        elif kind == "oom":
+            self._print(f"OOM at step {e['step']} ({e['phase']}) with micro-batch {e['failed_micro_batch']}: split "
+                        f"into {e['new_micro_batch']} + {e['failed_micro_batch'] - e['new_micro_batch']}"
+                        f"{' (step replayed)' if e['replayed'] else ''}; now micro {e['new_micro_batch']} x "
+                        f"{e['grad_accum']} accumulation, same effective batch")
+        elif kind == "checkpoint":
+            self._print(f"checkpoint {e['path']}")
+        elif kind == "info":
+            self._print(e["message"])
+
+    def _print(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def _print_dry(d) -> None:
+    from rich.console import Console
+
+    from oomdoctor.cli.render import breakdown_table
+
+    con = Console()
+    con.print(f"[bold]{d.spec.name}[/]: {d.plan.label()}; micro-batch {d.plan.micro_batch} x {d.plan.grad_accum} "
+              f"accumulation = effective batch {d.plan.effective_batch}; seq_len {d.plan.seq_len}")
+    con.print(breakdown_table(d.memory))
+    for n in d.notes:
+        con.print(f"[dim]note: {n}[/]")
+    if d.fits is None:
+        con.print(f"predicted {d.compared.replace('_', ' ')}: {_fmt(d.needed)}; no budget given: no verdict")
+        return
+    verdict = "[green]fits[/]" if d.fits else "[red]does not fit[/]"
+    con.print(f"{verdict}: {d.compared.replace('_', ' ')} {_fmt(d.needed)} vs {_fmt(d.capacity)} "
+              f"({d.capacity_source})")
+    if d.fits:
+        return
+    comps = {k: getattr(d.memory, k) for k in ("parameters", "master_weights", "gradients", "optimizer_states",
+                                                "activations", "logits", "temporaries")}
+    top = max(comps, key=comps.get)
+    con.print(f"largest component: {top.replace('_', ' ')} {_fmt(comps[top])}")
+    adv = d.advice
+    if adv is None:
+        return
+    fitting = [c for c in adv.single if c.fits]
+    if fitting:
+        con.print("changes that make it fit:")
+        for c in fitting[:5]:
+            con.print(f"  - {c.description} (saves {_fmt(c.saves_bytes)}; {c.how})")
+    elif adv.path:
+        con.print("no single change is enough; cheapest combination"
+                  + (" that fits:" if adv.path_fits else " (still does not fit):"))
+        for k, c in enumerate(adv.path, 1):
+            con.print(f"  {k}. {c.description} (saves {_fmt(c.saves_bytes)}; {c.how})")
+    else:
+        for c in adv.single[:3]:
+            con.print(f"  - {c.description} (saves {_fmt(c.saves_bytes)})")
+
+
+@app.command(help=HELP)
+def train(
+    config: str = typer.Argument(..., help="train YAML (e.g. configs/train/tiny-cpu.yaml)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate and estimate only: exit 0 fits, 3 does not"),
+    gpu_mem: Optional[str] = typer.Option(
+        None, "--gpu-mem", help="memory budget, e.g. 24GB / 24GiB: dry-run verdict; caps the run (CPU: live bytes)"
+    ),
+    engine: str = typer.Option("analytic", "--engine", help="estimator: analytic | simulate | measure"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in output_dir"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON summary object on stdout"),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="override max_steps of the config"),
+) -> None:
+    # before anything can initialize CUDA (the allocator reads it once); a user's own setting wins
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from oomdoctor.errors import BadInput
+    from oomdoctor.memory import ENGINES
+    from oomdoctor.train.config import load_train_config
+    from oomdoctor.units import parse_size
+
+    if engine not in ENGINES:
+        raise BadInput(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if max_steps is not None and max_steps < 1:
+        raise BadInput(f"--max-steps must be >= 1, got {max_steps}")
+    cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
+    cfg = load_train_config(config)
+    if dry_run:
+        from oomdoctor.train.dryrun import dry_run as do_dry
+
+        d = do_dry(cfg, gpu_mem=cap, engine=engine)
+        if json_out:
+            print(json.dumps({"config": config, **d.to_dict()}, indent=1))
+        else:
+            _print_dry(d)
+        if d.fits is False:
+            raise typer.Exit(code=3)
+        return
+
+    from oomdoctor.train.loop import train as run_train
+
+    rep = _Reporter(tty=sys.stderr.isatty() and not json_out)
+    try:
+        res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, engine=engine, on_event=rep)
+    finally:
+        rep.close()
+    if json_out:
+        print(json.dumps({"config": config, **res.to_dict()}, indent=1, default=str))
+        return
+    pred = res.memory.get("peak_allocated_bytes") if res.memory else None
+    loss = (f"loss {res.first_loss:.4f} -> {res.final_loss:.4f}" if res.first_loss is not None
+            and res.final_loss is not None else "no step run")
+    print(f"done: {res.optimizer_steps} optimizer steps, effective batch {res.effective_batch_size} "
+          f"(micro {res.micro_batch_size} x {res.gradient_accumulation_steps}), {loss}")
+    print(f"peak memory {_fmt(res.measured_peak_bytes)} measured"
+          + (f" vs {_fmt(pred)} predicted (peak allocated)" if pred else "")
+          + f"; OOM recoveries {res.oom_recoveries}; {res.tokens_per_second:,.0f} tokens/s")
+    print(f"checkpoint: {res.checkpoint}")
+    for n in res.notes:
+        print(f"note: {n}")

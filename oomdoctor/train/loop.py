@@ -96,29 +96,49 @@ def predict_memory(cfg: TrainConfig, micro_batch: int, engine: str = "analytic")
         return spec, plan, None, f"memory engine {engine!r} unavailable: {exc}"
 
 
-def auto_micro_batch(cfg: TrainConfig, capacity: int | None, engine: str = "analytic") -> int:
-    """``micro_batch_size: auto``: the largest micro-batch that fits (oomdoctor.tune)."""
-    try:
-        from oomdoctor import tune as tune_mod
-    except ImportError:
-        tune_mod = None
-    fn = getattr(tune_mod, "largest_micro_batch", None) if tune_mod else None
-    if fn is None:
-        raise BadInput("micro_batch_size: auto needs oomdoctor tune, which is not available in this build",
-                       "run `oomdoctor tune MODEL --gpu-mem SIZE` and put its micro_batch_size in the config")
-    if capacity is None:
-        raise BadInput("micro_batch_size: auto needs a memory budget",
-                       "pass --gpu-mem SIZE (or gpu_mem: in the config), or run on a GPU")
+def auto_micro_batch(cfg: TrainConfig, capacity: int | None, engine: str = "analytic", *, on_cpu: bool = False,
+                     margin: float = 0.10) -> int:
+    """``micro_batch_size: auto``: the largest micro-batch whose predicted peak fits ``capacity`` minus ``margin``
+    (the tune search: :func:`oomdoctor.search.max_fitting` over ``oomdoctor.memory.estimate``; with a
+    ``global_batch_size`` the largest divisor of it, so the effective batch stays exact).
+
+    On a GPU the predicted ``peak_device`` (context, workspace, allocator slack included) must fit; on the CPU,
+    where ``--gpu-mem`` caps live tensor bytes, the predicted ``peak_allocated`` must."""
+    from oomdoctor.errors import DoesNotFit
+    from oomdoctor.memory import estimate
+    from oomdoctor.search import DEFAULT_MICRO_LIMIT, budget_bytes, choose_micro_batch, max_fitting
     from oomdoctor.spec import load_spec
 
-    spec = load_spec(cfg.model_ref)
-    mb = fn(spec, cfg.to_plan(micro_batch=1), capacity, engine=engine)
-    if not mb:
-        from oomdoctor.errors import DoesNotFit
+    if capacity is None:
+        from oomdoctor.gpu import detect_gpu
 
-        raise DoesNotFit("micro_batch_size: auto: not even micro-batch 1 fits the budget",
-                         f"run `oomdoctor train CONFIG --dry-run --gpu-mem {format_bytes(capacity)}` for advice")
-    return int(mb)
+        gpu = None if on_cpu else detect_gpu()
+        if gpu is None:
+            raise BadInput("micro_batch_size: auto needs a memory budget",
+                           "pass --gpu-mem SIZE (or gpu_mem: in the config), or run on a GPU")
+        capacity = gpu.free_bytes
+    spec = load_spec(cfg.model_ref)
+    base = cfg.to_plan(micro_batch=1)
+    budget = budget_bytes(capacity, margin)
+    gbs = cfg.global_batch_size
+    cache: dict[int, int] = {}
+
+    def peak(b: int) -> int:
+        if b not in cache:
+            m = estimate(spec, base.with_(micro_batch=b, grad_accum=1), engine)
+            cache[b] = m.peak_allocated if on_cpu else m.peak_device
+        return cache[b]
+
+    upper = min(DEFAULT_MICRO_LIMIT, gbs) if gbs else DEFAULT_MICRO_LIMIT
+    best = max_fitting(lambda b: peak(b) <= budget, upper)
+    if best < 1:
+        raise DoesNotFit(
+            f"micro_batch_size: auto: not even micro-batch 1 fits {format_bytes(capacity)} minus the "
+            f"{margin:.0%} margin (predicted {format_bytes(peak(1))})",
+            f"run `oomdoctor train CONFIG --dry-run --gpu-mem {format_bytes(capacity, binary=False).replace(' ', '')}`"
+            " for the changes that fit",
+        )
+    return choose_micro_batch(best, gbs).micro_batch
 
 
 def _fingerprint(cfg: TrainConfig) -> dict:
@@ -161,7 +181,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
         notes.append(f"{data.truncated} samples truncated to seq_len {cfg.seq_len}")
     micro = cfg.micro_batch_size
     if micro == "auto":
-        micro = auto_micro_batch(cfg, cap, engine)
+        micro = auto_micro_batch(cfg, cap, engine, on_cpu=device.type == "cpu")
         emit({"type": "info", "message": f"micro_batch_size auto -> {micro}"})
     eff = cfg.global_batch_size or micro * cfg.gradient_accumulation_steps
     if cfg.global_batch_size is None and cfg.micro_batch_size == "auto":
@@ -279,8 +299,9 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
         lines = [f"out of memory at step {step + 1} in {phase} with micro-batch 1 x seq_len {cfg.seq_len} "
                  f"({reason})"]
         if cap is not None:
-            lines.append(f"budget {format_bytes(cap)}; live at failure {format_bytes(meter.current) if meter else '?'}"
-                         f"; weights+grads+optimizer leave too little for one sample's activations")
+            lines.append(f"budget {format_bytes(cap)}; held outside the failed micro-batch (weights, gradients, optimizer "
+                         f"state): {format_bytes(meter.current) if meter else '?'}: too little is left for one "
+                         f"sample's activations")
         if memory_dict:
             comps = {k[:-6]: v for k, v in memory_dict.items()
                      if k.endswith("_bytes") and not k.startswith("peak") and v}

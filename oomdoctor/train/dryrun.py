@@ -1,0 +1,114 @@
+"""``oomdoctor train CONFIG --dry-run``: validate the config and price it without training (CI gate).
+
+The plan is the config's :meth:`TrainConfig.to_plan`; the breakdown comes from ``oomdoctor.memory.estimate`` with
+the chosen engine. Budget: ``--gpu-mem``, else the config's ``gpu_mem``, else the local GPU's free memory (NVML),
+else none (no verdict, exit 0). On a GPU the predicted ``peak_device`` (CUDA context, cuBLAS workspace and
+allocator slack included) must fit; with ``device: cpu`` the predicted ``peak_allocated`` must, because on the CPU
+``--gpu-mem`` caps live tensor bytes. When it does not fit, ``oomdoctor.advice.advise`` ranks the one-knob changes
+that would (exit 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomdoctor.train.config import TrainConfig
+
+
+@dataclass
+class DryRun:
+    """Result of a dry run."""
+
+    spec: Any
+    """The :class:`oomdoctor.spec.ModelSpec` priced."""
+    plan: Any
+    """The :class:`oomdoctor.plan.Plan` of the config."""
+    memory: Any
+    """The predicted :class:`oomdoctor.memory.MemoryBreakdown`."""
+    capacity: int | None
+    """Budget in bytes (None: unknown, no verdict)."""
+    capacity_source: str
+    """``--gpu-mem``, ``config gpu_mem``, ``GPU <name> free`` or ``none``."""
+    compared: str
+    """``peak_device`` (GPU) or ``peak_allocated`` (CPU run with a simulated cap)."""
+    fits: bool | None
+    advice: Any = None
+    """:class:`oomdoctor.advice.Advice` when it does not fit."""
+    engine: str = "analytic"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def needed(self) -> int:
+        return int(getattr(self.memory, self.compared))
+
+    def to_dict(self) -> dict:
+        return {
+            "fits": self.fits,
+            "capacity_bytes": self.capacity,
+            "capacity_source": self.capacity_source,
+            "compared": self.compared,
+            "needed_bytes": self.needed,
+            "engine": self.engine,
+            "model": self.spec.name,
+            "plan": self.plan.label(),
+            "settings": self.plan.settings(),
+            "micro_batch_size": self.plan.micro_batch,
+            "gradient_accumulation_steps": self.plan.grad_accum,
+            "effective_batch_size": self.plan.effective_batch,
+            "memory": self.memory.to_dict(),
+            "advice": self.advice.to_dict() if self.advice is not None else None,
+            "notes": list(self.notes),
+        }
+
+
+def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "analytic") -> DryRun:
+    from oomdoctor.memory import estimate
+    from oomdoctor.spec import load_spec
+
+    notes: list[str] = []
+    on_cpu = cfg.device == "cpu"
+    if gpu_mem is not None:
+        capacity, source = gpu_mem, "--gpu-mem"
+    elif cfg.gpu_mem is not None:
+        capacity, source = cfg.gpu_mem, "config gpu_mem"
+    else:
+        capacity, source = None, "none"
+        if not on_cpu:
+            from oomdoctor.gpu import detect_gpu
+
+            gpu = detect_gpu()
+            if gpu is not None:
+                capacity, source = gpu.free_bytes, f"{gpu.name} free"
+        if capacity is None:
+            notes.append("no memory budget: pass --gpu-mem SIZE (or gpu_mem: in the config) for a fit verdict")
+    micro = cfg.micro_batch_size
+    if micro == "auto":
+        from oomdoctor.train.loop import auto_micro_batch
+
+        micro = auto_micro_batch(cfg, capacity, engine, on_cpu=on_cpu)
+        notes.append(f"micro_batch_size auto -> {micro}")
+    spec = load_spec(cfg.model_ref)
+    plan = cfg.to_plan(micro_batch=int(micro))
+    try:
+        memory = estimate(spec, plan, engine)
+    except ModuleNotFoundError as exc:
+        from oomdoctor.errors import BadInput
+
+        raise BadInput(f"--engine {engine}: the memory engine is not available in this build ({exc})",
+                       "try --engine analytic") from None
+    compared = "peak_allocated" if on_cpu else "peak_device"
+    fits = None if capacity is None else getattr(memory, compared) <= capacity
+    advice = None
+    if fits is False:
+        try:
+            from oomdoctor.advice import advise
+
+            advice = advise(spec, plan, capacity)
+        except Exception as exc:  # noqa: BLE001 - advice is a bonus; the verdict stands without it
+            notes.append(f"advice unavailable: {type(exc).__name__}: {exc}")
+    return DryRun(spec=spec, plan=plan, memory=memory, capacity=capacity, capacity_source=source,
+                  compared=compared, fits=fits, advice=advice, engine=engine, notes=notes)
+
+
+__all__ = ["dry_run", "DryRun"]
