@@ -200,6 +200,40 @@ def close_names(model_id: str, n: int = 5) -> list[str]:
     return out[:n]
 
 
+def bundled_models(query: str | None = None) -> list[dict]:
+    """One row per bundled model (what ``oomdoctor models`` prints), optionally filtered by a case-insensitive
+    substring of the id, an alias, the family or the model_type. Builds each spec (pure Python, milliseconds)."""
+    rows = []
+    q = (query or "").lower()
+    for model_id in bundled_ids():
+        entry = _registry()[model_id]
+        hay = [model_id, entry.get("family", ""), *entry.get("aliases", [])]
+        spec = load_spec(model_id)
+        if q and not any(q in h.lower() for h in [*hay, spec.model_type]):
+            continue
+        rows.append(
+            {
+                "id": model_id,
+                "family": entry.get("family", ""),
+                "model_type": spec.model_type,
+                "arch_kind": spec.arch_kind,
+                "params": spec.num_params,
+                "published_params": entry.get("published_params"),
+                "layers": spec.num_layers,
+                "hidden": spec.hidden_size,
+                "heads": spec.num_heads,
+                "kv_heads": spec.num_kv_heads,
+                "intermediate": spec.intermediate_size,
+                "vocab": spec.vocab_size,
+                "max_position": spec.max_position_embeddings,
+                "tied_embeddings": spec.tie_word_embeddings,
+                "experts": spec.num_experts,
+                "aliases": list(entry.get("aliases", [])),
+            }
+        )
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------- loading
 
 

@@ -252,3 +252,30 @@ def test_unreachable_hub_answers_fast(monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert time.monotonic() - t < 15
     assert "hub is not reachable" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def test_models_command_json_and_table(capsys):
+    from oomdoctor.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["models", "--json"])
+    assert e.value.code in (0, None)
+    rows = json.loads(capsys.readouterr().out)["models"]
+    assert [r["id"] for r in rows] == bundled_ids()
+    by_id = {r["id"]: r for r in rows}
+    r = by_id["mistralai/Mixtral-8x7B-v0.1"]
+    assert (r["params"], r["layers"], r["hidden"], r["vocab"], r["experts"]) == (46_702_792_704, 32, 4096, 32000, 8)
+    assert by_id["meta-llama/Llama-2-7b-hf"]["aliases"][0] == "meta-llama/Llama-2-7b-chat-hf"
+
+    with pytest.raises(SystemExit):
+        main(["models", "GEMMA2", "--json"])  # model_type gemma2
+    ids = [r["id"] for r in json.loads(capsys.readouterr().out)["models"]]
+    assert ids == ["google/gemma-2-27b", "google/gemma-2-2b", "google/gemma-2-9b"]
+
+    with pytest.raises(SystemExit):
+        main(["models", "tinyllama"])
+    out = capsys.readouterr().out
+    assert "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T" in out and "1.10 B" in out

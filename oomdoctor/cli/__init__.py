@@ -16,6 +16,7 @@ from oomdoctor.cli import diagnose as _diagnose  # noqa: E402,F401
 from oomdoctor.cli import tune as _tune  # noqa: E402,F401
 from oomdoctor.cli import train as _train  # noqa: E402,F401
 from oomdoctor.cli import explain as _explain  # noqa: E402,F401
+from oomdoctor.cli import models as _models  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

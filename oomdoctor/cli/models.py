@@ -1,0 +1,60 @@
+"""``oomdoctor models``: the bundled model configs (resolve offline, no hub needed)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from oomdoctor.cli.app import app
+
+HELP = (
+    "List the bundled model configs: every id here resolves offline in diagnose/tune/train (aliases too, case "
+    "does not matter). Other ids fetch only config.json from the hub when it is reachable; a local directory "
+    "holding config.json, or a config.json path, always works. PATTERN keeps rows whose id, alias, family or "
+    "model_type contains it."
+)
+
+
+def _b(n: int) -> str:
+    """Parameter count in billions (or millions below 1 B), for the table."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.0f} M"
+
+
+@app.command(help=HELP)
+def models(
+    pattern: Optional[str] = typer.Argument(None, help="substring of id / alias / family / model_type, e.g. qwen"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
+) -> None:
+    from oomdoctor.spec import bundled_models
+
+    rows = bundled_models(pattern)
+    if as_json:
+        typer.echo(json.dumps({"models": rows}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.width = max(console.width, 110)  # the longest row (TinyLlama) needs ~105 columns
+    if not rows:
+        console.print(f"no bundled model matches {pattern!r}; run `oomdoctor models` for all of them")
+        raise typer.Exit(0)
+    from rich import box
+
+    t = Table(title=f"Bundled model configs ({len(rows)})", title_justify="left", box=box.SIMPLE_HEAD,
+              pad_edge=False)
+    for col, just in [("id", "left"), ("family", "left"), ("params", "right"), ("layers", "right"),
+                      ("hidden", "right"), ("vocab", "right")]:
+        t.add_column(col, justify=just, overflow="fold", no_wrap=True)
+    for r in sorted(rows, key=lambda r: (r["family"], r["params"])):
+        fam = r["family"]
+        if r["arch_kind"] != "decoder":
+            fam += " (enc-dec)" if r["arch_kind"] == "encoder-decoder" else f" ({r['arch_kind']})"
+        if r["experts"]:
+            fam += f" (MoE {r['experts']})"
+        t.add_row(r["id"], fam, _b(r["params"]), str(r["layers"]), str(r["hidden"]), f"{r['vocab']:,}")
+    console.print(t)
+    console.print("[dim]heads, KV heads, tied embeddings and aliases (-chat/-Instruct variants of the same shape): "
+                  "`oomdoctor models --json`[/]")
