@@ -48,7 +48,7 @@ PHASES: tuple[str, ...] = ("forward", "loss", "backward", "optimizer-step", "eva
 #: Anything at or above this is not a real GPU/host size (NVML's "not available" is 2**64 - 1 bytes).
 ABSURD_BYTES = 2**50
 
-_SIZE = r"\d+(?:\.\d+)?\s*(?:bytes|[KMGTPE]i?B)\b"
+_SIZE = r"\d+(?:\.\d+)?\s*(?:bytes|[KMGTPE]i?B|B)\b"
 _PREFIX_RE = re.compile(r"^\s*\[(?:rank|default)(\d+)\]:\s?")
 
 
@@ -573,7 +573,7 @@ def parse_oom(text: str) -> OomReport:
         allocated, other, allowed, req = (_mps_size(mps.group(i)) for i in range(1, 5))
         fields = {
             "format": "torch-mps", "device": "mps", "requested_bytes": req, "total_bytes": allowed,
-            "allocated_bytes": allocated, "non_pytorch_bytes": other, "free_bytes": max(0, allowed - allocated - other),
+            "allocated_bytes": allocated, "non_pytorch_bytes": other, "free_bytes": None,
             "other_processes_bytes": None,
             "notes": ["MPS: 'max allowed' is the high-watermark limit (PYTORCH_MPS_HIGH_WATERMARK_RATIO), "
                       "'other allocations' are this process's non-tensor allocations"],
