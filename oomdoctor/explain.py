@@ -903,7 +903,7 @@ def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic") 
     from oomdoctor.memory import estimate
 
     base = estimate(spec, plan, engine)
-    advice = advise(spec, plan, capacity, estimator=lambda s, p: estimate(s, p, engine), with_path=False)
+    advice = advise(spec, plan, capacity, estimator=lambda s, p: estimate(s, p, engine))
     fixes = [
         Fix(ch.id, ch.description, ch.how, saves_bytes=int(ch.saves_bytes),
             peak_after_bytes=int(base.peak_device - ch.saves_bytes), fits=ch.fits)
@@ -911,6 +911,19 @@ def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic") 
         if ch.saves_bytes > 0
     ]
     fixes.sort(key=lambda f: (-(f.saves_bytes or 0), f.id))
+    if advice.path and len(advice.path) > 1 and not any(f.fits for f in fixes):
+        # No single change fits: the advice module's cheapest path of changes, as one combined fix, first.
+        end = advice.path[-1].plan
+        after = estimate(spec, end, engine).peak_device
+        steps = list(dict.fromkeys(ch.id for ch in advice.path))
+        mem = format_bytes(capacity).replace(" ", "") if capacity else "SIZE"
+        fixes.insert(0, Fix(
+            "combined",
+            "No single change is enough; together (cheapest first): " + ", then ".join(steps) + ".",
+            f"plan: {end.label()}, micro-batch {end.micro_batch} x gradient accumulation {end.grad_accum}"
+            f" (`oomdoctor tune {spec.name} --gpu-mem {mem}` writes the YAML)",
+            saves_bytes=int(base.peak_device - after), peak_after_bytes=int(after), fits=advice.path_fits,
+        ))
     return int(base.peak_device), base.peak_phase, fixes
 
 
