@@ -525,4 +525,24 @@ def build_spec(cfg: dict, name: str = "config") -> ModelSpec:
             f"{name}: model_type {mt!r} is not supported yet (supported: {', '.join(sorted(BUILDERS))})",
             "pick a bundled model (`oomdoctor models`) or open an issue with its config.json",
         )
-    return builder(cfg, name)
+    spec = builder(cfg, name)
+    archs = cfg.get("architectures")
+    if spec.arch_kind == "decoder" and isinstance(archs, list) and archs and str(archs[0]).endswith(
+        "ForSequenceClassification"
+    ):
+        spec = _as_sequence_classifier(spec, cfg, name)
+    return spec
+
+
+def _as_sequence_classifier(spec: ModelSpec, cfg: dict, name: str) -> ModelSpec:
+    """A decoder saved as ``*ForSequenceClassification`` (reward models, classifiers): transformers swaps the LM
+    head for ``score`` (hidden -> num_labels, no bias; modeling_llama.py / modeling_gpt2.py /
+    modeling_falcon.py ...). The input embedding stays; a tied ``lm_head`` simply disappears."""
+    from dataclasses import replace
+
+    c = _Cfg(cfg, name)
+    labels = _num_labels(c)
+    c.check()
+    groups = [g for g in spec.groups if g.name != "lm_head"]
+    groups.append(_lin("score", spec.hidden_size, labels, 1, per_layer=False, path="score"))
+    return replace(spec, groups=tuple(groups), num_labels=labels, tie_word_embeddings=False)

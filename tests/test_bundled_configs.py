@@ -30,6 +30,8 @@ def build_meta(cfg: dict):
     """The transformers model oomdoctor prices for this config, built on the meta device (no memory)."""
     hf_cfg = transformers.AutoConfig.for_model(**cfg)
     with torch.device("meta"):
+        if str((cfg.get("architectures") or [""])[0]).endswith("ForSequenceClassification"):
+            return transformers.AutoModelForSequenceClassification.from_config(hf_cfg)
         if cfg["model_type"] == "bert":
             return transformers.BertForSequenceClassification(hf_cfg)
         if cfg["model_type"] == "t5":
@@ -226,6 +228,15 @@ VARIANTS = {
                             "bos_token_id": 1, "eos_token_id": 2},
     "bert-5-labels": {**_TINY, "model_type": "bert", "num_labels": 5, "max_position_embeddings": 40},
     "bert-id2label": {**_TINY, "model_type": "bert", "id2label": {"0": "a", "1": "b", "2": "c"}},
+    # Decoders saved as sequence classifiers (reward models): lm_head -> score (hidden -> num_labels, no bias).
+    "llama-seqcls-tied": {**_TINY, "model_type": "llama", "tie_word_embeddings": True, "num_labels": 1,
+                          "architectures": ["LlamaForSequenceClassification"]},
+    "qwen2-seqcls": {**_TINY, "model_type": "qwen2", "num_key_value_heads": 2, "pad_token_id": 0,
+                     "architectures": ["Qwen2ForSequenceClassification"], "id2label": {"0": "bad", "1": "good"}},
+    "gpt2-seqcls": {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 32,
+                    "vocab_size": 128, "num_labels": 3, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                    "architectures": ["GPT2ForSequenceClassification"]},
+    "phi-seqcls": {**_TINY, "model_type": "phi", "architectures": ["PhiForSequenceClassification"]},
     "t5-gated-untied-asym": {"model_type": "t5", "d_model": 64, "d_ff": 96, "d_kv": 8, "num_heads": 4,
                              "num_layers": 2, "num_decoder_layers": 3, "vocab_size": 128,
                              "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},

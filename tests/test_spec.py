@@ -279,3 +279,12 @@ def test_models_command_json_and_table(capsys):
         main(["models", "tinyllama"])
     out = capsys.readouterr().out
     assert "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T" in out and "1.10 B" in out
+
+
+def test_decoder_sequence_classifier_gets_score_head(tiny_config):
+    cfg = {**tiny_config, "architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
+    s = spec_from_config(cfg, name="reward-model")
+    assert s.head_name == "score" and s.num_labels == 1 and s.head_group.out_features == 1
+    assert "lm_head" not in {g.name for g in s.groups}
+    causal = spec_from_config(tiny_config, name="lm")
+    assert s.num_params == causal.num_params - causal.group("lm_head").total_numel + 64
