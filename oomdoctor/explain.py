@@ -267,7 +267,7 @@ def _clean_lines(text: str) -> tuple[list[str], list[int | None]]:
 
 _CUDA_OOM_RE = re.compile(rf"\b(CUDA|HIP|XPU) out of memory\.?\s*(?:Tried to allocate ({_SIZE}))?", re.I)
 _NEW_TOTAL_RE = re.compile(
-    rf"GPU (\d+) has a total (capacity|capacty) of ({_SIZE}) of which ({_SIZE}) is free"
+    rf"GPU (\d+) has a total (capacity|capacty) of ({_SIZE})(?: of which ({_SIZE}) is free)?"
 )
 _PROC_RE = re.compile(
     rf"(?:Process (\d+)|Including non-PyTorch memory, this process) has ({_SIZE}) memory in use"
@@ -318,9 +318,11 @@ def _parse_cuda(flat: str, start: int, end: int, device_kind: str) -> dict:
     new = _NEW_TOTAL_RE.search(win)
     old = _OLD_RE.search(win)
     if new and (not old or new.start() < old.start()):
-        out["format"] = "torch-2.1" if new.group(2) == "capacty" else "torch>=2.2"
+        out["format"] = "torch-2.1" if new.group(2) == "capacty" else ("torch-xpu" if dev == "xpu" else "torch>=2.2")
         out["device"] = f"{dev}:{new.group(1)}"
         total, free = _size(new.group(3)), _size(new.group(4))
+        if new.group(4) is None:
+            out["notes"].append("the message does not print the device's free memory (XPU wording)")
         if _is_absurd(total, None):
             out["notes"].append(f"total capacity printed as {new.group(3)}: not a real size, treated as unknown")
             total = None
@@ -398,27 +400,48 @@ def _parse_cuda(flat: str, start: int, end: int, device_kind: str) -> dict:
     return out
 
 
+_FRAME_RE = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+# IPython/Jupyter/Colab: "File ~/lib/python3.10/site-packages/torch/_tensor.py:487, in Tensor.backward(self, ...)"
+# followed by numbered source lines, the current one marked "--> 487 code"; the user's cell is "Cell In[7], line 3".
+_IPY_FRAME_RE = re.compile(r"^\s*(?:File (\S.*?):(\d+), in ([\w.<>]+)|Cell (In\s*\[\d+\]), line (\d+))")
+_IPY_CODE_RE = re.compile(r"^\s*-+>\s*(\d+)\s?(.*)$")
+
+
 def _find_frames(lines: list[str], upto: int) -> list[tuple[str, int, str, str]]:
-    """Frames ``(file, line, func, code)`` of the last traceback that starts before line ``upto``."""
-    start = 0
+    """Frames ``(file, line, func, code)`` of the last traceback that starts before line ``upto``.
+
+    Without a ``Traceback`` header before it, every frame in the text is used.
+    """
+    start, stop = 0, len(lines)
     for i in range(min(upto, len(lines) - 1), -1, -1):
         if "Traceback (most recent call last)" in lines[i]:
-            start = i
+            start, stop = i, min(len(lines), upto + 1)
             break
-    frames = []
-    frame_re = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+    frames: list[tuple[str, int, str, str]] = []
     i = start
-    stop = min(len(lines), upto + 1) if start else len(lines)
-    if start == 0 and "Traceback (most recent call last)" not in (lines[0] if lines else ""):
-        stop = len(lines)
     while i < stop:
-        m = frame_re.match(lines[i])
+        m = _FRAME_RE.match(lines[i])
         if m:
             code = ""
-            j = i + 1
-            if j < len(lines) and not frame_re.match(lines[j]) and lines[j].strip():
-                code = lines[j].strip()
+            if i + 1 < len(lines) and not _FRAME_RE.match(lines[i + 1]) and lines[i + 1].strip():
+                code = lines[i + 1].strip()
             frames.append((m.group(1), int(m.group(2)), m.group(3), code))
+            i += 1
+            continue
+        m = _IPY_FRAME_RE.match(lines[i])
+        if m:
+            path = m.group(1) or m.group(4)
+            line = int(m.group(2) or m.group(5))
+            func = (m.group(3) or "<cell>").split(".")[-1]
+            code = ""
+            j = i + 1
+            while j < stop and not _IPY_FRAME_RE.match(lines[j]):
+                cm = _IPY_CODE_RE.match(lines[j])
+                if cm:
+                    code = cm.group(2).strip()
+                    break
+                j += 1
+            frames.append((path, line, func, code))
         i += 1
     return frames
 

@@ -65,6 +65,10 @@ CASES = {
                                      "7.94 GiB", "2.41 GiB", 0, "evaluation", "huge-allocation"),
     "gc-recompute-backward": ("cuda-allocator", "torch>=2.2", "cuda:0", "344.00 MiB", "44.53 GiB", "187.25 MiB",
                               "43.41 GiB", "431.77 MiB", 0, "backward", "capacity"),
+    "jupyter-colab-backward": ("cuda-allocator", "torch>=2.2", "cuda:0", "1.02 GiB", "14.75 GiB", "469.06 MiB",
+                               "12.91 GiB", "1.24 GiB", 0, "backward", "capacity"),
+    "xpu-intel-forward": ("cuda-allocator", "torch-xpu", "xpu:0", "136.00 MiB", "15.11 GiB", None, "14.62 GiB",
+                          "171.35 MiB", None, "forward", "capacity"),
     "deepspeed-save-checkpoint": ("cuda-allocator", "torch>=2.2", "cuda:0", "1002.00 MiB", "23.55 GiB",
                                   "817.94 MiB", "21.47 GiB", "827.63 MiB", 0, "checkpoint-save", "capacity"),
 }
@@ -281,6 +285,24 @@ def test_tracking_cap_message_round_trips():
     assert r.total_bytes == 8 * GiB
     assert r.free_bytes == S("901.00 MiB")
     assert r.allocated_bytes == S("7.12 GiB")
+
+
+def test_jupyter_traceback_frames():
+    r = parse_oom((DATA / "jupyter-colab-backward.txt").read_text())
+    assert r.phase == "backward"
+    assert "loss.backward()" in r.phase_frame and "In[14]" in r.phase_frame
+    assert r.failing_frame.endswith("_engine_run_backward(")
+
+
+def test_nccl_cuda_failure_is_cuda_error():
+    text = (
+        "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, "
+        "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.20.5\n"
+        "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\nCuda failure 'out of memory'"
+    )
+    d = explain(text)
+    assert d.report.kind == "cuda-error"
+    assert d.causes[0].id == "other-processes"
 
 
 def test_wrapped_message_and_log_noise():
