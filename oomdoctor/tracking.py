@@ -132,8 +132,10 @@ class LiveBytes(TorchDispatchMode):
         cap_bytes: int | None = None,
         record_timeline: bool = False,
         device_name: str = "GPU 0",
+        param_copy_category: str | None = None,
     ):
         super().__init__()
+        self.param_copy_category = _canon(param_copy_category) if param_copy_category else None
         self.round_to = round_to
         self.cap_bytes = cap_bytes
         self.record_timeline = record_timeline
@@ -153,10 +155,16 @@ class LiveBytes(TorchDispatchMode):
         self._hooks: list = []
         self._samples_events: list[tuple[int, str]] = []
         self.oom_count = 0
+        self.external: dict[str, int] = {}
+        self._paused = 0
+        self._ignored: set[int] = set()
+        self._phase_region: str | None = None
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         self.events += 1
         flat, _ = tree_flatten(out)
         new: list[tuple[int, object, int]] = []
@@ -203,8 +211,17 @@ class LiveBytes(TorchDispatchMode):
                         if nb != rec.nbytes:
                             self.current += nb - rec.nbytes
                             rec.nbytes = nb
+            region = None
+            if self.param_copy_category and func is torch.ops.aten._to_copy.default and args:
+                src = args[0]
+                if isinstance(src, torch.Tensor):
+                    srec = self.records.get(src.untyped_storage()._cdata)
+                    if srec is not None and srec.category == "parameters":
+                        region = self.param_copy_category
             for key, st, nb in new:
-                self._add(key, st, nb, birth=self.events)
+                rec = self._add(key, st, nb, birth=self.events)
+                if region is not None:
+                    rec.region = region
             self._after_change()
         return out
 
@@ -228,7 +245,7 @@ class LiveBytes(TorchDispatchMode):
             nbytes=nb,
             birth=birth,
             phase=self._phase,
-            region=self._regions[-1] if self._regions else None,
+            region=self._regions[-1] if self._regions else self._phase_region,
             category=category,
             phase_serial=self._phase_serial,
         )
@@ -291,6 +308,8 @@ class LiveBytes(TorchDispatchMode):
                 continue
             st = self._storage_of(t)
             key = st._cdata
+            if key in self._ignored:
+                continue
             rec = self.records.get(key)
             if rec is not None:
                 rec.category = cat
@@ -370,6 +389,59 @@ class LiveBytes(TorchDispatchMode):
     def pop_region(self) -> None:
         if self._regions:
             self._regions.pop()
+
+    def pop_region_all(self) -> None:
+        """Close every open region (e.g. at the end of a forward whose hooks pushed some)."""
+        self._regions.clear()
+
+    def set_backward_region(self, category: str | None) -> None:
+        """Category for storages born while no :meth:`region` is open (None: phase default); used to call what the
+        loss backward allocates ``logits`` until the head's output gradient exists."""
+        self._phase_region = _canon(category) if category else None
+
+    @property
+    def current_phase(self) -> str | None:
+        return self._phase
+
+    @contextmanager
+    def paused(self) -> Iterator["LiveBytes"]:
+        """Ops inside are not tracked (memory that is not on the simulated device)."""
+        self._paused += 1
+        try:
+            yield self
+        finally:
+            self._paused -= 1
+
+    def ignore(self, t, external: str | None = None) -> None:
+        """Never count ``t``'s storage (memory outside the allocator); with ``external``, add its raw bytes to
+        ``self.external[external]``. Use with :meth:`paused` around its creation."""
+        st = self._storage_of(t)
+        if st._cdata in self._ignored:
+            return
+        self._ignored.add(st._cdata)
+        if external:
+            self.external[external] = self.external.get(external, 0) + st.nbytes()
+
+    def counted_bytes(self, t) -> int:
+        """Bytes this tracker counts for ``t``'s storage (rounded as configured)."""
+        return self._count(self._storage_of(t).nbytes())
+
+    def untrack(self, t, external: str | None = None) -> int:
+        """Stop counting ``t``'s storage from now on (it moved off the device); with ``external``, add its bytes to
+        ``self.external[external]`` (e.g. ``paged_optimizer``, ``cpu_offloaded``). Returns the bytes."""
+        st = self._storage_of(t)
+        key = st._cdata
+        rec = self.records.pop(key, None)
+        if rec is None:
+            return 0
+        self._refs.pop(key, None)
+        self.current -= rec.nbytes
+        rec.death = self.events
+        if external:
+            self.external[external] = self.external.get(external, 0) + rec.nbytes
+        if self.record_timeline:
+            self._samples_events.append((self.events, self._phase or "-"))
+        return rec.nbytes
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current bytes (like ``torch.cuda.reset_peak_memory_stats``)."""

@@ -1,0 +1,226 @@
+"""Build the Hugging Face model a plan trains, from a :class:`ModelSpec` alone (no weights).
+
+Shared by the simulated engine (meta build, then materialized under ``FakeTensorMode``), the measured engine and
+``scripts/validate_gpu.py`` (random init of the real shape on a GPU), the CPU cross-checks (a real tiny model) and
+the ``train`` command. Importing this module has no side effects and does not import torch; every heavy import is
+inside a function.
+
+What :func:`build_model` applies, in the order a Hugging Face fine-tuning script does it:
+
+1. ``AutoModelForCausalLM.from_config`` on ``device`` (``meta`` by default) in the plan's weight dtype
+   (fp32 for ``fp32``/``*-mixed``: the fp32 weights are AMP's master copy; bf16 for ``bf16``) with the plan's
+   attention implementation (``flash`` is built as ``sdpa``: on CPU the SDPA flash kernel stands in for
+   flash-attn 2; both keep O(seq) state: the output and a log-sum-exp per head and row).
+2. QLoRA / int8: every linear but the output head is replaced by a bitsandbytes stand-in holding exactly the bytes bnb
+   stores (``oomdoctor.bnb_standin``); the model is flagged ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` so peft wraps
+   the layers with its bnb LoRA classes. Base weights are frozen, as ``peft.prepare_model_for_kbit_training`` does.
+3. Gradient checkpointing with ``use_reentrant=False``; with adapters, input embeddings require grad
+   (``enable_input_require_grads``, what peft/Trainer do so checkpointed blocks see a grad-requiring input).
+4. peft LoRA (``get_peft_model``) with the plan's rank, alpha, dropout and targets (``all-linear`` or names; the head
+   with ``lora_on_head``). peft's default ``autocast_adapter_dtype=True`` keeps adapters in fp32.
+5. ``model.train()`` (dropout active, as in training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from oomdoctor.errors import BadInput
+
+if TYPE_CHECKING:  # pragma: no cover
+    from oomdoctor.plan import Plan
+    from oomdoctor.spec import ModelSpec
+
+#: config.json keys that hold the number of transformer blocks, per convention.
+LAYER_KEYS: tuple[str, ...] = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+@dataclass
+class BuiltModel:
+    """A model built for a plan, with what the step needs to know about it."""
+
+    model: Any
+    """The torch module (a ``PeftModel`` for LoRA/QLoRA)."""
+    num_layers: int
+    """Transformer blocks actually built (may be fewer than the spec's when extrapolating)."""
+    dtype: Any
+    """torch dtype of the unquantized weights."""
+    compute_dtype: Any
+    """torch dtype the matmuls run in (autocast dtype for ``*-mixed``)."""
+    head_module: Any = None
+    """The output head module (``lm_head``), for hooks that classify logits."""
+    layer_modules: tuple = ()
+    """The transformer block modules, in order."""
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def config_with_layers(cfg: dict, num_layers: int | None) -> dict:
+    """A copy of ``cfg`` with ``num_layers`` transformer blocks (per-layer lists such as ``layer_types`` cut/extended
+    periodically). ``None`` keeps the original."""
+    out = dict(cfg)
+    if num_layers is None:
+        return out
+    found = False
+    for k in LAYER_KEYS:
+        if k in out:
+            out[k] = num_layers
+            found = True
+    if not found:
+        out["num_hidden_layers"] = num_layers
+    lt = out.get("layer_types")
+    if isinstance(lt, list) and lt:
+        out["layer_types"] = [lt[i % len(lt)] for i in range(num_layers)]
+    return out
+
+
+def hf_config(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None):
+    """The transformers config object for ``spec`` (optionally with fewer layers)."""
+    from transformers import AutoConfig
+
+    cfg = config_with_layers(spec.config, num_layers)
+    mt = cfg.pop("model_type", spec.model_type)
+    for k in ("transformers_version", "architectures", "_name_or_path", "torch_dtype", "dtype", "quantization_config"):
+        cfg.pop(k, None)
+    try:
+        config = AutoConfig.for_model(mt, **cfg)
+    except (ValueError, KeyError) as exc:
+        raise BadInput(
+            f"{spec.name}: transformers cannot build model_type {mt!r}: {exc}",
+            "use --engine analytic for this model",
+        ) from None
+    config.use_cache = False
+    return config
+
+
+def attn_implementation(plan: "Plan") -> str:
+    return {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[plan.attn]
+
+
+def lora_target_modules(spec: "ModelSpec", plan: "Plan", model=None) -> list[str] | str:
+    """peft ``target_modules`` for the plan: explicit names, or every per-layer linear for ``all-linear``
+    (peft's ``all-linear`` excludes the output head); plus the head with ``lora_on_head``."""
+    targets = list(plan.lora_targets)
+    if targets == ["all-linear"]:
+        names = [g.name for g in spec.linear_groups if g.per_layer]
+        if spec.num_experts:
+            names = [n for n in names if n != "gate"]  # peft's all-linear skips the MoE router only by shape; keep it simple
+        targets = names
+    if plan.lora_on_head and spec.head_name not in targets:
+        targets.append(spec.head_name)
+    return targets
+
+
+def build_model(
+    spec: "ModelSpec",
+    plan: "Plan",
+    *,
+    device: str = "meta",
+    num_layers: int | None = None,
+    quant_standin: bool = True,
+    seed: int | None = None,
+) -> BuiltModel:
+    """Build the model of ``spec`` as ``plan`` trains it (see the module docstring for the steps).
+
+    ``device="meta"`` (no memory; materialize later with ``model.to_empty(device=...)``), ``"cpu"`` or ``"cuda"``
+    (random init of the real shape). ``num_layers`` overrides the number of transformer blocks (extrapolation).
+    ``quant_standin=False`` skips the bitsandbytes replacement (for callers that load a real bnb model themselves).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if spec.arch_kind != "decoder":
+        raise BadInput(
+            f"{spec.name}: building {spec.arch_kind} models for a real/simulated step is not supported yet",
+            "use --engine analytic for this model",
+        )
+    config = hf_config(spec, plan, num_layers)
+    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+    compute = torch_dtype(plan.compute_dtype)
+    if seed is not None:
+        torch.manual_seed(seed)
+    prev_default = torch.get_default_dtype()
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation(plan)
+            )
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unsupported configs
+        raise BadInput(
+            f"{spec.name}: transformers could not build the model ({type(exc).__name__}: {exc})",
+            "use --engine analytic for this model",
+        ) from None
+    finally:
+        torch.set_default_dtype(prev_default)
+
+    if plan.quant is not None and quant_standin:
+        from oomdoctor.bnb_standin import quantize_model_standin
+
+        quantize_model_standin(model, plan, head_name=spec.head_name)
+
+    if plan.uses_lora:
+        for p in model.parameters():
+            p.requires_grad_(False)
+
+    if plan.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if plan.uses_lora:
+            model.enable_input_require_grads()
+
+    if plan.uses_lora:
+        from peft import LoraConfig, get_peft_model
+
+        lcfg = LoraConfig(
+            r=plan.lora_r,
+            lora_alpha=plan.lora_alpha,
+            lora_dropout=plan.lora_dropout,
+            target_modules=lora_target_modules(spec, plan, model),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lcfg)
+
+    model.train()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = getattr(base, spec.head_name, None) or (base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None)
+    layers = _find_layers(base)
+    return BuiltModel(
+        model=model,
+        num_layers=len(layers) if layers else (num_layers or spec.num_layers),
+        dtype=dtype,
+        compute_dtype=compute,
+        head_module=head,
+        layer_modules=tuple(layers),
+    )
+
+
+def _find_layers(model) -> list:
+    """The transformer blocks (the biggest ``ModuleList`` of the model)."""
+    import torch
+
+    best: list = []
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > len(best):
+            best = list(mod)
+    return best
+
+
+def make_batch(spec: "ModelSpec", plan: "Plan", device: str = "cpu", *, fake_ok: bool = True) -> dict:
+    """A training batch of the plan's shape: ``input_ids`` and ``labels`` (micro_batch x seq_len, int64), no padding
+    mask (padding-free batches: the SDPA path runs causal without a mask tensor, as packed/padded-to-length batches
+    with all-ones masks do)."""
+    import torch
+
+    shape = (plan.micro_batch, plan.seq_len)
+    ids = torch.zeros(shape, dtype=torch.long, device=device)
+    if not fake_ok:
+        ids = torch.randint(0, spec.vocab_size, shape, device=device)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+__all__ = ["BuiltModel", "build_model", "make_batch", "config_with_layers", "hf_config", "lora_target_modules", "torch_dtype"]
