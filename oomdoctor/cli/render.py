@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -9,6 +10,8 @@ from oomdoctor.memory.breakdown import LABELS
 from oomdoctor.units import format_bytes, gib
 
 console = Console()
+if not console.is_terminal:  # pipes, files, CI logs: a table wide enough not to truncate the plan column
+    console = Console(width=150)
 
 FIT = {True: "[green]yes[/]", False: "[red]no[/]", None: "[dim]-[/]"}
 
@@ -35,26 +38,33 @@ def capacity_line(report) -> str:
 
 
 def plan_table(report) -> Table:
+    """One row per plan; on terminals narrower than 130 columns a compact set of columns."""
     first = report.results[0].plan
+    compact = console.width < 130
     t = Table(
         title=f"Training memory per plan, GiB  (micro-batch {first.micro_batch} x {first.seq_len} tokens, "
         f"engine: {report.engine})",
-        show_lines=False,
         header_style="bold",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
     )
-    for name, just in (
-        ("#", "right"), ("plan", "left"), ("weights", "right"), ("grads", "right"), ("optim", "right"),
-        ("activ.", "right"), ("logits", "right"), ("other", "right"), ("peak alloc", "right"),
-        ("peak dev", "right"), ("fits", "center"),
-    ):
-        t.add_column(name, justify=just, no_wrap=name != "plan")
+    cols = (("#", "plan", "states", "activ.", "peak dev", "fits") if compact else
+            ("#", "plan", "weights", "grads", "optim", "activ.", "logits", "other", "peak alloc", "peak dev", "fits"))
+    for name in cols:
+        if name == "plan":
+            t.add_column(name, min_width=26, overflow="fold")
+        else:
+            t.add_column(name, justify="center" if name == "fits" else "right", no_wrap=True)
     for i, r in enumerate(report.results, 1):
         m = r.memory
-        t.add_row(
-            str(i), r.plan.label(), _g(m.parameters), _g(m.gradients), _g(m.optimizer_states + m.paged_optimizer),
-            _g(m.activations), _g(m.logits), _g(m.master_weights + m.temporaries), _g(m.peak_allocated),
-            _g(m.peak_device), FIT[r.fits],
-        )
+        optim = m.optimizer_states + m.paged_optimizer
+        if compact:
+            states = m.parameters + m.gradients + optim + m.master_weights
+            cells = (_g(states), _g(m.activations + m.logits + m.temporaries), _g(m.peak_device))
+        else:
+            cells = (_g(m.parameters), _g(m.gradients), _g(optim), _g(m.activations), _g(m.logits),
+                     _g(m.master_weights + m.temporaries), _g(m.peak_allocated), _g(m.peak_device))
+        t.add_row(str(i), r.plan.label(), *cells, FIT[r.fits])
     return t
 
 
@@ -102,6 +112,9 @@ def print_diagnose(report) -> None:
     console.print(model_line(report))
     console.print(capacity_line(report))
     console.print(plan_table(report))
+    if console.width < 130:
+        console.print("[dim]states: weights + gradients + optimizer states + AMP weight copies; activ.: activations "
+                      "+ logits + temporaries (widen the terminal to 130+ columns for every component).[/]")
     console.print(
         "[dim]weights: stored weights incl. quantization constants and LoRA adapters; grads: trainable only; "
         "optim: optimizer states (paged: unified memory); activ.: saved for backward; logits: logits + fp32 "
