@@ -1,0 +1,131 @@
+"""`oomdoctor diagnose` end to end through the CLI: JSON contract, verdicts, advice, error paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from oomdoctor.cli import main
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def run_ok(args, capsys):
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:  # typer exits 0 via SystemExit in standalone mode
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+MEMORY_KEYS = {"peak_allocated_bytes", "peak_reserved_bytes", "peak_device_bytes", "parameters_bytes",
+               "gradients_bytes", "optimizer_states_bytes", "activations_bytes", "logits_bytes"}
+
+
+def test_json_contract_full_matrix(capsys):
+    code, out, _ = run_ok(["diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB", "--json"], capsys)
+    assert code in (0, None)
+    data = json.loads(out)
+    assert data["capacity_bytes"] == 24 * 10**9
+    plans = data["plans"]
+    assert len(plans) > 20
+    for p in plans:
+        assert set(p) >= {"settings", "fits", "memory"}
+        assert p["fits"] in (True, False)
+        assert MEMORY_KEYS <= set(p["memory"])
+        m = p["memory"]
+        assert m["peak_allocated_bytes"] <= m["peak_reserved_bytes"] <= m["peak_device_bytes"]
+        assert all(isinstance(v, int) for k, v in m.items() if k.endswith("_bytes"))
+        assert p["fits"] == (m["peak_device_bytes"] <= 24 * 10**9)
+    # A 7B model: full fp32 AdamW never fits 24 GB, QLoRA with GC does.
+    full = next(p for p in plans if p["settings"]["method"] == "full" and p["settings"]["precision"] == "fp32")
+    assert full["fits"] is False and full["advice"]["changes"]
+    assert any(p["fits"] for p in plans if p["settings"]["method"] == "qlora")
+
+
+def test_all_pinned_gives_exactly_one_plan(capsys):
+    args = ["diagnose", "meta-llama/Llama-2-7b-hf", "--method", "lora", "--precision", "bf16-mixed",
+            "--optimizer", "adamw", "--attn", "sdpa", "--gradient-checkpointing", "--lora-r", "8",
+            "--lora-targets", "q_proj,v_proj", "--micro-batch", "2", "--seq-len", "512", "--json"]
+    code, out, _ = run_ok(args, capsys)
+    data = json.loads(out)
+    assert len(data["plans"]) == 1
+    s = data["plans"][0]["settings"]
+    assert s["lora_r"] == 8 and s["lora_targets"] == ["q_proj", "v_proj"] and s["micro_batch_size"] == 2
+    assert data["plans"][0]["fits"] is None  # no --gpu-mem, no GPU -> no verdict
+
+
+def test_non_fitting_plan_gets_changes_that_fit_with_bytes(capsys):
+    args = ["diagnose", "meta-llama/Llama-2-7b-hf", "--method", "lora", "--precision", "bf16-mixed",
+            "--optimizer", "adamw", "--no-gradient-checkpointing", "--micro-batch", "8", "--seq-len", "2048",
+            "--gpu-mem", "24GB", "--json"]
+    code, out, _ = run_ok(args, capsys)
+    (plan,) = json.loads(out)["plans"]
+    assert plan["fits"] is False
+    changes = plan["advice"]["changes"]
+    assert changes and all(c["saves_bytes"] > 0 for c in changes)
+    fitting = [c for c in changes if c["fits"]] or plan["advice"]["path"]
+    assert fitting, "some change or combination must make a 7B LoRA plan fit 24 GB"
+
+
+def test_nothing_fits_suggests_smaller_model_of_same_family(capsys):
+    code, out, _ = run_ok(["diagnose", "meta-llama/Llama-2-70b-hf", "--gpu-mem", "16GB", "--json"], capsys)
+    data = json.loads(out)
+    assert not any(p["fits"] for p in data["plans"])
+    sm = data["smaller_model"]
+    assert sm is not None and sm["model"].startswith("meta-llama/Llama-2-") and sm["params"] < 70e9
+    assert sm["memory"]["peak_device_bytes"] <= 16 * 10**9
+
+
+def test_table_output_and_local_config(capsys, tiny_config_path):
+    code, out, _ = run_ok(["diagnose", tiny_config_path, "--gpu-mem", "1GiB"], capsys)
+    assert "plan" in out and "fits" in out and "qlora" in out
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["diagnose", "meta-llama/Llama-9-7b"], "unknown model"),
+        (["diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24 parsecs"], "--gpu-mem"),
+        (["diagnose", "meta-llama/Llama-2-7b-hf", "--method", "full", "--quant", "nf4"], "--method full"),
+        (["diagnose", "meta-llama/Llama-2-7b-hf", "--optimizer", "adam"], "optimizer"),
+        (["diagnose", "meta-llama/Llama-2-7b-hf", "--micro-batch", "0"], "micro_batch"),
+        (["diagnose", "meta-llama/Llama-2-7b-hf", "--engine", "guess"], "engine"),
+    ],
+)
+def test_bad_input_exits_2_with_one_clear_message(args, needle, capsys):
+    code, out, err = run_cli(args, capsys)
+    assert code == 2
+    assert needle in err and "Traceback" not in err
+
+
+def test_malformed_config_exits_2(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text("{ not json")
+    code, _, err = run_cli(["diagnose", str(bad)], capsys)
+    assert code == 2 and "not valid JSON" in err
+
+
+def test_help_is_fast_and_imports_no_torch():
+    code = ("import sys, time; t=time.perf_counter(); from oomdoctor.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported at start-up'\n"
+            "assert 'transformers' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_analytic_diagnose_imports_no_torch():
+    code = ("import sys\nfrom oomdoctor.diagnose import diagnose\n"
+            "diagnose('meta-llama/Llama-2-7b-hf', gpu_mem=24*10**9)\n"
+            "assert 'torch' not in sys.modules, 'torch imported by the analytic path'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
