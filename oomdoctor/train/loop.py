@@ -204,6 +204,10 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     built = build_model(cfg, device, len(tok))
     model = built.model
     trainable = built.trainable
+    if device.type == "cpu" and built.num_params < 5_000_000 and "OMP_NUM_THREADS" not in os.environ:
+        # tiny models: thread fan-out costs more than the ops (measured 0.5 s vs 8 s for 4 steps on a loaded
+        # 2-core box); real models keep torch's default
+        torch.set_num_threads(1)
     if cfg.offload_optimizer:
         optimizer = CPUOffloadOptimizer(cfg, trainable)
     else:

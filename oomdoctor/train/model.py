@@ -18,7 +18,6 @@ otherwise ``activation_checkpointing_enable`` with ``use_reentrant=False``; then
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import tempfile
 import warnings
@@ -41,6 +40,7 @@ def quiet_hf() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
     warnings.filterwarnings("ignore", message=".*inputs will be cast.*")
+    warnings.filterwarnings("ignore", message=".*Could not find a config file.*")  # peft save of a random-init base
 
 
 def resolve_device(cfg: TrainConfig) -> torch.device:
@@ -134,8 +134,6 @@ def build_model(cfg: TrainConfig, device: torch.device, vocab_size: int) -> Buil
     wdtype = weight_dtype(cfg)
     qconf = _bnb_config(cfg)
     attn = cfg.model.attn_implementation
-    if qconf is not None and device.type == "cpu" and cfg.load_in_8bit and cfg.precision == "bf16":
-        pass  # bnb int8 on CPU computes in fp16 internally; allowed
     if cfg.model.init == "pretrained":
         try:
             model = AutoModelForCausalLM.from_pretrained(
@@ -216,10 +214,6 @@ def build_model(cfg: TrainConfig, device: torch.device, vocab_size: int) -> Buil
         num_trainable=sum(p.numel() for p in trainable),
         is_peft=is_peft,
     )
-
-
-def no_op_ctx():
-    return contextlib.nullcontext()
 
 
 __all__ = ["build_model", "load_tokenizer", "resolve_device", "weight_dtype", "autocast_dtype", "quiet_hf",

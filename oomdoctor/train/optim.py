@@ -45,8 +45,6 @@ def make_optimizer(cfg: TrainConfig, params: list, device: torch.device):
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=cfg.adam_epsilon, weight_decay=wd,
                                  foreach=impl == "foreach", fused=impl == "fused")
     if kind == "sgd":
-        if impl == "fused" and not hasattr(torch.optim.SGD, "_step_supports_amp_scaling"):
-            impl = "foreach"
         return torch.optim.SGD(params, lr=lr, momentum=cfg.sgd_momentum, weight_decay=wd,
                                foreach=impl == "foreach", fused=impl == "fused")
     if kind == "adafactor":
