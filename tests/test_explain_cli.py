@@ -126,3 +126,21 @@ def test_bad_config_is_exit_2(tmp_path):
     bad.write_text("method: sideways\n")
     p = run(str(DATA / "v22-forward-llama-trainer.txt"), "--config", str(bad))
     assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+def test_no_file_on_a_terminal_is_bad_input(monkeypatch):
+    from oomdoctor.cli.explain import _read_input
+    from oomdoctor.errors import BadInput
+
+    class Tty:
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdin", Tty())
+    with pytest.raises(BadInput, match="no input"):
+        _read_input(None)
+
+
+def test_directory_is_bad_input(tmp_path):
+    p = run(str(tmp_path))
+    assert p.returncode == 2 and "is a directory" in p.stderr
