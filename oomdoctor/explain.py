@@ -903,10 +903,12 @@ def _cpu_fixes() -> list[Fix]:
 def _phase_capacity_fixes(phase: str | None) -> list[Fix]:
     generic = _generic_capacity_fixes()
     by_id = {f.id: f for f in generic}
+    # Under no_grad (evaluation) and while saving, nothing is saved for backward: gradient checkpointing and the
+    # train micro-batch do not matter there; what sits on the card is weights and optimizer state.
     if phase == "evaluation":
-        return _eval_fixes() + generic
+        return _eval_fixes() + [by_id[i] for i in ("seq-len", "lora", "optimizer-8bit")]
     if phase == "checkpoint-save":
-        return _save_fixes() + generic
+        return _save_fixes() + [by_id[i] for i in ("lora", "optimizer-8bit")]
     if phase == "optimizer-step":
         return _optimizer_fixes() + [by_id[i] for i in ("lora", "gradient-checkpointing", "micro-batch", "seq-len")]
     if phase == "loss":

@@ -152,18 +152,19 @@ def _bar(r, width: int = 56) -> str | None:
 
 def _print(diag, source: str, note: str | None) -> None:
     from rich.console import Console
+    from rich.markup import escape as esc
     from rich.table import Table
 
     from oomdoctor.units import format_bytes as fb
 
     con = Console()
     r = diag.report
-    head = f"[bold]{_KIND.get(r.kind, r.kind)}[/] on {r.device}  [dim]({r.format} message, from {source})[/]"
+    head = f"[bold]{_KIND.get(r.kind, r.kind)}[/] on {r.device}  [dim]({esc(r.format)} message, from {esc(source)})[/]"
     con.print(head)
     if r.phase:
-        con.print(f"phase: [bold]{r.phase}[/]  [dim]{r.phase_frame or ''}[/]")
+        con.print(f"phase: [bold]{r.phase}[/]  [dim]{esc(r.phase_frame or '')}[/]")
     if r.failing_frame and r.failing_frame != r.phase_frame:
-        con.print(f"failing line: [dim]{r.failing_frame}[/]")
+        con.print(f"failing line: [dim]{esc(r.failing_frame)}[/]")
     if r.occurrences > 1 or r.ranks:
         ranks = f" on rank(s) {', '.join(map(str, r.ranks))}" if r.ranks else ""
         con.print(f"{r.occurrences} OOM message(s){ranks}; numbers below are from the first")
@@ -188,34 +189,39 @@ def _print(diag, source: str, note: str | None) -> None:
     for name, val, why in rows:
         if val is None and name in ("outside PyTorch",):
             continue
-        t.add_row(name, fb(val) if val is not None else "[dim]not printed[/]", why)
+        t.add_row(name, fb(val) if val is not None else "[dim]not printed[/]", esc(why))
     con.print(t)
     bar = _bar(r) if con.is_terminal else None
     if bar:
         con.print(bar)
     if diag.plan_label:
         cap = f" vs card {fb(diag.capacity_bytes)}" if diag.capacity_bytes else ""
-        con.print(f"your plan: [bold]{diag.plan_label}[/], memory-model peak {fb(diag.plan_peak_bytes)}"
+        con.print(f"your plan: [bold]{esc(diag.plan_label)}[/], memory-model peak {fb(diag.plan_peak_bytes)}"
                   f" ({diag.plan_peak_phase}){cap}")
         if note:
-            con.print(f"[dim]{note}[/]")
+            con.print(f"[dim]{esc(note)}[/]")
     con.print()
     con.print("[bold]Likely causes, most likely first[/]")
+    seen: set[str] = set()
     for i, c in enumerate(diag.causes, 1):
         con.print(f"[bold cyan]{i}. {c.id}[/]  [dim](weight {c.score:.2f})[/]")
         for e in c.evidence:
-            con.print(f"   - {e}")
-        shown = c.fixes[:4] if i == 1 else c.fixes[:2]
+            con.print(f"   - {esc(e)}")
+        fresh = [f for f in c.fixes if f.id not in seen]
+        shown = fresh[:4] if i == 1 else fresh[:2]
+        seen.update(f.id for f in shown)
+        if not fresh:
+            con.print("   [dim](fixes: see above)[/]")
         for j, f in enumerate(shown, 1):
             saves = ""
             if f.saves_bytes is not None:
                 verdict = {True: "[green]fits[/]", False: "[red]still too big[/]", None: ""}[f.fits]
                 saves = f"  [bold]saves {fb(f.saves_bytes)}[/] -> {fb(f.peak_after_bytes)} {verdict}"
-            con.print(f"   [green]fix {j}[/]: {f.text}{saves}")
-            con.print(f"          [bold]{f.how}[/]")
-        if len(shown) < len(c.fixes):
-            con.print(f"   [dim](+{len(c.fixes) - len(shown)} more fixes in --json)[/]")
+            con.print(f"   [green]fix {j}[/]: {esc(f.text)}{saves}")
+            con.print(f"          [bold]{esc(f.how)}[/]")
+        if len(shown) < len(fresh):
+            con.print(f"   [dim](+{len(fresh) - len(shown)} more fixes in --json)[/]")
     for n in r.notes:
-        con.print(f"[dim]note: {n}[/]")
+        con.print(f"[dim]note: {esc(n)}[/]")
     if diag.next_command:
-        con.print(f"next: [bold]{diag.next_command}[/]")
+        con.print(f"next: [bold]{esc(diag.next_command)}[/]")
