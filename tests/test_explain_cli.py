@@ -144,3 +144,13 @@ def test_no_file_on_a_terminal_is_bad_input(monkeypatch):
 def test_directory_is_bad_input(tmp_path):
     p = run(str(tmp_path))
     assert p.returncode == 2 and "is a directory" in p.stderr
+
+
+def test_rich_output_keeps_brackets_and_shows_eval_fixes_first():
+    p = run(str(DATA / "v21-capacty-eval-logits.txt"))
+    assert p.returncode == 0, p.stderr
+    out = " ".join(p.stdout.split())  # undo terminal wrapping
+    assert "[batch, seq, vocab]" in out  # not eaten as rich markup
+    assert "1. huge-allocation" in out
+    assert out.index("per_device_eval_batch_size=1") < out.index("2. capacity")
+    assert "phase: evaluation" in out
