@@ -206,7 +206,7 @@ class TrainConfig:
     def quant(self) -> str | None:
         if self.load_in_8bit:
             return "int8"
-        if self.load_in_4bit:
+        if self.load_in_4bit or self.method == "qlora":  # qlora without a load_in_* key means 4-bit nf4
             return self.bnb_4bit_quant_type
         return None
 
@@ -274,7 +274,7 @@ class TrainConfig:
                 lora_targets=targets,
                 lora_on_head=on_head,
                 quant=self.quant,  # type: ignore[arg-type]
-                double_quant=bool(self.bnb_4bit_use_double_quant and self.load_in_4bit),
+                double_quant=bool(self.bnb_4bit_use_double_quant and self.quant in ("nf4", "fp4")),
                 micro_batch=mb,
                 seq_len=self.seq_len,
                 grad_accum=ga,
