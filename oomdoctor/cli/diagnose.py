@@ -108,7 +108,7 @@ def _write_plot(report, path: str) -> None:
     if report.engine == "simulate" and len(report.results) == 1:
         from oomdoctor.simulate import simulate_plan
 
-        timeline = simulate_plan(report.spec, report.results[0].plan).timeline
+        timeline = simulate_plan(report.spec, report.results[0].plan, timeline=True).timeline
     if timeline is not None:
         plotting.plot_timeline(timeline, path, capacity_bytes=report.capacity_bytes)
     else:
