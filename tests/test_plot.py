@@ -139,3 +139,27 @@ def test_diagnose_cli_writes_plot(tmp_path):
     data = out.read_bytes()
     w, h = _png_size(data)
     assert len(data) > 20_000 and w > 800 and h > 300
+
+
+def test_diagnose_simulate_writes_timeline_html(tmp_path):
+    """`diagnose --engine simulate --plot x.html` on a tiny model: the live-bytes timeline of two real steps."""
+    import json
+
+    from conftest import TINY_LLAMA
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY_LLAMA))
+    out = tmp_path / "timeline.html"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OOMDOCTOR_OFFLINE": "1"}
+    p = subprocess.run(
+        [sys.executable, "-m", "oomdoctor", "diagnose", str(cfg), "--engine", "simulate", "--method", "full",
+         "--precision", "fp32", "--optimizer", "adamw", "--no-gradient-checkpointing", "--attn", "sdpa",
+         "--micro-batch", "2", "--seq-len", "64", "--plot", str(out)],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    text = out.read_text()
+    for phase in ("forward", "backward", "optimizer-step"):
+        assert f"peak of {phase}" in text
+    b64 = re.search(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text).group(1)
+    assert _png_size(base64.b64decode(b64))[0] > 800
