@@ -917,7 +917,8 @@ def _phase_capacity_fixes(phase: str | None) -> list[Fix]:
     return generic
 
 
-def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic") -> tuple[int, str, list[Fix]]:
+def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic",
+                    capacity_label: str | None = None) -> tuple[int, str, list[Fix]]:
     """(device peak of ``plan``, its peak phase, single-knob fixes sorted by bytes saved, largest first).
 
     The candidate changes and their prices come from ``oomdoctor.advice`` (one knob each, priced as
@@ -941,7 +942,7 @@ def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic") 
         end = advice.path[-1].plan
         after = estimate(spec, end, engine).peak_device
         steps = list(dict.fromkeys(ch.id for ch in advice.path))
-        mem = format_bytes(capacity).replace(" ", "") if capacity else "SIZE"
+        mem = capacity_label or (format_bytes(capacity).replace(" ", "") if capacity else "SIZE")
         fixes.insert(0, Fix(
             "combined",
             "No single change is enough; together (cheapest first): " + ", then ".join(steps) + ".",
@@ -961,10 +962,12 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
     fb = format_bytes
     causes: list[Cause] = []
 
+    # Echo the card the way the user gave it (--gpu-mem 24GB: decimal), else as torch printed it (GiB).
+    mem = format_bytes(cap, binary=capacity_bytes is None).replace(" ", "") if cap else "SIZE"
     plan_need = plan_phase = None
     plan_fixes: list[Fix] = []
     if spec is not None and plan is not None:
-        plan_need, plan_phase, plan_fixes = rank_plan_fixes(spec, plan, cap)
+        plan_need, plan_phase, plan_fixes = rank_plan_fixes(spec, plan, cap, capacity_label=mem)
 
     # Free memory the process could actually use: a per-process cap (set_per_process_memory_fraction) can bind first.
     Feff = F
@@ -1132,7 +1135,7 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
     nxt = None
     if r.kind not in ("cpu-allocator",):
         model = spec.name if spec is not None else "MODEL"
-        mem = format_bytes(cap, binary=True).replace(" ", "") if cap else "SIZE"
+
         nxt = f"oomdoctor tune {model} --gpu-mem {mem}"
     return Diagnosis(
         report=r,
