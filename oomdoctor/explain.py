@@ -32,7 +32,7 @@ some containers) or as ``0 bytes``; such values are reported as unknown (``None`
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from oomdoctor.errors import BadInput
 from oomdoctor.units import format_bytes, parse_size
@@ -72,7 +72,8 @@ class OomReport:
     """What one out-of-memory message says, as numbers. ``None`` wherever the message does not say."""
 
     kind: str
-    """``cuda-allocator`` (torch's caching allocator), ``cuda-error`` (``CUDA error: out of memory``), ``cpu-allocator``,
+    """``cuda-allocator`` (torch's caching allocator), ``cuda-error`` (``CUDA error: out of memory``),
+    ``cpu-allocator``,
     ``mps-allocator``, ``fsdp-clone-warning`` or ``quantized-offload`` (bitsandbytes model spilled to CPU/disk)."""
     format: str
     """Which wording was recognised, e.g. ``torch>=2.2``, ``torch-2.1``, ``torch<=2.0``."""
@@ -293,7 +294,8 @@ _CUDA_ERR_RE = re.compile(
     r"Cuda failure '?out of memory|CUDA driver error: out of memory|CUDNN_STATUS_ALLOC_FAILED"
 )
 _QUANT_RE = re.compile(
-    r"Some modules are dispatched on the CPU or the disk\.? Make sure you have enough GPU RAM to fit\s+the quantized model"
+    r"Some modules are dispatched on the CPU or the disk\.? Make sure you have enough GPU RAM to fit"
+    r"\s+the quantized model"
     r"|You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload"
 )
 _CLONE_RE = re.compile(r"Failed to clone\(\) tensor with name (\S+) on rank (\d+)")
@@ -912,8 +914,8 @@ def _phase_capacity_fixes(phase: str | None) -> list[Fix]:
     if phase == "optimizer-step":
         return _optimizer_fixes() + [by_id[i] for i in ("lora", "gradient-checkpointing", "micro-batch", "seq-len")]
     if phase == "loss":
-        return [_chunked_loss_fix()] + [by_id[i] for i in ("micro-batch", "seq-len", "gradient-checkpointing", "lora")] + \
-            _optimizer_fixes()
+        keep = ("micro-batch", "seq-len", "gradient-checkpointing", "lora")
+        return [_chunked_loss_fix()] + [by_id[i] for i in keep] + _optimizer_fixes()
     return generic
 
 
@@ -1135,7 +1137,6 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
     nxt = None
     if r.kind not in ("cpu-allocator",):
         model = spec.name if spec is not None else "MODEL"
-
         nxt = f"oomdoctor tune {model} --gpu-mem {mem}"
     return Diagnosis(
         report=r,
@@ -1172,4 +1173,3 @@ __all__ = [
     "CAUSE_IDS", "PHASES", "ProcessUse", "OomReport", "Fix", "Cause", "Diagnosis",
     "parse_oom", "detect_phase", "diagnose", "explain", "rank_plan_fixes",
 ]
-_ = field
