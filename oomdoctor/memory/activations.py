@@ -1,0 +1,311 @@
+"""Activations: tensors saved for backward by the transformer blocks, per block and in total, with and without
+gradient checkpointing, by attention implementation, for full fine-tuning and (Q)LoRA.
+
+Starting point: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv 2205.05198) §4.1, which counts ``sbh(34 + 5as/h)`` bytes per fp16 layer (attention ``11sbh + 5as²b``,
+MLP ``19sbh``, norms ``4sbh``). That count is for Megatron's GPT (GeLU MLP, fused kernels, dropout); here every term
+is recounted per tensor for what Hugging Face's modeling code actually saves (checked tensor by tensor against a
+real CPU step with a TorchDispatchMode, see ``tests/test_analytic_vs_cpu.py``):
+
+* RMSNorm (``LlamaRMSNorm``) upcasts to fp32 and saves the fp32 input (a copy under bf16, the input itself under
+  fp32), ``rsqrt`` (4 bytes/token) and, when its weight trains, the normalized ``y`` in the input dtype;
+  LayerNorm saves its input plus fp32 mean/rstd.
+* A linear saves its input for the weight gradient only when the weight trains; a frozen base linear saves
+  nothing (its input gradient needs only the weight). Under autocast each consumer saves its own low-precision
+  cast of an fp32 input (casts of non-leaf tensors are not cached).
+* peft LoRA per adapted module: the input cast to the fp32 adapter dtype, ``dropout(x)`` (saved by ``lora_A``) +
+  the dropout mask (bool on CUDA, 1 byte), and ``lora_A``'s output (r per token, saved by ``lora_B``). Without
+  dropout (``nn.Identity``) ``lora_A`` saves the (cast) input itself.
+* Rotary: ``q*cos + rotate_half(q)*sin`` saves nothing but produces new q/k (saved by attention).
+* SDPA / flash: q, k, v, output and the fp32 logsumexp (B·heads·S); GQA via ``enable_gqa`` keeps k/v at kv-head
+  size; the output's ``transpose(1,2).contiguous()`` is a no-op (kernels return B,S,H,D memory).
+  Eager: fp32 softmax probabilities (B·heads·S², ``softmax(dtype=float32)``) + their cast to the compute dtype,
+  repeated k/v for GQA, and a contiguous copy of the output (+ dropout mask/output when ``attention_dropout > 0``).
+* Gated MLP: gate output (saved by SiLU/GeLU), activation and up outputs (saved by the product), the product
+  (saved by ``down_proj``); plain MLP: fc1 output (saved by the activation) and the activation (saved by fc2).
+* Gradient checkpointing (non-reentrant, transformers' default ``use_reentrant=False``): only each block's input
+  is kept; in backward one block at a time is recomputed (early-stopped: its output is not rebuilt).
+
+Known limits: MoE experts are priced as ``experts_per_token`` dense MLPs on every token plus the token gathers
+(perfect load balance); T5 cross-attention and encoder/decoder length differences are approximated with one
+sequence length; activation functions implemented as several pointwise ops (GPT-2 ``gelu_new`` without a fused
+kernel) save more than one tensor and are priced as one; mem-efficient SDPA pads logsumexp to 32 rows (ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from oomdoctor.memory.context import HEAD_NAMES, Ctx
+from oomdoctor.spec import ModelSpec
+
+#: Per-token fp32 statistics an RMSNorm saves (rsqrt of the variance).
+RMS_STATS_BYTES = 4
+#: Per-token fp32 statistics a LayerNorm saves (mean and rstd).
+LN_STATS_BYTES = 8
+
+
+@dataclass(frozen=True)
+class LayerRoles:
+    """Per-layer linear groups of a spec sorted by role, with instances per layer (count / num_layers)."""
+
+    attn_in: tuple[tuple[str, int, int, float], ...]
+    """(name, in, out, per-layer multiplicity) of linears reading the attention norm output (q/k/v or fused qkv)."""
+    attn_out: tuple[tuple[str, int, int, float], ...]
+    mlp_in: tuple[tuple[str, int, int, float], ...]
+    mlp_out: tuple[tuple[str, int, int, float], ...]
+    router: tuple[tuple[str, int, int, float], ...]
+    attn_blocks: float
+    """Attention blocks per layer (2 for a T5 decoder layer with cross-attention, averaged over all layers)."""
+    mlp_tokens: float
+    """Tokens through the MLP per token (experts_per_token for MoE, else 1)."""
+    fused_up: bool
+    """gate and up are one linear of 2*intermediate (Phi-3)."""
+
+
+@lru_cache(maxsize=256)
+def layer_roles(spec: ModelSpec) -> LayerRoles:
+    """Classify per-layer linears by shape: MLP up (h -> I or 2I), MLP down (I -> h), router (h -> experts),
+    attention output (-> h), attention input (h -> ...)."""
+    h, inter = spec.hidden_size, spec.intermediate_size
+    L = max(spec.num_layers, 1)
+    E, k = spec.num_experts, spec.experts_per_token
+    attn_in, attn_out, mlp_in, mlp_out, router = [], [], [], [], []
+    fused_up = False
+    for g in spec.groups:
+        if g.kind != "linear" or not g.per_layer or g.name in HEAD_NAMES:
+            continue
+        mult = g.count / L
+        item = (g.name, g.in_features, g.out_features, mult)
+        if E and g.out_features == E and g.in_features == h:
+            router.append(item)
+        elif g.in_features == h and g.out_features in (inter, 2 * inter) and inter != h:
+            fused_up = fused_up or g.out_features == 2 * inter
+            mlp_in.append(item)
+        elif g.in_features == inter and g.out_features == h and inter != h:
+            mlp_out.append(item)
+        elif g.out_features == h and g.in_features != h:
+            attn_out.append(item)
+        elif g.in_features == h and g.out_features != h:
+            attn_in.append(item)
+        elif g.name.endswith(("o_proj", "o", "out_proj", "dense", "c_proj", "wo")) and not g.name.startswith(("mlp", "fc")):
+            attn_out.append(item)
+        else:
+            attn_in.append(item)
+    n_attn = sum(m for *_x, m in attn_out) or 1.0
+    if E:
+        # Expert groups repeat E times per layer; each token visits k of them.
+        mlp_in = [(n, i, o, m * k / E if m >= E - 1e-9 else m) for n, i, o, m in mlp_in]
+        mlp_out = [(n, i, o, m * k / E if m >= E - 1e-9 else m) for n, i, o, m in mlp_out]
+    mlp_tokens = float(k) if E else 1.0
+    return LayerRoles(
+        tuple(attn_in), tuple(attn_out), tuple(mlp_in), tuple(mlp_out), tuple(router), n_attn, mlp_tokens, fused_up
+    )
+
+
+def _config_float(spec: ModelSpec, *keys: str) -> float:
+    for key in keys:
+        v = spec.config.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return 0.0
+
+
+def norm_saved(c: Ctx, dim: int, tokens: int, x_bytes: int) -> int:
+    """Bytes one norm over ``dim`` saves for backward when its input requires grad."""
+    trainable = c.full
+    if c.spec.norm_kind == "rms":
+        # LlamaRMSNorm: x.to(fp32) (saved by pow and mul) + rsqrt + (weight * y saves y when the weight trains).
+        return tokens * (4 * dim + RMS_STATS_BYTES + (x_bytes * dim if trainable else 0))
+    # native_layer_norm saves input, mean, rstd (CUDA autocast runs layer_norm in fp32: input fp32 in mixed).
+    return tokens * (x_bytes * dim + LN_STATS_BYTES)
+
+
+def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_saved: bool = False) -> float:
+    """Bytes saved by the linears in ``consumers`` that read the same (tokens x in) tensor X of ``x_bytes``."""
+    if not consumers:
+        return 0.0
+    total = 0.0
+    if c.full:
+        if c.mixed and x_bytes == 4:
+            # autocast: each linear casts X to bf16 and saves its own copy
+            total += sum(2 * tokens * m_tok(c, m) * i for _n, i, _o, m in consumers)
+        elif not already_saved:
+            total += x_bytes * tokens * max(m_tok(c, m) * i for _n, i, _o, m in consumers)
+        return total
+    r = c.plan.lora_r
+    p = c.plan.lora_dropout
+    shared_x = False
+    for name, i, _o, m in consumers:
+        if not c.is_adapted(name):
+            continue
+        t = tokens * m_tok(c, m)
+        a_bytes = 2 if c.mixed else 4
+        if p > 0:
+            d_bytes = 2 if c.mixed else 4  # dropout output (fp32), re-cast to bf16 by autocast in mixed
+            total += t * i * (d_bytes + c.mask_b)
+        elif c.mixed:
+            total += 2 * t * i  # per-module cast of the (fp32) input to bf16
+        elif x_bytes == 4:
+            shared_x = True  # lora_A saves X itself (Identity dropout, no cast)
+        else:
+            total += 4 * t * i  # per-module fp32 copy from _cast_input_dtype
+        total += a_bytes * t * r
+    if shared_x and not already_saved:
+        total += x_bytes * tokens * max(m_tok(c, m) * i for _n, i, _o, m in consumers)
+    return total
+
+
+def m_tok(c: Ctx, m: float) -> float:
+    """Token multiplier of a group with ``m`` instances per layer: dense groups see every token once per instance."""
+    return m
+
+
+@dataclass(frozen=True)
+class LayerActs:
+    saved: int
+    """Bytes one block saves for backward (its own norm inputs included; its output is counted by the next norm)."""
+    first_layer_discount: int
+    """Bytes block 0 saves less when its input does not require grad (LoRA with frozen embeddings)."""
+    gc_saved: int
+    """Bytes one block keeps under gradient checkpointing (its input)."""
+    fwd_transient: int
+    """Peak bytes a block's forward holds beyond what it saves."""
+    bwd_extra: int
+    """Peak bytes a block's backward holds beyond its saved tensors (input/output grads, intermediate grads)."""
+    down_saved: int
+    """Bytes saved by the MLP output linear(s) (freed first in the block's backward)."""
+
+
+def layer_activations(c: Ctx) -> LayerActs:
+    spec, plan = c.spec, c.plan
+    roles = layer_roles(spec)
+    T, B, S = c.T, c.B, c.S
+    h, I = spec.hidden_size, spec.intermediate_size
+    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    qd, kvd = nh * hd, nkv * hd
+    ab, rb = c.ab, c.rb
+    n_att = roles.attn_blocks
+    ktok = roles.mlp_tokens
+
+    # --- norms over the hidden size (input: residual stream, rb bytes)
+    n_hidden_norms = c.sums.hidden_norms_per_layer or (1 if spec.parallel_attn else 2)
+    norms = n_hidden_norms * norm_saved(c, h, T, rb)
+    # per-head q/k norms (Qwen3): over q (T x qd) and k (T x kvd), input in the compute dtype
+    if c.sums.head_dim_norms_per_layer:
+        norms += norm_saved(c, qd, T, ab) + norm_saved(c, kvd, T, ab) - T * RMS_STATS_BYTES * 2 + T * 4 * (nh + nkv)
+
+    # --- attention
+    att = consumers_saved(c, T, rb, roles.attn_in)
+    qkv_out = sum(o * m for _n, _i, o, m in roles.attn_in) / max(n_att, 1e-9)  # q+k+v width per attention block
+    kv_w = max(qkv_out - qd, 2 * kvd) if qkv_out else qd + 2 * kvd
+    if plan.attn == "eager":
+        rep = qd / max(kvd, 1) if nkv and nkv != nh else 1.0
+        inner = ab * T * (qd + kv_w * rep)  # q, repeated k/v (copies when GQA)
+        inner += 4 * B * nh * S * S  # fp32 softmax output
+        if ab != 4:
+            inner += ab * B * nh * S * S  # probs cast back to the compute dtype (saved by matmul with v)
+        p_att = _config_float(spec, "attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")
+        if p_att > 0:
+            inner += (c.mask_b + ab) * B * nh * S * S
+        out_saved_by_attn = False
+        inner += ab * T * qd if c.full and not c.mixed else 0  # contiguous output copy saved by a trainable o_proj
+    else:
+        inner = ab * T * (qd + kv_w) + ab * T * qd + 4 * B * nh * S  # q,k,v + out + logsumexp
+        out_saved_by_attn = True
+    att += n_att * inner
+    att += consumers_saved(c, T, ab, roles.attn_out, already_saved=out_saved_by_attn or (c.full and not c.mixed))
+    if plan.attn == "eager" and c.full and c.mixed:
+        att += n_att * ab * T * qd  # o_proj saves the bf16 output copy (autocast cast is a no-op on bf16)
+
+    # --- MLP
+    gated = spec.mlp_kind == "gated"
+    if spec.num_experts:
+        # router reads the normed hidden states; each expert reads a gathered copy of its tokens (saved when the
+        # expert weights train) and its output is saved by the routing-weight product.
+        E = spec.num_experts
+        mlp = consumers_saved(c, T, rb, roles.router)
+        if c.full:
+            mlp += (2 if c.mixed and rb == 4 else rb) * T * h * ktok
+        else:
+            mlp += consumers_saved(c, T, rb, roles.mlp_in, already_saved=True)
+        mlp += ktok * ab * T * h + T * E * (4 + ab)  # expert outputs, router logits + fp32 routing softmax
+    else:
+        mlp = consumers_saved(c, T, rb, roles.mlp_in)
+        if spec.parallel_attn and c.full and not (c.mixed and rb == 4):
+            mlp -= rb * T * h  # attention and MLP read the same saved norm output
+    mlp += (3 if gated else 1) * ab * T * I * ktok  # gate (act input), act out, up  |  fc1 out (act input)
+    down = consumers_saved(c, T, ab, roles.mlp_out)
+    mlp += down
+
+    # --- hidden dropout (BERT/T5/GPT-2 style configs): a bool mask per dropout on the residual branch
+    p_hid = _config_float(spec, "hidden_dropout_prob", "hidden_dropout", "resid_pdrop", "dropout_rate", "dropout")
+    drop = 2 * c.mask_b * T * h if p_hid > 0 else 0
+
+    saved = int(norms + att + mlp + drop)
+
+    # LoRA: block 0's input does not require grad (frozen embedding): its first norm saves nothing and the
+    # dropout masks of the modules reading it are not kept.
+    discount = 0
+    if not c.full:
+        discount = norm_saved(c, h, T, rb)
+        if plan.lora_dropout > 0:
+            discount += sum(c.mask_b * T * i for n, i, _o, m in roles.attn_in if c.is_adapted(n))
+
+    gc_saved = rb * T * h
+
+    # forward transients: gated product inputs + output, mixed-precision fp32 rotary copies, LoRA fp32 branch
+    # outputs, eager scores.
+    fwd_t = 2 * rb * T * h + ab * T * I * ktok
+    if c.mixed:
+        fwd_t = max(fwd_t, 4 * T * (qd + kvd))
+    if not c.full and c.lora_groups:
+        widest = max((g.out_features for g in c.lora_groups if g.per_layer), default=0)
+        fwd_t = max(fwd_t, 3 * 4 * T * widest)
+    if plan.attn == "eager":
+        fwd_t = max(fwd_t, (2 * ab + 4) * B * nh * S * S)
+
+    # backward extras: MLP grads (3 intermediate-sized grads at the product's backward) and the residual grad
+    # flow (2 x hidden); SDPA/flash: dq/dk/dv + fp32 dq accumulator; eager: grad of probs + fp32 softmax grad.
+    flow = 2 * rb * T * h
+    mlp_b = ((3 if gated else 2) * ab * T * I * ktok) - down
+    att_b = ab * T * (qd + kv_w) + 4 * T * qd
+    if plan.attn == "eager":
+        att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w)
+    lora_b = 0
+    if not c.full:
+        # peft LoRA backward of one adapted module (in -> out), at the dropout backward where it peaks (measured on
+        # CPU): the output grad's fp32 cast (pure bf16) and its scaled copy (4·T·out each), the grad of lora_A's
+        # input (4·T·in) and one more fp32 hidden-sized grad; the module's saved tensors are still alive.
+        for _n, i, o, m in roles.attn_in + roles.attn_out + roles.mlp_in + roles.mlp_out:
+            if c.is_adapted(_n):
+                t = T * (m if m > 1 else 1)
+                n_out_grads = 1 if ab == 4 and not c.mixed else 2  # an fp32 grad needs no cast copy
+                lora_b = max(lora_b, t * (4 * n_out_grads * o + 4 * i) + 4 * T * h)
+    bwd_extra = int(flow + max(mlp_b, att_b, lora_b))
+    return LayerActs(saved, int(discount), gc_saved, int(fwd_t), bwd_extra, int(down))
+
+
+def shared_forward_bytes(c: Ctx) -> int:
+    """Tensors shared by all blocks during forward: rotary cos/sin (positions of batch 1) and, for eager, the 4-D
+    float causal mask (B x 1 x S x S in the residual dtype)."""
+    spec = c.spec
+    cos_sin = 2 * c.S * spec.head_dim * c.rb if spec.model_type not in ("gpt2", "bert", "t5") else 0
+    mask = c.rb * c.B * c.S * c.S if c.plan.attn == "eager" else 0
+    return cos_sin + mask
+
+
+def final_saved(c: Ctx) -> int:
+    """Final norm + what the head saves of its input (full: the normed hidden states; LoRA on the head: the
+    adapter's input copies). Encoder classifiers read the first token only."""
+    spec = c.spec
+    h = spec.hidden_size
+    tokens = c.T if spec.arch_kind != "encoder" else c.B
+    total = norm_saved(c, h, c.T, c.rb) if spec.arch_kind != "encoder" or spec.norm_kind == "rms" else 0
+    head = [(g.name, g.in_features, g.out_features, 1.0) for g in spec.groups if g.name in HEAD_NAMES]
+    if head:
+        total += consumers_saved(c, tokens, c.rb, head)
+    elif spec.tie_word_embeddings and c.full:
+        total += consumers_saved(c, tokens, c.rb, [("lm_head", h, spec.vocab_size, 1.0)])
+    return int(total)

@@ -1,0 +1,252 @@
+"""Analytic memory model: formulas only, no torch import, sub-millisecond per plan.
+
+``estimate_analytic(spec, plan)`` sums the component modules (``parameters``, ``lora``, ``gradients``,
+``optimizer``, ``activations``, ``logits``, ``runtime``) over a timeline of the steady-state training step (step >= 2,
+so the optimizer states exist) as the real Hugging Face step allocates it:
+
+* ``forward``: weights + optimizer states (+ gradients when ``grad_accum > 1``) + AMP weight copies + every saved
+  activation + the loss's logits (logits, fp32 upcast, log-probabilities) at the end of forward;
+* ``backward``: the largest of (a) the loss backward (log-probabilities, their gradient and the logits' gradient),
+  (b) the top block's backward (all activations still saved, head gradient allocated), (c) the bottom block's
+  backward (nearly every gradient allocated, one block's activations left; under gradient checkpointing the block
+  is recomputed), (d) the end of backward (all gradients);
+* ``optimizer-step``: weights + gradients + states + the step's temporaries (activations are freed).
+
+Peaks: ``peak_allocated`` = the largest phase (tensor bytes, what a TorchDispatchMode / ``max_memory_allocated``
+counts, minus the cuBLAS workspace); ``peak_reserved`` = allocated + allocator slack + cuBLAS workspace (allocator
+blocks); ``peak_device`` (nvidia-smi) = reserved + CUDA context + bitsandbytes paged optimizer state (unified memory
+outside the allocator, counted as resident: it only pages out under memory pressure).
+"""
+
+from __future__ import annotations
+
+from oomdoctor.memory import activations as act
+from oomdoctor.memory import gradients as grads
+from oomdoctor.memory import logits as lgt
+from oomdoctor.memory import optimizer as optm
+from oomdoctor.memory import parameters as prm
+from oomdoctor.memory import runtime as rt
+from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
+from oomdoctor.memory.context import HEAD_NAMES, Ctx, make_ctx
+from oomdoctor.memory.lora import adapter_bytes
+from oomdoctor.plan import Plan
+from oomdoctor.spec import ModelSpec
+
+PHASES = ("forward", "backward", "optimizer-step")
+
+
+def _persistent_tensors(c: Ctx, opt: optm.OptimizerMemory) -> list[tuple[int, int]]:
+    """(bytes, count) of the long-lived tensors, for the allocator's per-block rounding."""
+    out: list[tuple[int, int]] = []
+    n_states = 0
+    if opt.device:
+        n_states = 2 if c.plan.optimizer in ("adamw", "adamw-8bit", "paged-adamw", "paged-adamw-8bit") else 1
+    for g in c.spec.groups:
+        w = g.weight_numel * c.wb
+        if c.quant is not None and g.kind == "linear" and g.name not in HEAD_NAMES:
+            w = prm.nf4_weight_bytes(g.weight_numel) if c.quant != "int8" else g.weight_numel
+        k = g.count * ((1 + 1 + n_states) if c.full else 1)
+        out.append((w, k))
+        if g.bias_numel:
+            out.append((g.bias_numel * c.wb, k))
+    if not c.full:
+        r = c.plan.lora_r
+        for g in c.lora_groups:
+            out.append((r * g.in_features * 4, g.count * (2 + n_states)))
+            out.append((r * g.out_features * 4, g.count * (2 + n_states)))
+    return out
+
+
+def _components(**kw) -> dict[str, int]:
+    d = {k: 0 for k in TENSOR_COMPONENTS}
+    for k, v in kw.items():
+        d[k] = int(max(v, 0))
+    return d
+
+
+def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> MemoryBreakdown:
+    """Memory breakdown of one training step of ``spec`` under ``plan`` from formulas alone.
+
+    ``device="cpu"`` prices the same step as PyTorch runs it on the CPU (used by the CPU-vs-analytic tests): LoRA
+    dropout keeps an fp32 noise tensor instead of CUDA's bool mask, and there is no CUDA context/workspace.
+    """
+    c = make_ctx(spec, plan, device)
+    L = max(spec.num_layers, 1)
+    gc = plan.gradient_checkpointing
+    ga = plan.grad_accum > 1
+
+    # ---- model states
+    streamed = prm.streamed_weight_bytes(c)
+    P = prm.parameter_bytes(c) - streamed
+    A = adapter_bytes(c)
+    G = grads.gradient_bytes(c)
+    opt = optm.optimizer_memory(c)
+    O = opt.device
+
+    # ---- AMP weight copies (see parameters.amp_weight_copy_bytes)
+    M_all = prm.amp_weight_copy_bytes(c)
+    M_layer = prm.amp_weight_copy_bytes(c, layers=1)
+    M_head = M_all - prm.amp_weight_copy_bytes(c, layers=L)
+    if gc:
+        # Non-reentrant checkpointing drops the saved casts; the autocast cache keeps the trainable ones for the
+        # forward only. Forward end: trainable casts (cached) + the head's; backward: one block's + the head's.
+        trainable_casts = (c.lora_numel * 2) if not c.full else M_all
+        M_fwd = min(M_all, trainable_casts + M_head) if c.mixed else 0
+        M_top = M_head + M_layer
+    else:
+        M_fwd = M_all
+        M_top = M_all
+    M_bottom = M_layer
+
+    # ---- activations
+    la = act.layer_activations(c)
+    shared = act.shared_forward_bytes(c)
+    fin = act.final_saved(c)
+    lg = lgt.logits_memory(c)
+    if gc:
+        layers_saved = L * la.gc_saved
+        recompute = la.saved
+    else:
+        layers_saved = L * la.saved - la.first_layer_discount
+        recompute = 0
+    cpu_act = 0
+    if plan.offload_activations:
+        # save_on_cpu: packed tensors go to pinned host memory; one block's tensors are on the device while it
+        # runs (forward) or is back-propagated (unpacked copies).
+        cpu_act = layers_saved
+        layers_saved = 0
+        recompute = la.saved if not gc else la.saved
+    A_end = layers_saved + fin + shared
+
+    # ---- gradients along backward
+    G_emb = grads.embedding_gradient_bytes(c)
+    G_head = grads.head_gradient_bytes(c)
+    G_layer = grads.per_layer_gradient_bytes(c)
+    G_pre = G if ga else 0
+    if ga:
+        # accumulation: grads exist from the first micro-batch; each new grad is a transient added in place.
+        g_end = 0
+        g_new = max((n for n, _r, _k in optm.trainable_tensors(c)), default=0) * grads.param_bytes_per_trainable(c)
+        g_top = g_bottom = g_new
+    else:
+        g_top = G_head
+        roles = act.layer_roles(spec)
+        down_frac = 0.0
+        if c.full and c.sums.per_layer_numel:
+            down_frac = sum(i * o * m for _n, i, o, m in roles.mlp_out) / c.sums.per_layer_numel
+        g_bottom = max(0, G - G_emb - int(G_layer * (1 - down_frac)))
+        g_end = G
+
+    base = P + O
+    phases: dict[str, tuple[int, dict[str, int]]] = {}
+
+    # forward: end of forward (loss) or the last block's working set
+    fwd_extra_logits = lg.forward_peak
+    fwd_tmp = la.fwd_transient if not plan.offload_activations else la.fwd_transient + la.saved
+    if fwd_extra_logits >= fwd_tmp:
+        fwd = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
+                          activations=A_end, logits=fwd_extra_logits)
+    else:
+        fwd = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
+                          activations=A_end - fin, temporaries=fwd_tmp)
+    phases["forward"] = (sum(fwd.values()), fwd)
+
+    # backward candidates
+    cands = []
+    cands.append(_components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
+                             activations=A_end, logits=lg.backward_peak))
+    top_acts = layers_saved + shared + (recompute if (gc or plan.offload_activations) else 0)
+    cands.append(_components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
+                             activations=top_acts, temporaries=la.bwd_extra))
+    if gc:
+        bottom_acts = la.gc_saved + la.saved - la.first_layer_discount + shared
+    elif plan.offload_activations:
+        bottom_acts = la.saved - la.first_layer_discount + shared
+    else:
+        bottom_acts = la.saved - la.first_layer_discount + shared
+    cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom, optimizer_states=O,
+                             activations=bottom_acts, temporaries=la.bwd_extra))
+    cands.append(_components(parameters=P, gradients=G_pre + (g_end if not ga else 0), optimizer_states=O))
+    bwd = max(cands, key=lambda d: sum(d.values()))
+    phases["backward"] = (sum(bwd.values()), bwd)
+
+    # optimizer step
+    if plan.offload_optimizer:
+        step = _components(parameters=P, gradients=G)
+    else:
+        step = _components(parameters=P, gradients=G, optimizer_states=O, temporaries=opt.temporaries)
+    phases["optimizer-step"] = (sum(step.values()), step)
+
+    peak_phase = max(PHASES, key=lambda p: phases[p][0])
+    peak_alloc, comps = phases[peak_phase]
+    transient = comps["activations"] + comps["logits"] + comps["temporaries"] + comps["master_weights"]
+    slack = rt.allocator_slack_bytes(_persistent_tensors(c, opt), transient) if device == "cuda" else 0
+    cublas = rt.cublas_workspace_bytes(c)
+    ctx_bytes = rt.cuda_context_bytes(c)
+    reserved = peak_alloc + slack + cublas
+    device_peak = reserved + ctx_bytes + opt.paged
+
+    return MemoryBreakdown(
+        parameters=comps["parameters"],
+        adapters=A,
+        master_weights=comps["master_weights"],
+        gradients=comps["gradients"],
+        optimizer_states=comps["optimizer_states"],
+        activations=comps["activations"],
+        logits=comps["logits"],
+        temporaries=comps["temporaries"],
+        allocator_slack=slack,
+        cuda_context=ctx_bytes,
+        cublas_workspace=cublas,
+        paged_optimizer=opt.paged,
+        cpu_offloaded=opt.cpu + streamed + cpu_act,
+        peak_allocated=peak_alloc,
+        peak_reserved=reserved,
+        peak_device=device_peak,
+        peak_phase=peak_phase,
+        phases={p: phases[p][0] for p in PHASES},
+        engine="analytic",
+        notes=tuple(_notes(c)),
+    )
+
+
+def _notes(c: Ctx) -> list[str]:
+    spec, plan = c.spec, c.plan
+    notes = []
+    if plan.precision == "fp16-mixed":
+        notes.append("fp16-mixed is priced like bf16-mixed (same 2-byte copies); GradScaler buffers are ignored")
+    if c.mixed and not c.full and c.quant is None:
+        notes.append(
+            "LoRA on an fp32 base under autocast: every frozen linear's bf16 cast is saved for backward "
+            "(counted as AMP weight copies); load the base in bf16 (precision bf16) to avoid it"
+        )
+    if c.quant is not None and plan.precision == "bf16":
+        notes.append(
+            "QLoRA in pure bf16 assumes prepare_model_for_kbit_training is not applied (it would upcast "
+            "embeddings, norms and the head to fp32)"
+        )
+    if spec.num_experts:
+        notes.append("MoE: experts_per_token dense MLPs per token with perfect load balance (real routing varies)")
+    if spec.arch_kind == "encoder-decoder":
+        notes.append("encoder-decoder: decoder length taken equal to seq_len; cross-attention approximated")
+    if plan.attn == "eager":
+        notes.append("eager attention saves fp32 B*heads*S^2 probabilities per layer (grows with seq_len^2)")
+    if plan.grad_accum > 1:
+        notes.append("grad_accum > 1: gradients stay allocated through every micro-batch's forward/backward")
+    if plan.offload_params:
+        notes.append("offload_params: two blocks' weights resident at a time (double-buffered streaming)")
+    if plan.offload_activations:
+        notes.append("offload_activations: one block's saved tensors on the device at a time (save_on_cpu)")
+    if plan.optimizer_is_paged:
+        notes.append(
+            "paged optimizer states live in CUDA unified memory: counted in peak_device, not peak_allocated; "
+            "they page to host RAM under memory pressure"
+        )
+    if c.device == "cuda":
+        notes.append(
+            "cuBLAS workspace (2 x 32 MiB on Hopper) is an allocator block: counted in peak_reserved, "
+            "not in peak_allocated"
+        )
+    if plan.world_size > 1:
+        notes.append("world_size > 1 is not modelled (per-device memory of one replica)")
+    return notes

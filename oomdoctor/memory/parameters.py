@@ -1,0 +1,113 @@
+"""Weights on the device: unquantized (fp32 / bf16), bitsandbytes int8 and 4-bit (NF4/FP4, double quantization),
+LoRA adapters, and AMP's low-precision weight copies. Pure functions of (ModelSpec, Plan) returning bytes.
+"""
+
+from __future__ import annotations
+
+from oomdoctor.memory.context import Ctx
+from oomdoctor.memory.lora import adapter_bytes
+
+#: bitsandbytes 4-bit: one absmax per block of 64 weights (``quantize_4bit`` default blocksize; QLoRA paper §2,
+#: Dettmers et al. 2023, arXiv 2305.14314).
+NF4_BLOCKSIZE = 64
+#: Double quantization quantizes the fp32 absmax values to 8 bit in blocks of 256 (QLoRA §2 "Double
+#: Quantization"; bitsandbytes ``functional.quantize_4bit(compress_statistics=True)`` -> ``quantize_blockwise(...,
+#: blocksize=256)``).
+DQ_BLOCKSIZE = 256
+#: Per quantized tensor constants: the 4-bit code (16 fp32) and, with double quant, the 8-bit code (256 fp32) and
+#: the fp32 offset (bitsandbytes ``QuantState``).
+NF4_CODE_BYTES = 16 * 4
+DQ_CODE_BYTES = 256 * 4 + 4
+
+
+def nf4_weight_bytes(numel: int, double_quant: bool = False) -> int:
+    """Bytes of one bnb ``Params4bit`` weight of ``numel`` elements with its ``QuantState``.
+
+    Packed uint8 data: two 4-bit values per byte (numel/2). Absmax: one fp32 per 64-block; with double quant one
+    uint8 per 64-block plus one fp32 absmax per 256 of those (+ code and offset). Source: QLoRA (Dettmers et al.
+    2023) §2; bitsandbytes ``functional.quantize_4bit``. Same layout for FP4.
+    Limit: ignores the per-tensor 512-byte allocator rounding (priced as allocator slack).
+    """
+    blocks = -(-numel // NF4_BLOCKSIZE)
+    data = -(-numel // 2)
+    if double_quant:
+        blocks2 = -(-blocks // DQ_BLOCKSIZE)
+        return data + blocks + blocks2 * 4 + NF4_CODE_BYTES + DQ_CODE_BYTES
+    return data + blocks * 4 + NF4_CODE_BYTES
+
+
+def int8_weight_bytes(numel: int, out_features: int) -> int:
+    """Bytes of one bnb ``Linear8bitLt`` weight: int8 data plus one fp32 row scale (``SCB``) per output row.
+
+    Source: LLM.int8() (Dettmers et al. 2022, arXiv 2208.07339), vector-wise quantization; bitsandbytes
+    ``Int8Params`` (``CB`` int8, ``SCB`` fp32 of shape (out_features,)).
+    Limit: outlier columns extracted at threshold 6.0 are transient (per call), not counted here.
+    """
+    return numel + 4 * out_features
+
+
+def base_weight_bytes(c: Ctx) -> int:
+    """Stored bytes of the base model's weights (without adapters).
+
+    Unquantized weights take ``c.wb`` bytes each. With bitsandbytes, every ``nn.Linear`` but the output head is
+    quantized (transformers' ``get_keys_to_not_convert`` keeps the head); embeddings, norms and biases stay in the
+    weight dtype. The plan's weight dtype for ``*-mixed`` is fp32, so peft's ``prepare_model_for_kbit_training``
+    (which upcasts every non-4-bit fp16/bf16 parameter to fp32, peft ``utils/other.py``) changes nothing there; for
+    pure ``bf16`` we assume it is not applied (the non-quantized modules stay bf16). Sizes: ZeRO paper (Rajbhandari
+    et al. 2020) §3.1 "model states" (2 bytes/param fp16, 4 bytes fp32).
+    """
+    s = c.sums
+    if c.quant is None:
+        return (s.linear_numel + s.head_numel + s.embed_numel + s.other_numel) * c.wb
+    q = 0
+    for g in c.spec.groups:
+        if g.kind != "linear" or g.name in ("lm_head", "score", "classifier"):
+            continue
+        if c.quant == "int8":
+            q += int8_weight_bytes(g.weight_numel, g.out_features) * g.count
+        else:
+            q += nf4_weight_bytes(g.weight_numel, c.plan.double_quant) * g.count
+    return q + (s.head_numel + s.embed_numel + s.other_numel) * c.wb
+
+
+def parameter_bytes(c: Ctx) -> int:
+    """Everything the model holds on the device: base weights + LoRA adapters (fp32, see ``lora.py``)."""
+    return base_weight_bytes(c) + adapter_bytes(c)
+
+
+def streamed_weight_bytes(c: Ctx) -> int:
+    """With ``offload_params``: base weights that live on the CPU and are streamed one block at a time.
+
+    Model: every per-layer weight is on the CPU; two blocks are resident (the one computing + the prefetched one,
+    accelerate/DeepSpeed-style double buffering). Embedding, head and norms stay on the device.
+    Limit: real offload engines differ (accelerate ``cpu_offload`` streams per module, DeepSpeed ZeRO-Infinity
+    prefetches by bucket size).
+    """
+    if not c.plan.offload_params:
+        return 0
+    per_layer = c.sums.per_layer_numel * c.wb
+    return max(0, per_layer * c.spec.num_layers - 2 * per_layer)
+
+
+def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
+    """AMP's low-precision copies of fp32 weights that are alive while their layer's activations are.
+
+    Under ``torch.autocast`` (``*-mixed``) every matmul casts its fp32 weight to the compute dtype. For a leaf that
+    requires grad the cast is cached for the whole forward (``cached_cast`` in torch ``aten/src/ATen/autocast_mode.cpp``,
+    Apex's heuristic); for a frozen weight it is redone per call. Either way the copy is saved for backward (the
+    input gradient needs the weight), so it lives until that layer's backward: 2 bytes per linear weight (+bias) that
+    is not quantized — the full linear set for full fine-tuning and for LoRA on an fp32 base (frozen copies), the
+    adapters only for QLoRA (bitsandbytes dequantizes per call, nothing saved). Embeddings and norm weights are not
+    cast (not autocast ops). ``layers``: how many blocks' copies are alive (None = the whole model).
+    Limit: fp16-mixed and bf16-mixed are both priced at 2 bytes; ``GradScaler`` buffers are ignored (tiny).
+    """
+    if not c.mixed:
+        return 0
+    s = c.sums
+    L = max(c.spec.num_layers, 1)
+    adapters = c.lora_numel * 2
+    base_layer = 0 if c.quant is not None else s.linear_numel * 2
+    head = (s.head_numel or (s.embed_numel if c.spec.tie_word_embeddings else 0)) * 2
+    if layers is None:
+        return base_layer + head + adapters
+    return int((base_layer + adapters) * layers / L)
