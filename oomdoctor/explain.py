@@ -20,6 +20,7 @@ prints ``N bytes`` up to 1 KiB, then KiB/MiB/GiB with two decimals; larger units
   CUDA context creation, cuBLAS/NCCL workspaces);
 * CPU: ``DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes`` (and the older
   ``not enough memory`` wording);
+* accelerate's ``No executable batch size found, reached zero.`` (``auto_find_batch_size`` after OOMs at every size);
 * transformers/accelerate refusing a bitsandbytes-quantized model that ``device_map="auto"`` spilled to CPU/disk
   (``Some modules are dispatched on the CPU or the disk. Make sure you have enough GPU RAM to fit the quantized
   model...``, ``You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload``).
@@ -74,7 +75,8 @@ class OomReport:
     kind: str
     """``cuda-allocator`` (torch's caching allocator), ``cuda-error`` (``CUDA error: out of memory``),
     ``cpu-allocator``,
-    ``mps-allocator``, ``fsdp-clone-warning`` or ``quantized-offload`` (bitsandbytes model spilled to CPU/disk)."""
+    ``mps-allocator``, ``fsdp-clone-warning``, ``quantized-offload`` (bitsandbytes model spilled to CPU/disk) or
+    ``batch-size-exhausted`` (accelerate/HF auto batch size gave up: every batch size down to 1 ran out of memory)."""
     format: str
     """Which wording was recognised, e.g. ``torch>=2.2``, ``torch-2.1``, ``torch<=2.0``."""
     device: str
@@ -299,6 +301,7 @@ _QUANT_RE = re.compile(
     r"|You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload"
 )
 _CLONE_RE = re.compile(r"Failed to clone\(\) tensor with name (\S+) on rank (\d+)")
+_EXHAUSTED_RE = re.compile(r"No executable batch size found, reached zero")
 
 
 def _is_absurd(value: int | None, total: int | None) -> bool:
@@ -561,6 +564,7 @@ def parse_oom(text: str) -> OomReport:
     quant = _QUANT_RE.search(flat)
     cerr = _CUDA_ERR_RE.search(flat)
     clone = _CLONE_RE.search(flat)
+    exhausted = _EXHAUSTED_RE.search(flat)
 
     ranks = sorted({r for r, ln in zip(line_ranks, lines) if r is not None and re.search(
         r"out of memory|DefaultCPUAllocator|Failed to clone|dispatched on the CPU", ln, re.I)})
@@ -616,6 +620,14 @@ def parse_oom(text: str) -> OomReport:
                       "CPU/disk because the GPU had too little free memory at load time"],
         }
         message = quant.group(0)
+    elif exhausted:
+        kind, anchor, occurrences = "batch-size-exhausted", exhausted.start(), 1
+        fields = {
+            "format": "accelerate", "device": "cuda",
+            "notes": ["accelerate's find_executable_batch_size (HF auto_find_batch_size) halved the batch after "
+                      "every OOM it caught until it reached zero; the OOM messages themselves were swallowed"],
+        }
+        message = exhausted.group(0)
     elif cerr:
         kind, anchor, occurrences = "cuda-error", cerr.start(), len(_CUDA_ERR_RE.findall(flat))
         fields = {
@@ -1089,6 +1101,11 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
         ev.append("the quantized model did not fit in the GPU memory that was free when it was loaded")
     elif r.kind == "cuda-error":
         ev.append("no numbers are printed; check the plan against the card with `oomdoctor diagnose`")
+    elif r.kind == "batch-size-exhausted":
+        score = 0.8
+        ev.append("even a batch of 1 ran out of memory: the model and plan need more than the card at any batch size "
+                  "(or the OOM came from evaluation: auto_find_batch_size shrinks the train batch for eval OOMs "
+                  "too, transformers#32215)")
     if r.allowed_bytes is not None and R is not None and r.reserved_bytes is not None and F is not None \
             and r.reserved_bytes + R > r.allowed_bytes and F >= R:
         score = max(score, 0.9)
@@ -1122,6 +1139,8 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
                      "torch.cuda.set_per_process_memory_fraction(0.95)  # or remove the call")] + fixes
     if r.kind == "cpu-allocator":
         fixes = _cpu_fixes()
+    elif r.kind == "batch-size-exhausted":
+        fixes = [f for f in _generic_capacity_fixes() if f.id != "micro-batch"] + _eval_fixes()[:1]
     elif r.kind == "quantized-offload":
         fixes = _quant_offload_fixes()
     if plan_fixes:

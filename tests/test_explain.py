@@ -69,6 +69,8 @@ CASES = {
                                "12.91 GiB", "1.24 GiB", 0, "backward", "capacity"),
     "xpu-intel-forward": ("cuda-allocator", "torch-xpu", "xpu:0", "136.00 MiB", "15.11 GiB", None, "14.62 GiB",
                           "171.35 MiB", None, "forward", "capacity"),
+    "accelerate-batch-size-exhausted": ("batch-size-exhausted", "accelerate", "cuda", None, None, None, None, None,
+                                        None, None, "capacity"),
     "deepspeed-save-checkpoint": ("cuda-allocator", "torch>=2.2", "cuda:0", "1002.00 MiB", "23.55 GiB",
                                   "817.94 MiB", "21.47 GiB", "827.63 MiB", 0, "checkpoint-save", "capacity"),
 }
@@ -84,7 +86,7 @@ def test_data_set_covers_every_format_cause_and_phase():
     assert len(files) >= 15
     kinds = {c[0] for c in CASES.values()}
     assert kinds == {"cuda-allocator", "fsdp-clone-warning", "cuda-error", "cpu-allocator", "mps-allocator",
-                     "quantized-offload"}
+                     "quantized-offload", "batch-size-exhausted"}
     formats = {c[1] for c in CASES.values()}
     assert {"torch>=2.2", "torch-2.1", "torch<=2.0", "torch<1.5"} <= formats
     assert {c[9] for c in CASES.values()} >= set(PHASES)
