@@ -718,10 +718,9 @@ def _frag_fixes(r: OomReport) -> list[Fix]:
         "expandable-segments",
         "Let the allocator grow segments instead of caching fixed-size blocks, so reserved-but-unallocated memory can "
         "serve big requests. Set it before the first CUDA allocation (before `import torch`); if it was already set, "
-        "fragmentation is not the cause (torch prints this hint regardless, pytorch#173049).",
-        f"export {var}=expandable_segments:True"
-        + ("  (torch >= 2.9 reads PYTORCH_ALLOC_CONF; the old name still works)" if var == "PYTORCH_CUDA_ALLOC_CONF"
-           else ""),
+        "fragmentation is not the cause (torch prints this hint regardless, pytorch#173049)."
+        + (" Newer torch also reads the name PYTORCH_ALLOC_CONF." if var == "PYTORCH_CUDA_ALLOC_CONF" else ""),
+        f"export {var}=expandable_segments:True",
     ))
     fixes.append(Fix(
         "constant-shapes",
