@@ -496,7 +496,11 @@ def _resolve_path(p: str, base_dirs: list[Path]) -> str | None:
 
 
 def _looks_like_hub_id(p: str) -> bool:
-    return p.count("/") == 1 and not p.startswith((".", "/", "~")) and not Path(p).suffix
+    """``org/name`` (HF repo id syntax: letters, digits, ``-``, ``_``, ``.``), not a relative file path."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", p)) and not p.endswith(
+        (".json", ".yaml", ".yml", ".jsonl", ".safetensors", ".bin"))
 
 
 def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None = None,
