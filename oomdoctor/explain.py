@@ -20,6 +20,7 @@ prints ``N bytes`` up to 1 KiB, then KiB/MiB/GiB with two decimals; larger units
   CUDA context creation, cuBLAS/NCCL workspaces);
 * CPU: ``DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes`` (and the older
   ``not enough memory`` wording);
+* the Linux OOM killer (``Out of memory: Killed process N (python) total-vm:...kB, anon-rss:...kB``);
 * accelerate's ``No executable batch size found, reached zero.`` (``auto_find_batch_size`` after OOMs at every size);
 * transformers/accelerate refusing a bitsandbytes-quantized model that ``device_map="auto"`` spilled to CPU/disk
   (``Some modules are dispatched on the CPU or the disk. Make sure you have enough GPU RAM to fit the quantized
@@ -76,7 +77,8 @@ class OomReport:
     """``cuda-allocator`` (torch's caching allocator), ``cuda-error`` (``CUDA error: out of memory``),
     ``cpu-allocator``,
     ``mps-allocator``, ``fsdp-clone-warning``, ``quantized-offload`` (bitsandbytes model spilled to CPU/disk) or
-    ``batch-size-exhausted`` (accelerate/HF auto batch size gave up: every batch size down to 1 ran out of memory)."""
+    ``batch-size-exhausted`` (accelerate/HF auto batch size gave up: every batch size down to 1 ran out of memory)
+    or ``cpu-oom-killer`` (the Linux kernel killed the process: host RAM)."""
     format: str
     """Which wording was recognised, e.g. ``torch>=2.2``, ``torch-2.1``, ``torch<=2.0``."""
     device: str
@@ -302,6 +304,11 @@ _QUANT_RE = re.compile(
 )
 _CLONE_RE = re.compile(r"Failed to clone\(\) tensor with name (\S+) on rank (\d+)")
 _EXHAUSTED_RE = re.compile(r"No executable batch size found, reached zero")
+# Linux kernel OOM killer (dmesg / journalctl -k): the host ran out of RAM and killed the process.
+_OOM_KILLER_RE = re.compile(
+    r"Out of memory: Kill(?:ed)? process (\d+) \(([^)]*)\)(?: score \d+ or sacrifice child)?"
+    r"(?:,? total-vm:(\d+)kB, anon-rss:(\d+)kB)?"
+)
 
 
 def _is_absurd(value: int | None, total: int | None) -> bool:
@@ -565,6 +572,7 @@ def parse_oom(text: str) -> OomReport:
     cerr = _CUDA_ERR_RE.search(flat)
     clone = _CLONE_RE.search(flat)
     exhausted = _EXHAUSTED_RE.search(flat)
+    killer = _OOM_KILLER_RE.search(flat)
 
     ranks = sorted({r for r, ln in zip(line_ranks, lines) if r is not None and re.search(
         r"out of memory|DefaultCPUAllocator|Failed to clone|dispatched on the CPU", ln, re.I)})
@@ -612,6 +620,15 @@ def parse_oom(text: str) -> OomReport:
         kind, anchor, occurrences = "cpu-allocator", cpu.start(), len(_CPU_RE.findall(flat))
         fields = {"format": "torch-cpu", "device": "cpu", "requested_bytes": int(cpu.group(1)), "notes": []}
         message = cpu.group(0)
+    elif killer:
+        kind, anchor, occurrences = "cpu-oom-killer", killer.start(), len(_OOM_KILLER_RE.findall(flat))
+        rss = int(killer.group(4)) * 1024 if killer.group(4) else None
+        fields = {
+            "format": "linux-oom-killer", "device": "cpu", "this_process_bytes": rss,
+            "notes": [f"the kernel killed process {killer.group(1)} ({killer.group(2)}): host RAM, not the GPU"
+                      + (f"; it held {format_bytes(rss)} resident" if rss else "")],
+        }
+        message = killer.group(0)
     elif quant:
         kind, anchor, occurrences = "quantized-offload", quant.start(), 1
         fields = {
@@ -1095,6 +1112,10 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
     if r.kind == "cpu-allocator":
         score = 0.7
         ev.append(f"the host could not provide {fb(R)} of RAM")
+    elif r.kind == "cpu-oom-killer":
+        score = 0.8
+        ev.append("the Linux OOM killer ended the process: host RAM (plus swap) was exhausted"
+                  + (f"; the process held {fb(r.this_process_bytes)} resident" if r.this_process_bytes else ""))
     elif r.kind == "quantized-offload":
         score = 0.8
         ev.append("the quantized model did not fit in the GPU memory that was free when it was loaded")
@@ -1136,7 +1157,7 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
     if r.allowed_bytes is not None:
         fixes = [Fix("memory-fraction", "Raise or drop the per-process memory cap this process set.",
                      "torch.cuda.set_per_process_memory_fraction(0.95)  # or remove the call")] + fixes
-    if r.kind == "cpu-allocator":
+    if r.kind in ("cpu-allocator", "cpu-oom-killer"):
         fixes = _cpu_fixes()
     elif r.kind == "batch-size-exhausted":
         fixes = [f for f in _generic_capacity_fixes() if f.id != "micro-batch"] + _eval_fixes()[:1]
@@ -1153,7 +1174,7 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
 
     causes.sort(key=lambda c: -c.score)
     nxt = None
-    if r.kind not in ("cpu-allocator",):
+    if r.kind not in ("cpu-allocator", "cpu-oom-killer"):
         model = spec.name if spec is not None else "MODEL"
         nxt = f"oomdoctor tune {model} --gpu-mem {mem}"
     return Diagnosis(

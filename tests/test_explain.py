@@ -71,6 +71,8 @@ CASES = {
                           "171.35 MiB", None, "forward", "capacity"),
     "accelerate-batch-size-exhausted": ("batch-size-exhausted", "accelerate", "cuda", None, None, None, None, None,
                                         None, None, "capacity"),
+    "linux-oom-killer-offload": ("cpu-oom-killer", "linux-oom-killer", "cpu", None, None, None, None, None, None,
+                                 None, "capacity"),
     "deepspeed-save-checkpoint": ("cuda-allocator", "torch>=2.2", "cuda:0", "1002.00 MiB", "23.55 GiB",
                                   "817.94 MiB", "21.47 GiB", "827.63 MiB", 0, "checkpoint-save", "capacity"),
 }
@@ -86,7 +88,7 @@ def test_data_set_covers_every_format_cause_and_phase():
     assert len(files) >= 15
     kinds = {c[0] for c in CASES.values()}
     assert kinds == {"cuda-allocator", "fsdp-clone-warning", "cuda-error", "cpu-allocator", "mps-allocator",
-                     "quantized-offload", "batch-size-exhausted"}
+                     "quantized-offload", "batch-size-exhausted", "cpu-oom-killer"}
     formats = {c[1] for c in CASES.values()}
     assert {"torch>=2.2", "torch-2.1", "torch<=2.0", "torch<1.5"} <= formats
     assert {c[9] for c in CASES.values()} >= set(PHASES)
@@ -287,6 +289,12 @@ def test_tracking_cap_message_round_trips():
     assert r.total_bytes == 8 * GiB
     assert r.free_bytes == S("901.00 MiB")
     assert r.allocated_bytes == S("7.12 GiB")
+
+
+def test_oom_killer_reads_resident_memory():
+    r = parse_oom((DATA / "linux-oom-killer-offload.txt").read_text())
+    assert r.this_process_bytes == 61423112 * 1024
+    assert "48211" in r.message
 
 
 def test_jupyter_traceback_frames():

@@ -124,6 +124,7 @@ _KIND = {
     "cpu-allocator": "host RAM exhausted (CPU allocator)",
     "mps-allocator": "out of memory on Apple MPS",
     "quantized-offload": "quantized model does not fit on the GPU at load time",
+    "cpu-oom-killer": "killed by the Linux OOM killer (host RAM)",
     "batch-size-exhausted": "automatic batch size search ran out of memory at every size",
 }
 
