@@ -657,7 +657,8 @@ def parse_oom(text: str) -> OomReport:
     else:
         raise BadInput(
             "no out-of-memory error found in the input (looked for PyTorch CUDA/HIP/XPU/MPS/CPU allocator "
-            "messages, 'CUDA error: out of memory', FSDP clone warnings and bitsandbytes offload errors)",
+            "messages, 'CUDA error: out of memory', FSDP clone warnings, bitsandbytes/accelerate offload errors, "
+            "accelerate's 'No executable batch size found' and the Linux OOM killer)",
             "pass the full log or traceback, e.g. `python train.py 2>&1 | oomdoctor explain -`",
         )
 
