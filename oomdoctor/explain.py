@@ -1067,7 +1067,10 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
     ev, score = [], 0.0
     if R is not None:
         if r.kind == "cpu-allocator":
-            if R >= 8 * GiB:
+            if R >= 2**40:
+                score = 0.95
+                ev.append(f"one host allocation of {fb(R)}: more than any machine's RAM, a shape or size bug")
+            elif R >= 8 * GiB:
                 score = 0.6
                 ev.append(f"one host allocation of {fb(R)}")
         elif T:

@@ -329,3 +329,20 @@ def test_plan_flags_without_model_drop_fixes_already_applied():
     ids = [f.id for c in diagnose(r, plan=plan).causes if c.id == "capacity" for f in c.fixes]
     assert "gradient-checkpointing" not in ids and "micro-batch" not in ids
     assert "seq-len" in ids
+
+
+def test_real_torch_cpu_oom_traceback():
+    """A real CPU allocator failure raised by the installed torch, explained from its formatted traceback."""
+    import traceback
+
+    torch = pytest.importorskip("torch")
+    try:
+        torch.empty(2**50, dtype=torch.uint8)
+    except RuntimeError:
+        text = traceback.format_exc()
+    else:  # pragma: no cover - a machine with a petabyte of RAM
+        pytest.skip("the allocation succeeded")
+    d = explain(text)
+    assert d.report.kind == "cpu-allocator"
+    assert d.report.requested_bytes == 2**50
+    assert d.causes[0].id == "huge-allocation"
