@@ -156,6 +156,10 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     """Run the training described by ``cfg``. Raises UnrecoverableOOM (exit 4) after saving a checkpoint when even
     micro-batch 1 runs out of memory."""
     set_allocator_env()
+    import logging
+
+    # bitsandbytes warns at import that an optional CPU 4-bit speed kernel (the `kernels` package) is missing
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     import torch
 
     from oomdoctor.train import checkpoint as ckpt
