@@ -279,16 +279,29 @@ def test_logits_matcher_is_strict():
     assert _logits_match(S("1.23 GiB"), (32000, 128256)) is None
 
 
-def test_tracking_cap_message_round_trips():
-    """The simulated OOM that oomdoctor's own tracker raises reads back with the same numbers."""
+def test_tracking_cap_oom_round_trips():
+    """The simulated OOM that oomdoctor's own tracker raises (a real torch.OutOfMemoryError from a real op under a
+    memory cap, inside a phase) reads back with the same numbers."""
+    import traceback
+
+    torch = pytest.importorskip("torch")
     tracking = pytest.importorskip("oomdoctor.tracking")
-    lb = tracking.LiveBytes.__new__(tracking.LiveBytes)
-    lb.cap_bytes, lb.current, lb.device_name = 8 * GiB, 7 * GiB + 123 * 2**20, "GPU 0"
-    r = parse_oom(lb.oom_message(2 * GiB))
-    assert r.requested_bytes == 2 * GiB
-    assert r.total_bytes == 8 * GiB
-    assert r.free_bytes == S("901.00 MiB")
-    assert r.allocated_bytes == S("7.12 GiB")
+    MiB = 2**20
+    text = None
+    with tracking.LiveBytes(cap_bytes=3 * MiB) as lb:
+        with lb.phase("forward"):
+            a = torch.ones(2 * MiB // 4)  # 2 MiB live
+            try:
+                torch.ones(2 * MiB // 4)  # would need 4 MiB > 3 MiB cap
+            except torch.OutOfMemoryError:
+                text = traceback.format_exc()
+    assert text is not None and a.numel()
+    r = parse_oom(text)
+    assert r.requested_bytes == 2 * MiB
+    assert r.total_bytes == 3 * MiB
+    assert r.free_bytes == 1 * MiB
+    assert r.allocated_bytes == 2 * MiB
+    assert explain(text).causes[0].id == "capacity"
 
 
 def test_oom_killer_reads_resident_memory():
