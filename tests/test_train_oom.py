@@ -109,6 +109,11 @@ def test_micro_batch_one_fails_saves_checkpoint_and_exits_4(tmp_path, reference)
     assert "micro-batch 1" in msg and "checkpoint saved:" in msg
     ck = Path(msg.split("checkpoint saved: ")[1].splitlines()[0])
     assert ck.is_dir() and (ck / "trainer_state.json").exists()
+    # fix the plan (here: a budget that fits) and resume from that checkpoint: the run completes all its steps
+    saved_step = json.loads((ck / "trainer_state.json").read_text())["step"]
+    res = train(tiny_cfg(tmp_path, micro_batch_size=2, gradient_accumulation_steps=8), resume=True)
+    assert res.resumed_from == str(ck) and res.optimizer_steps == 3 and res.micro_batch_size == 2
+    assert len(res.losses) == 3 and saved_step < 3
 
 
 def test_cli_gpu_mem_cap_json(tmp_path, reference):

@@ -167,9 +167,16 @@ def train(
 
     from oomdoctor.train.loop import train as run_train
 
+    from oomdoctor.errors import OomDoctorError
+
     rep = _Reporter(tty=sys.stderr.isatty() and not json_out)
     try:
         res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, engine=engine, on_event=rep)
+    except OomDoctorError as exc:
+        if json_out:  # CI still gets one JSON object; the message also goes to stderr (oomdoctor.cli.main)
+            print(json.dumps({"config": config, "error": exc.message, "hint": exc.hint,
+                              "exit_code": exc.exit_code}, indent=1))
+        raise
     finally:
         rep.close()
     if json_out:

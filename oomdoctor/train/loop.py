@@ -220,8 +220,8 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16-mixed" else None
     amp_dtype = autocast_dtype(cfg)
 
-    state: dict[str, Any] = {"samples_seen": 0, "micro_batch": int(micro), "oom_recoveries": 0, "losses": [],
-                             "fingerprint": _fingerprint(cfg), "recoveries": []}
+    state: dict[str, Any] = {"samples_seen": 0, "micro_batch": int(micro), "configured_micro_batch": int(micro),
+                             "oom_recoveries": 0, "losses": [], "fingerprint": _fingerprint(cfg), "recoveries": []}
     step = 0
     resumed_from = None
     out_dir = Path(cfg.output_dir)
@@ -236,8 +236,11 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
             raise BadInput(f"--resume: {last} was written by a different run (differs in: {', '.join(diff)})",
                            "resume with the same config, or choose another output_dir")
         step = int(saved["step"])
-        state.update({k: saved[k] for k in ("samples_seen", "micro_batch", "oom_recoveries", "losses", "recoveries")
-                      if k in saved})
+        state.update({k: saved[k] for k in ("samples_seen", "oom_recoveries", "losses", "recoveries") if k in saved})
+        if saved.get("configured_micro_batch") == int(micro):
+            state["micro_batch"] = int(saved.get("micro_batch", micro))  # keep what the OOM guard learned
+        else:  # the user changed micro_batch_size (e.g. to fix an OOM): the new value wins
+            emit({"type": "info", "message": f"micro_batch_size changed since the checkpoint: using {micro}"})
         resumed_from = str(last)
         emit({"type": "info", "message": f"resumed from {last} at step {step}"})
     else:
