@@ -540,11 +540,25 @@ def detect_phase(frames: list[tuple[str, int, str, str]]) -> tuple[str | None, s
     return None, None
 
 
+def _unescape_logged_tracebacks(text: str) -> str:
+    """Tracebacks stored as one escaped string (JSON logs, experiment trackers): restore their lines and quotes."""
+    if "\\n" not in text:
+        return text
+    out = []
+    for line in text.split("\n"):
+        if "\\n" in line and ("Traceback (most recent call last)" in line or "out of memory" in line.lower()):
+            line = (line.replace("\\r\\n", "\n").replace("\\n", "\n").replace('\\"', '"')
+                    .replace("\\'", "'").replace("\\\\", "\\"))
+        out.append(line)
+    return "\n".join(out)
+
+
 def parse_oom(text: str) -> OomReport:
     """Find the out-of-memory message in ``text`` (a log or traceback) and read its numbers.
 
     Raises :class:`BadInput` ("no out-of-memory error found") when the text holds none.
     """
+    text = _unescape_logged_tracebacks(text)
     lines, line_ranks = _clean_lines(text)
     # Flatten: one string with single spaces, so that wrapped messages read as one; remember line starts.
     offsets, parts, pos = [], [], 0

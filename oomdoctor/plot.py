@@ -136,7 +136,8 @@ def plot_plans(rows, capacity_bytes: int | None, path: str | Path, title: str | 
     plt = _pyplot()
     components = [c for c in TENSOR_COMPONENTS + DEVICE_COMPONENTS if any(getattr(m, c, 0) for _, m in rows)]
     n = len(rows)
-    fig, ax = plt.subplots(figsize=(11, max(2.6, 0.55 * n + 1.8)))
+    per_row = 0.55 if n <= 12 else 0.32  # the full diagnose matrix has dozens of plans
+    fig, ax = plt.subplots(figsize=(11, max(2.6, per_row * n + 1.8)))
     labels = [lbl for lbl, _ in rows]
     uname, usize = _unit(max([sum(getattr(m, c, 0) for c in components) for _, m in rows] + [capacity_bytes or 0]))
 

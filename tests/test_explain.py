@@ -359,3 +359,13 @@ def test_real_torch_cpu_oom_traceback():
     assert d.report.kind == "cpu-allocator"
     assert d.report.requested_bytes == 2**50
     assert d.causes[0].id == "huge-allocation"
+
+
+def test_escaped_traceback_in_a_json_log():
+    import json
+
+    raw = (DATA / "v22-fragmentation-backward.txt").read_text()
+    line = json.dumps({"level": "error", "exc": raw})  # the traceback as one escaped string
+    r = parse_oom("some other log line\n" + line + "\n")
+    assert r.phase == "backward"
+    assert r.requested_bytes == S("1.25 GiB")
