@@ -166,7 +166,7 @@ def plot_plans(rows, capacity_bytes: int | None, path: str | Path, title: str | 
     ax.set_yticks(ys)
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_ylim(-0.7, n - 0.4)
-    ax.set_xlim(0, xmax * 1.22)
+    ax.set_xlim(0, xmax * 1.3)
     ax.set_xlabel(f"device memory at the peak, {uname}")
     ax.set_title(title or "Training memory per plan (peak, by component)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
