@@ -1149,6 +1149,16 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
         score = max(score, 0.9)
         ev.append(f"the process is capped at {fb(r.allowed_bytes)} (torch.cuda.set_per_process_memory_fraction) "
                   f"and had reserved {fb(r.reserved_bytes)}; the card itself still had {fb(F)} free")
+    own_extra = None
+    if r.this_process_bytes is not None and r.reserved_bytes is not None and T:
+        own_extra = r.this_process_bytes - r.reserved_bytes
+        if own_extra >= max(2 * GiB, 0.1 * T):
+            score = max(score, 0.6)
+            ev.append(f"this process holds {fb(own_extra)} outside PyTorch's allocator ({fb(r.this_process_bytes)} in "
+                      f"use, {fb(r.reserved_bytes)} reserved by PyTorch): beyond the ~0.5 GiB CUDA context that is "
+                      "bitsandbytes paged state, NCCL buffers, or another framework (TensorFlow/JAX) preallocating")
+        else:
+            own_extra = None
     if A is not None and T:
         share = A / T
         ev.append(f"PyTorch's live tensors held {fb(A)} ({_pct(A, T)}) when the {fb(R) if R else 'new'} request came")
@@ -1172,6 +1182,11 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
     if any(c.score >= 0.8 for c in causes) and plan_need is None and score < 0.85:
         score = min(score, 0.4)
     fixes = _phase_capacity_fixes(r.phase)
+    if own_extra is not None:
+        fixes = [Fix("non-pytorch-memory", "Stop other GPU users inside this process: TensorFlow and JAX grab most of "
+                     "the card at import; bitsandbytes paged optimizers hold unified memory outside PyTorch.",
+                     "TF_FORCE_GPU_ALLOW_GROWTH=true XLA_PYTHON_CLIENT_PREALLOCATE=false python train.py "
+                     "(or do not import them)")] + fixes
     if r.allowed_bytes is not None:
         fixes = [Fix("memory-fraction", "Raise or drop the per-process memory cap this process set.",
                      "torch.cuda.set_per_process_memory_fraction(0.95)  # or remove the call")] + fixes

@@ -369,3 +369,18 @@ def test_escaped_traceback_in_a_json_log():
     r = parse_oom("some other log line\n" + line + "\n")
     assert r.phase == "backward"
     assert r.requested_bytes == S("1.25 GiB")
+
+
+def test_memory_held_outside_pytorch_by_this_process():
+    text = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total capacity of "
+        "15.77 GiB of which 12.38 MiB is free. Including non-PyTorch memory, this process has 15.75 GiB memory in use. "
+        "Of the allocated memory 3.41 GiB is allocated by PyTorch, and 42.18 MiB is reserved by PyTorch but "
+        "unallocated."
+    )
+    d = explain(text)
+    cap = d.causes[0]
+    assert cap.id == "capacity"
+    assert any("outside PyTorch's allocator" in e for e in cap.evidence)
+    assert cap.fixes[0].id == "non-pytorch-memory"
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in cap.fixes[0].how
