@@ -135,47 +135,35 @@ def _train_config(model_ref: str, plan: Plan):
     return config_from_plan(model_ref, plan, init="random", tokenizer="unused")
 
 
-def probe_in_process(model_ref: str, plan: Plan, *, device: str = "cuda", steps: int = 2,
-                     cap_bytes: int | None = None, seed: int = 0) -> ProbeResult:
-    """The child's work (also callable directly in tests on CPU): build, cap, run ``steps`` full steps, measure."""
+def build_for_probe(model_ref: str, plan: Plan, device: str = "cuda"):
+    """(TrainConfig, BuiltModel) exactly as ``oomdoctor train`` builds them for ``plan``."""
+    import torch
+
+    from oomdoctor.train.model import build_model, quiet_hf
+
+    quiet_hf()
+    cfg = _train_config(model_ref, plan)
+    return cfg, build_model(cfg, torch.device(device), 0)
+
+
+def run_steps(cfg, built, plan: Plan, *, device: str = "cpu", steps: int = 2, cap_bytes: int | None = None,
+              ) -> tuple[str, int, int | None, str | None]:
+    """Run ``steps`` full optimizer steps of ``plan`` on an already built model, with a fresh optimizer (its state
+    is created at the first step, as in training). On CPU with ``cap_bytes`` the live tensor bytes are capped by
+    :class:`oomdoctor.tracking.LiveBytes`. Returns (outcome, steps done, LiveBytes peak or None, message)."""
     import contextlib
 
     import torch
 
-    from oomdoctor.train.model import autocast_dtype, build_model, quiet_hf
+    from oomdoctor.train.model import autocast_dtype
     from oomdoctor.train.optim import CPUOffloadOptimizer, activation_offload, make_optimizer
 
-    quiet_hf()
-    t0 = time.perf_counter()
     dev = torch.device(device)
-    cfg = _train_config(model_ref, plan)
-    ctx_bytes = None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            return ProbeResult("error", plan.micro_batch, device=device, message="no CUDA device in the probe process")
-        torch.cuda.init()
-        free0, total = torch.cuda.mem_get_info()
-        torch.zeros(1, device=dev)  # create the context + allocator
-        free1, _ = torch.cuda.mem_get_info()
-        ctx_bytes = max(free0 - free1, 0)
-        # mem_get_info before the first tensor already includes the context on most drivers; fall back to NVML
-        if ctx_bytes < 64 * 2**20:
-            from oomdoctor.gpu import detect_gpu
-
-            g = detect_gpu()
-            mine = g and [b for pid, b in g.other_processes if pid == os.getpid()]
-            ctx_bytes = mine[0] if mine else max(ctx_bytes, 0)
-        if cap_bytes is not None:
-            allowed = max(cap_bytes - ctx_bytes, 0)
-            torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-    torch.manual_seed(seed)
-    built = model = opt = None
+    model = built.model
     done = 0
     lb = None
+    opt = None
     try:
-        built = build_model(cfg, dev, 0)
-        model = built.model
         if cfg.offload_optimizer:
             opt = CPUOffloadOptimizer(cfg, built.trainable)
         else:
@@ -217,12 +205,56 @@ def probe_in_process(model_ref: str, plan: Plan, *, device: str = "cuda", steps:
             outcome, msg = "oom", str(exc).splitlines()[0][:300]
         else:
             outcome, msg = "error", f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        for p in built.trainable:
+            p.grad = None
+        if opt is not None:
+            del opt
+    return outcome, done, (int(lb.peak) if lb is not None else None), msg
+
+
+def probe_in_process(model_ref: str, plan: Plan, *, device: str = "cuda", steps: int = 2,
+                     cap_bytes: int | None = None, seed: int = 0) -> ProbeResult:
+    """The child's work (also callable directly in tests on CPU): build, cap, run ``steps`` full steps, measure."""
+    import torch
+
+    t0 = time.perf_counter()
+    dev = torch.device(device)
+    ctx_bytes = None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return ProbeResult("error", plan.micro_batch, device=device, message="no CUDA device in the probe process")
+        torch.cuda.init()
+        free0, total = torch.cuda.mem_get_info()
+        torch.zeros(1, device=dev)  # create the context + allocator
+        free1, _ = torch.cuda.mem_get_info()
+        ctx_bytes = max(free0 - free1, 0)
+        # mem_get_info before the first tensor may already include the context: ask NVML for this process then
+        if ctx_bytes < 64 * 2**20:
+            from oomdoctor.gpu import detect_gpu
+
+            g = detect_gpu()
+            mine = [b for pid, b in g.other_processes if pid == os.getpid()] if g else []
+            ctx_bytes = mine[0] if mine else ctx_bytes
+        if cap_bytes is not None:
+            allowed = max(cap_bytes - ctx_bytes, 0)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    torch.manual_seed(seed)
+    try:
+        cfg, built = build_for_probe(model_ref, plan, device)
+    except Exception as exc:  # noqa: BLE001
+        outcome = "oom" if _is_oom(exc) else "error"
+        return ProbeResult(outcome, plan.micro_batch, 0, device=device, seconds=time.perf_counter() - t0,
+                           context_bytes=ctx_bytes, message=f"building the model: {type(exc).__name__}: {exc}"[:500])
+    outcome, done, lb_peak, msg = run_steps(cfg, built, plan, device=device, steps=steps,
+                                            cap_bytes=cap_bytes if dev.type == "cpu" else None)
     if dev.type == "cuda":
         alloc = int(torch.cuda.max_memory_allocated(dev))
         reserved = int(torch.cuda.max_memory_reserved(dev))
         device_peak = reserved + (ctx_bytes or 0)
     else:
-        alloc = reserved = device_peak = int(lb.peak) if lb is not None else None
+        alloc = reserved = device_peak = lb_peak
     return ProbeResult(outcome, plan.micro_batch, done, alloc, reserved, device_peak, ctx_bytes,
                        time.perf_counter() - t0, device, msg)
 

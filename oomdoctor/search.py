@@ -238,6 +238,77 @@ def micro_batch_search(
     return choice, mem(choice.micro_batch)
 
 
+@dataclass
+class VerifyStep:
+    """One device trial made by :func:`verify_and_refine`."""
+
+    micro_batch: int
+    fits: bool
+    predicted: int
+    """Memory-model prediction for this micro-batch (same quantity as ``measured``)."""
+    measured: int | None
+    """Measured peak when the trial reports one (None after an OOM on a real GPU)."""
+
+
+def verify_and_refine(
+    start: int,
+    allowed: Iterable[int],
+    predicted: Callable[[int], int],
+    trial: Callable[[int], tuple[bool, int | None]],
+    budget: int,
+    capacity: int,
+    *,
+    max_trials: int = 4,
+    refine: bool = True,
+) -> tuple[int, list[VerifyStep]]:
+    """Predict, verify once, refine once: the device-trial part of the batch finder.
+
+    ``start`` is the memory model's answer; ``trial(b) -> (fits, measured peak or None)`` runs it for real.
+
+    * fits: with a measured peak, the prediction is calibrated by ``k = measured / predicted`` and the largest
+      ``allowed`` size above ``start`` with ``predicted * k <= budget`` is tried once (``refine``); if that one
+      fails, the verified ``start`` stays the answer. Without a measurement the verified size is returned.
+    * fails: the overshoot is at least ``capacity / predicted`` (the trial needed more than the capacity), times
+      1.05, 1.10, 1.20... for the 1st, 2nd, 3rd failure; the next size is the largest allowed one below whose
+      prediction times the overshoot fits the budget — at least one step down — until one fits (then refine once
+      below the smallest failing size) or ``max_trials`` is spent.
+
+    Returns (verified size or 0, trials). ``allowed`` are the admissible sizes (divisors of the global batch, or
+    1..limit); memory must be monotone in the size.
+    """
+    sizes = sorted(set(int(a) for a in allowed if a >= 1))
+    steps: list[VerifyStep] = []
+    b = start
+    best = 0
+    failed = 1 << 62  # smallest size seen failing
+    refined = False
+    while b >= 1 and len(steps) < max_trials:
+        pred = max(int(predicted(b)), 1)
+        ok, measured = trial(b)
+        steps.append(VerifyStep(b, ok, pred, measured))
+        if ok:
+            best = max(best, b)
+            if refined or not refine or not measured:
+                break
+            k = measured / pred
+            up = [d for d in sizes if b < d < failed and predicted(d) * k <= budget]
+            if not up:
+                break
+            b, refined = max(up), True
+            continue
+        failed = min(failed, b)
+        if best:  # the refinement step failed: keep the verified size
+            break
+        fails = sum(1 for s in steps if not s.fits)
+        # the trial needed more than the capacity: assume the model is off by at least that, plus 5%, 10%, 20%...
+        # for successive failures (a geometric step-down instead of one size at a time)
+        over = max(capacity / pred, (measured or 0) / pred, 1.0) * (1.0 + 0.05 * 2 ** (fails - 1))
+        down = [d for d in sizes if d < b]
+        fit_down = [d for d in down if predicted(d) * over <= budget]
+        b = max(fit_down) if fit_down else (max(down) if down else 0)
+    return best, steps
+
+
 # ---------------------------------------------------------------------------------------------- throughput
 
 
@@ -564,5 +635,6 @@ __all__ = [
     "Estimator", "analytic_estimator", "parse_margin", "budget_bytes", "max_fitting", "divisors", "BatchChoice",
     "choose_micro_batch", "micro_batch_search", "HardwareProfile", "REFERENCE_PROFILE", "profile_for",
     "trainable_params", "Throughput", "estimate_throughput", "fidelity_key", "Candidate", "rank_key",
-    "SearchResult", "enumerate_candidates", "search", "SearchTrace", "ADAMW_FAMILY",
+    "SearchResult", "enumerate_candidates", "search", "SearchTrace", "ADAMW_FAMILY", "verify_and_refine",
+    "VerifyStep",
 ]

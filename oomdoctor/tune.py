@@ -43,6 +43,7 @@ from oomdoctor.search import (
     estimate_throughput,
     profile_for,
     search,
+    verify_and_refine,
 )
 from oomdoctor.spec import ModelSpec, load_spec
 from oomdoctor.units import format_bytes
@@ -265,7 +266,11 @@ def step_down(failed: int, global_batch: int | None, predicted: Callable[[int], 
     for d in sorted(allowed, reverse=True):
         if predicted(d) * overshoot <= budget:
             return d
-    return allowed[0] if allowed else 0
+    return max(allowed) if allowed else 0
+
+
+class _ProbeFailed(Exception):
+    pass
 
 
 def verify(
@@ -277,33 +282,38 @@ def verify(
     capacity: int,
     predicted_peak: Callable[[Plan], int],
     max_trials: int = 6,
+    micro_limit: int = DEFAULT_MICRO_LIMIT,
+    refine: bool = True,
 ) -> tuple[Candidate | None, Plan | None, list[Trial]]:
-    """Probe the best candidate at its micro-batch; on failure step down (next divisor, calibrated by the
-    overshoot), and after micro-batch 1 fails move to the next candidate. Returns (candidate, verified plan,
-    trials); the plan is None when every trial failed or the trial budget ran out. ``error`` outcomes (the probe
-    could not run) stop verification and return the prediction unverified (plan None)."""
+    """Verify the best candidate at its micro-batch, refine once upwards when the measurement shows room, step
+    down (calibrated by the overshoot) when it fails, and move to the next candidate when even micro-batch 1
+    fails (``oomdoctor.search.verify_and_refine``). Sizes stay divisors of the global batch.
+
+    Returns (candidate, verified plan, trials). The plan is None when every trial failed or the trial budget ran
+    out; an ``error`` outcome (the probe could not run at all) stops verification with plan None."""
     trials: list[Trial] = []
+    allowed = divisors(global_batch) if global_batch else range(1, micro_limit + 1)
     for cand in candidates:
-        if not cand.fits:
+        if not cand.fits or len(trials) >= max_trials:
             continue
-        micro = cand.plan.micro_batch
-        while micro >= 1 and len(trials) < max_trials:
-            ga = (global_batch // micro) if global_batch else 1
-            plan = cand.plan.with_(micro_batch=micro, grad_accum=ga)
-            t = prober(plan, micro)
+
+        def sized(b: int, cand: Candidate = cand) -> Plan:
+            return cand.plan.with_(micro_batch=b, grad_accum=(global_batch // b) if global_batch else 1)
+
+        def trial(b: int) -> tuple[bool, int | None]:
+            t = prober(sized(b), b)
             trials.append(t)
-            if t.outcome == "fits":
-                return cand, plan, trials
             if t.outcome == "error":
-                return cand, None, trials
-            pred = max(predicted_peak(plan), 1)
-            seen = t.measured_peak_bytes if t.measured_peak_bytes else capacity
-            overshoot = max(seen / pred, budget / pred, 1.0) * 1.02
-            micro = step_down(micro, global_batch,
-                              lambda b: predicted_peak(cand.plan.with_(micro_batch=b, grad_accum=1)),
-                              budget, overshoot)
-        if len(trials) >= max_trials:
-            break
+                raise _ProbeFailed(t.message)
+            return t.outcome == "fits", t.measured_peak_bytes
+
+        try:
+            best, _ = verify_and_refine(cand.plan.micro_batch, allowed, lambda b: predicted_peak(sized(b)), trial,
+                                        budget, capacity, max_trials=max_trials - len(trials), refine=refine)
+        except _ProbeFailed:
+            return cand, None, trials
+        if best:
+            return cand, sized(best), trials
     return None, None, trials
 
 
@@ -391,7 +401,8 @@ def tune(
         prober = (gpu_prober(model_ref, spec, capacity, predicted_peak, steps=probe_steps) if mode == "gpu"
                   else simulate_prober(spec, budget, predicted_peak))
         cand, vplan, trials = verify(result.fitting, prober, global_batch=global_batch, budget=budget,
-                                     capacity=capacity, predicted_peak=predicted_peak, max_trials=max_trials)
+                                     capacity=capacity, predicted_peak=predicted_peak, max_trials=max_trials,
+                                     micro_limit=micro_limit)
         verification = mode
         if vplan is not None and cand is not None:
             if cand is not chosen:
@@ -411,10 +422,12 @@ def tune(
         notes.append("no GPU verification: the plan was checked with the simulated engine (the real Hugging Face "
                      "training step replayed on fake tensors), not on a device")
     if plan.micro_batch != chosen.plan.micro_batch:
-        batch = BatchChoice(chosen.batch.max_micro_batch if chosen.batch else plan.micro_batch, plan.micro_batch,
+        model_max = chosen.batch.max_micro_batch if chosen.batch else plan.micro_batch
+        moved_up = plan.micro_batch > chosen.plan.micro_batch
+        batch = BatchChoice(max(model_max, plan.micro_batch) if moved_up else plan.micro_batch, plan.micro_batch,
                             plan.grad_accum, global_batch,
-                            f"verification stepped the micro-batch down from {chosen.plan.micro_batch} to "
-                            f"{plan.micro_batch}")
+                            f"verification moved the micro-batch from {chosen.plan.micro_batch} to "
+                            f"{plan.micro_batch} (measured, not predicted)")
         memory = estimator(spec, plan)
     else:
         batch = chosen.batch or choose_micro_batch(plan.micro_batch, global_batch)

@@ -1,0 +1,246 @@
+"""Plan search: micro-batch bisection, exact divisors, margins, ranking, verify-and-refine (oomdoctor.search)."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomdoctor.errors import BadInput
+from oomdoctor.memory import estimate
+from oomdoctor.plan import Plan
+from oomdoctor.search import (
+    REFERENCE_PROFILE,
+    SearchTrace,
+    budget_bytes,
+    choose_micro_batch,
+    divisors,
+    enumerate_candidates,
+    estimate_throughput,
+    fidelity_key,
+    max_fitting,
+    micro_batch_search,
+    parse_margin,
+    profile_for,
+    search,
+    trainable_params,
+    verify_and_refine,
+)
+from oomdoctor.spec import load_spec
+
+
+def analytic(spec, plan):
+    return estimate(spec, plan, "analytic")
+
+
+# ------------------------------------------------------------------------------------------- bisection
+
+
+@pytest.mark.parametrize("true_max", [0, 1, 2, 3, 7, 8, 9, 31, 32, 33, 100, 1023, 1024])
+def test_max_fitting_finds_exact_boundary(true_max):
+    trace = SearchTrace()
+    got = max_fitting(lambda b: b <= true_max, 1024, trace)
+    assert got == min(true_max, 1024)
+    n = len(trace.evaluations)
+    assert n <= 2 * 11 + 1  # doubling + bisection: O(log2 limit)
+    assert len({b for b, _ in trace.evaluations}) == n  # no size evaluated twice
+
+
+def test_max_fitting_respects_limit_and_rejects_bad_limit():
+    assert max_fitting(lambda b: True, 37) == 37
+    with pytest.raises(BadInput):
+        max_fitting(lambda b: True, 0)
+
+
+def test_divisors():
+    assert divisors(1) == [1]
+    assert divisors(32) == [1, 2, 4, 8, 16, 32]
+    assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert divisors(13) == [1, 13]
+
+
+# ------------------------------------------------------------------------------------------- divisibility
+
+
+def test_choose_micro_batch_exact_when_max_divides():
+    c = choose_micro_batch(8, 32)
+    assert (c.micro_batch, c.grad_accum, c.exact, c.note) == (8, 4, True, None)
+
+
+def test_choose_micro_batch_says_when_divisibility_costs_size():
+    c = choose_micro_batch(7, 32)
+    assert (c.micro_batch, c.grad_accum) == (4, 8)
+    assert c.micro_batch * c.grad_accum == 32
+    assert c.note and "7" in c.note and "4 x 8" in c.note
+    assert "--global-batch 28" in c.note and "--global-batch 35" in c.note
+
+
+def test_choose_micro_batch_global_smaller_than_max():
+    c = choose_micro_batch(40, 12)
+    assert (c.micro_batch, c.grad_accum, c.note) == (12, 1, None)
+
+
+def test_choose_micro_batch_prime_global():
+    c = choose_micro_batch(5, 7)
+    assert (c.micro_batch, c.grad_accum) == (1, 7) and c.exact and c.note
+
+
+def test_choose_micro_batch_without_global_and_bad_inputs():
+    c = choose_micro_batch(9, None)
+    assert (c.micro_batch, c.grad_accum, c.global_batch, c.exact) == (9, 1, None, True)
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(BadInput):
+            choose_micro_batch(4, bad)  # type: ignore[arg-type]
+    with pytest.raises(BadInput):
+        choose_micro_batch(0, 8)
+
+
+# ------------------------------------------------------------------------------------------- margins
+
+
+@pytest.mark.parametrize("text,expect", [("0.1", 0.1), ("10%", 0.1), (0.05, 0.05), ("0", 0.0), ("2.5%", 0.025)])
+def test_parse_margin_fractions(text, expect):
+    assert parse_margin(text) == pytest.approx(expect)
+
+
+def test_parse_margin_absolute_size_needs_capacity():
+    assert parse_margin("2GB", 20 * 10**9) == pytest.approx(0.1)
+    with pytest.raises(BadInput):
+        parse_margin("2GB")
+    for bad in ("95%", "-1", "abc%", "1.5"):
+        with pytest.raises(BadInput):
+            parse_margin(bad, 10**9)
+
+
+def test_margin_changes_what_fits(tiny_spec):
+    plan = Plan(method="full", precision="fp32", seq_len=128)
+    cap = analytic(tiny_spec, plan.with_(micro_batch=16)).peak_device + 1
+    no_margin, _ = micro_batch_search(tiny_spec, plan, budget_bytes(cap, 0.0), analytic)
+    big_margin, _ = micro_batch_search(tiny_spec, plan, budget_bytes(cap, 0.3), analytic)
+    assert no_margin.max_micro_batch >= 16
+    assert big_margin is None or big_margin.max_micro_batch < no_margin.max_micro_batch
+
+
+# ------------------------------------------------------------------------------------------- search on the real model
+
+
+def test_micro_batch_search_is_the_exact_boundary_of_the_memory_model(tiny_spec):
+    plan = Plan(method="lora", precision="bf16-mixed", seq_len=256)
+    target = analytic(tiny_spec, plan.with_(micro_batch=11)).peak_device
+    choice, mem = micro_batch_search(tiny_spec, plan, target, analytic, global_batch=None)
+    assert choice.max_micro_batch == 11
+    assert mem.peak_device <= target
+    assert analytic(tiny_spec, plan.with_(micro_batch=12)).peak_device > target
+    # with a global batch of 24 the micro-batch must divide it: 8 x 3
+    choice, _ = micro_batch_search(tiny_spec, plan, target, analytic, global_batch=24)
+    assert (choice.micro_batch, choice.grad_accum) == (8, 3)
+
+
+def test_search_llama7b_24gb_prefers_fidelity_and_keeps_global_exact():
+    spec = load_spec("meta-llama/Llama-2-7b-hf")
+    plans = enumerate_candidates({}, Plan(seq_len=1024))
+    res = search(spec, plans, budget_bytes(24 * 10**9, 0.1), global_batch=32, estimator=analytic)
+    best = res.best
+    assert best is not None
+    # full fine-tuning of 6.7B parameters cannot fit 24 GB with AdamW: the best plan is an adapter method
+    assert best.plan.method in ("lora", "qlora")
+    assert best.plan.micro_batch * best.plan.grad_accum == 32
+    assert 32 % best.plan.micro_batch == 0
+    assert best.memory.peak_device <= res.budget
+    # ranks are fidelity-ordered: no fitting plan ranked below the best is more faithful
+    for c in res.fitting[1:]:
+        assert fidelity_key(c.plan) >= fidelity_key(best.plan)
+    # every plan that does not fit really exceeds the budget at micro-batch 1
+    for c in res.candidates:
+        if not c.fits:
+            assert c.memory.peak_device > res.budget
+
+
+def test_prefer_speed_ranks_by_throughput(tiny_spec):
+    plans = enumerate_candidates({}, Plan(seq_len=128))
+    cap = 10 * 2**30
+    q = search(tiny_spec, plans, cap, global_batch=16, estimator=analytic, prefer="quality")
+    s = search(tiny_spec, plans, cap, global_batch=16, estimator=analytic, prefer="speed")
+    assert q.best.plan.method == "full"  # everything fits a tiny model: the most faithful wins
+    tps = [c.throughput.tokens_per_s for c in s.fitting]
+    assert all(float(f"{a:.3g}") >= float(f"{b:.3g}") for a, b in zip(tps, tps[1:]))
+    assert s.best.throughput.tokens_per_s >= q.best.throughput.tokens_per_s
+    with pytest.raises(BadInput):
+        search(tiny_spec, plans, cap, estimator=analytic, prefer="fast")  # type: ignore[arg-type]
+
+
+def test_enumeration_filters_optimizer_swaps_and_bf16_on_old_gpus():
+    plans = enumerate_candidates({}, Plan(seq_len=128))
+    assert {p.optimizer for p in plans} <= {"adamw", "paged-adamw", "adamw-8bit", "paged-adamw-8bit"}
+    assert {p.method for p in plans} == {"full", "lora", "qlora"}
+    pinned = enumerate_candidates({"optimizer": "sgd", "method": "full"}, Plan(seq_len=128))
+    assert {p.optimizer for p in pinned} == {"sgd"}
+    t4 = enumerate_candidates({}, Plan(seq_len=128), bf16_supported=profile_for("Tesla T4").bf16)
+    assert "bf16" not in {p.precision for p in t4} and "bf16-mixed" not in {p.precision for p in t4}
+
+
+# ------------------------------------------------------------------------------------------- throughput model
+
+
+def test_throughput_gc_costs_a_third_and_offload_costs_pcie(tiny_spec):
+    spec = load_spec("meta-llama/Llama-2-7b-hf")
+    p = Plan(method="full", precision="bf16-mixed", seq_len=1024, micro_batch=4, grad_accum=8)
+    base = estimate_throughput(spec, p, REFERENCE_PROFILE)
+    gc = estimate_throughput(spec, p.with_(gradient_checkpointing=True), REFERENCE_PROFILE)
+    assert gc.compute_s / base.compute_s == pytest.approx(4 / 3, rel=1e-6)
+    off = estimate_throughput(spec, p.with_(offload_optimizer=True), REFERENCE_PROFILE)
+    assert off.transfer_s > 0 and off.tokens_per_s < base.tokens_per_s
+    lora = estimate_throughput(spec, p.with_(method="lora"), REFERENCE_PROFILE)
+    assert lora.tokens_per_s > base.tokens_per_s
+    assert trainable_params(spec, p.with_(method="lora")) < spec.num_params // 50
+
+
+def test_profile_lookup():
+    assert profile_for("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert profile_for("NVIDIA A100-SXM4-40GB").name == "A100"
+    assert profile_for(None) is REFERENCE_PROFILE
+    assert profile_for("Tesla T4").bf16 is False
+
+
+# ------------------------------------------------------------------------------------------- verify and refine
+
+
+def _device(true_slope, true_fixed, cap):
+    calls = []
+
+    def trial(b):
+        calls.append(b)
+        m = true_fixed + true_slope * b
+        return (m <= cap, m if m <= cap else None)
+
+    return trial, calls
+
+
+def test_verify_refines_up_once_when_the_model_overestimates():
+    cap = 3000
+    trial, calls = _device(100, 1000, cap)  # true max 20
+    pred = lambda b: 1000 + 110 * b  # noqa: E731 - 10% pessimistic
+    start = max_fitting(lambda b: pred(b) <= cap, 1024)
+    best, steps = verify_and_refine(start, range(1, 1025), pred, trial, cap, cap)
+    # ratio calibration (k = measured/predicted at the first trial) is conservative when only the slope is off
+    assert best in (19, 20) and len(steps) == 2 and all(s.fits for s in steps)
+    assert start < best
+
+
+def test_verify_steps_down_when_the_model_underestimates():
+    cap = 3000
+    trial, calls = _device(100, 1000, cap)
+    pred = lambda b: 1000 + 80 * b  # noqa: E731 - optimistic: predicts 25
+    start = max_fitting(lambda b: pred(b) <= cap, 1024)
+    best, steps = verify_and_refine(start, range(1, 1025), pred, trial, cap, cap)
+    assert not steps[0].fits and steps[-1].fits
+    assert best == max(s.micro_batch for s in steps if s.fits) and 19 <= best <= 20
+    assert len(steps) <= 4
+
+
+def test_verify_keeps_divisors_and_returns_zero_when_nothing_fits():
+    cap = 3000
+    trial, calls = _device(100, 1000, cap)
+    best, steps = verify_and_refine(16, divisors(32), lambda b: 1000 + 90 * b, trial, cap, cap)
+    assert best == 16 and all(32 % s.micro_batch == 0 for s in steps)
+    trial, calls = _device(100, 5000, cap)  # even 1 does not fit
+    best, steps = verify_and_refine(4, divisors(32), lambda b: 1000 + 90 * b, trial, cap, cap, max_trials=5)
+    assert best == 0 and [s.micro_batch for s in steps][-1] == 1
