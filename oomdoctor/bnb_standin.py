@@ -132,6 +132,15 @@ def _make_classes():
                 self.register_buffer("offset", torch.empty((), dtype=torch.float32, device=device))
                 self.register_buffer("state2_absmax", torch.empty(math.ceil(blocks / BLOCKSIZE_NESTED), dtype=torch.float32, device=device))
                 self.register_buffer("state2_code", torch.empty(256, dtype=torch.float32, device=device))
+            if torch.device(device).type != "meta":  # real tensors (CPU cross-checks, GPU runs): sane values
+                with torch.no_grad():
+                    self.weight.random_(0, 256)
+                    self.absmax.fill_(1 if double_quant else 0.05)
+                    self.code.copy_(torch.linspace(-1, 1, 16))
+                    if double_quant:
+                        self.offset.fill_(0.0)
+                        self.state2_absmax.fill_(0.05)
+                        self.state2_code.copy_(torch.linspace(-1, 1, 256))
 
         def quant_state(self):
             state2 = None
@@ -205,6 +214,10 @@ def _make_classes():
                 else None
             )
             self.register_buffer("SCB", torch.empty(out_features, dtype=torch.float32, device=device))
+            if torch.device(device).type != "meta":
+                with torch.no_grad():
+                    self.weight.random_(-127, 128)
+                    self.SCB.fill_(1.0)
 
         def forward(self, x):
             bias = self.bias

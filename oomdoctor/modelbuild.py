@@ -124,12 +124,15 @@ def build_model(
     num_layers: int | None = None,
     quant_standin: bool = True,
     seed: int | None = None,
+    bnb_decompose: bool = True,
 ) -> BuiltModel:
     """Build the model of ``spec`` as ``plan`` trains it (see the module docstring for the steps).
 
     ``device="meta"`` (no memory; materialize later with ``model.to_empty(device=...)``), ``"cpu"`` or ``"cuda"``
     (random init of the real shape). ``num_layers`` overrides the number of transformer blocks (extrapolation).
-    ``quant_standin=False`` skips the bitsandbytes replacement (for callers that load a real bnb model themselves).
+    ``quant_standin=False`` skips the bitsandbytes replacement (for callers that load a real bnb model themselves);
+    ``bnb_decompose=False`` makes 4-bit stand-ins call bnb's fused ``gemm_4bit`` op as bnb does on CPU (the CUDA
+    dequantize temporary is then inside the op, not counted).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -161,7 +164,7 @@ def build_model(
     if plan.quant is not None and quant_standin:
         from oomdoctor.bnb_standin import quantize_model_standin
 
-        quantize_model_standin(model, plan, head_name=spec.head_name)
+        quantize_model_standin(model, plan, head_name=spec.head_name, device=device, decompose=bnb_decompose)
 
     if plan.uses_lora:
         for p in model.parameters():

@@ -173,6 +173,40 @@ def cuda_autocast_answers():
         torch.is_autocast_enabled = orig
 
 
+@contextmanager
+def hf_data_paths():
+    """Make transformers take the branch real (unpacked) data takes where it branches on tensor values: with fake
+    tensors ``is_tracing`` is true and ``find_packed_sequence_indices`` would report a packed batch (and a mask would
+    be built). Same ops, then the answer real position ids give: not packed."""
+    import torch
+
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    orig = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if orig is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def patched(position_ids):
+        if not isinstance(position_ids, FakeTensor):
+            return orig(position_ids)
+        first_dummy_value = position_ids[:, :1] - 1
+        position_diff = torch.diff(position_ids, prepend=first_dummy_value, dim=-1)
+        packed_sequence_mask = (position_diff != 1).cumsum(-1)
+        (packed_sequence_mask[:, -1] == 0).all()
+        return None
+
+    masking_utils.find_packed_sequence_indices = patched
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = orig
+
+
 # ============================================================================ optimizers
 
 
@@ -276,6 +310,7 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
         restore_ckpt = _wrap_checkpoint_functions(model, lb, policy_cls, classify=checkpoint_region)
 
     with ExitStack() as stack:
+        stack.enter_context(hf_data_paths())
         if target == "cuda":
             stack.enter_context(cuda_autocast_answers())
             stack.enter_context(policy_cls())
@@ -412,7 +447,7 @@ def homogeneous_layers(spec: "ModelSpec") -> bool:
 
 
 def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, *, timeline: bool = False,
-                 steps: int = 2, target: str = "cuda", round_to: int = 512) -> RunStats:
+                 steps: int = 2, target: str = "cuda", round_to: int = 512, bnb_decompose: bool = True) -> RunStats:
     """One fake-tensor simulation of ``plan`` with ``num_layers`` blocks (None = the spec's)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -422,7 +457,7 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
 
     if plan.offload_params:
         raise BadInput("the simulated engine does not model --offload-params yet", "use --engine analytic")
-    built = build_model(spec, plan, device="meta", num_layers=num_layers)
+    built = build_model(spec, plan, device="meta", num_layers=num_layers, bnb_decompose=bnb_decompose)
     model = built.model
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
@@ -434,6 +469,30 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
             stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=built.head_module)
     stats.layers = built.num_layers
     del model, built
+    return stats
+
+
+def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_layers: int | None = None,
+                 steps: int = 2, target: str = "cuda", round_to: int = 512, bnb_decompose: bool = True,
+                 seed: int = 0, timeline: bool = False) -> RunStats:
+    """The same two steps on REAL tensors on the CPU (random init of the real shape, or ``model``), counted by the
+    same tracker: the reference the fake-tensor replay is checked against."""
+    import torch
+
+    from oomdoctor.modelbuild import build_model, make_batch
+    from oomdoctor.tracking import LiveBytes
+
+    torch.manual_seed(seed)
+    if model is None:
+        built = build_model(spec, plan, device="cpu", num_layers=num_layers, seed=seed, bnb_decompose=bnb_decompose)
+        model, head, layers = built.model, built.head_module, built.num_layers
+    else:
+        layers = num_layers or spec.num_layers
+    batch = make_batch(spec, plan, "cpu", fake_ok=False)
+    lb = LiveBytes(round_to=round_to, record_timeline=timeline, param_copy_category="master_weights")
+    with _offload_activations(plan, lb):
+        stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=head)
+    stats.layers = layers
     return stats
 
 

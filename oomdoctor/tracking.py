@@ -57,6 +57,8 @@ CATEGORIES: tuple[str, ...] = (
 )
 _ALIASES = {"optimizer_state": "optimizer_states", "params": "parameters", "grads": "gradients", "activation": "activations"}
 
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer-step")
 
 #: CUDA caching allocator granularity (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize = 512).
@@ -163,7 +165,9 @@ class LiveBytes(TorchDispatchMode):
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self._paused:
+        if self._paused or func is _LIFT_FRESH:
+            # lift_fresh: a tensor built from Python data (torch.tensor(...)); real runs do not dispatch it, so it
+            # is not counted in either (keeps fake-tensor replays and real runs identical)
             return out
         self.events += 1
         flat, _ = tree_flatten(out)
@@ -261,7 +265,7 @@ class LiveBytes(TorchDispatchMode):
                 del me.records[key]
                 me._refs.pop(key, None)
                 me.current -= rec.nbytes
-                rec.death = me.events
+                rec.death = me.events + 1  # not alive after the next event
                 if me.record_timeline:
                     me._samples_events.append((me.events, me._phase or "-"))
 
@@ -436,7 +440,7 @@ class LiveBytes(TorchDispatchMode):
             return 0
         self._refs.pop(key, None)
         self.current -= rec.nbytes
-        rec.death = self.events
+        rec.death = self.events + 1
         if external:
             self.external[external] = self.external.get(external, 0) + rec.nbytes
         if self.record_timeline:
@@ -477,7 +481,8 @@ class LiveBytes(TorchDispatchMode):
             return rec.region
         if rec.phase == "forward" and 0 <= rec.phase_serial < len(self._spans):
             end = self._spans[rec.phase_serial].end
-            if end is None or rec.death is None or rec.death > end:
+            # a death recorded as end + 1 happened before the phase closed (deaths are "not alive after event d-1")
+            if end is None or rec.death is None or rec.death > end + 1:
                 return "activations"
             return "temporaries"
         if rec.phase is None and rec.birth < 0:
