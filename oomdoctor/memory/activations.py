@@ -176,6 +176,9 @@ class LayerActs:
     """Peak bytes a block's backward holds beyond its saved tensors (input/output grads, intermediate grads)."""
     down_saved: int
     """Bytes saved by the MLP output linear(s) (freed first in the block's backward)."""
+    gc_alias: int = 0
+    """Bytes of ``saved`` that are the block input itself (fp32 RMSNorm / LayerNorm save their input): under
+    gradient checkpointing the recomputed block shares them with the kept input."""
 
 
 def layer_activations(c: Ctx) -> LayerActs:
@@ -284,7 +287,10 @@ def layer_activations(c: Ctx) -> LayerActs:
                 n_out_grads = 1 if ab == 4 and not c.mixed else 2  # an fp32 grad needs no cast copy
                 lora_b = max(lora_b, t * (4 * n_out_grads * o + 4 * i) + 4 * T * h)
     bwd_extra = int(flow + max(mlp_b, att_b, lora_b))
-    return LayerActs(saved, int(discount), gc_saved, int(fwd_t), bwd_extra, int(down))
+    alias = 0
+    if spec.norm_kind != "rms" or rb == 4:
+        alias = rb * T * h  # the first norm saves the block input tensor itself
+    return LayerActs(saved, int(discount), gc_saved, int(fwd_t), bwd_extra, int(down), int(alias))
 
 
 def shared_forward_bytes(c: Ctx) -> int:

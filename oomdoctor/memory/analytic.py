@@ -105,7 +105,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     lg = lgt.logits_memory(c)
     if gc:
         layers_saved = L * la.gc_saved
-        recompute = la.saved
+        recompute = la.saved - la.gc_alias
     else:
         layers_saved = L * la.saved - la.first_layer_discount
         recompute = 0
@@ -159,7 +159,8 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     cands.append(_components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
                              activations=top_acts, temporaries=la.bwd_extra))
     if gc:
-        bottom_acts = la.gc_saved + la.saved - la.first_layer_discount + shared
+        # block 0 recomputed: its first norm's save is either the kept input (full) or absent (LoRA discount)
+        bottom_acts = la.gc_saved + la.saved - (la.first_layer_discount if not c.full else la.gc_alias) + shared
     elif plan.offload_activations:
         bottom_acts = la.saved - la.first_layer_discount + shared
     else:
