@@ -224,23 +224,39 @@ def layer_activations(c: Ctx) -> LayerActs:
 
     # --- MLP
     gated = spec.mlp_kind == "gated"
-    if spec.num_experts:
-        # router reads the normed hidden states; each expert reads a gathered copy of its tokens (saved when the
-        # expert weights train) and its output is saved by the routing-weight product.
+    if spec.num_experts and not roles.mlp_in:
+        # transformers 5.x MoE (Mixtral): router = raw Parameter (F.linear on the normed hidden states), experts =
+        # fused 3-D Parameters looped per expert: gathered tokens -> gate_up (2I, its chunks saved by act and
+        # product) -> act * up -> down -> * routing weight -> index_add_. Each token visits experts_per_token
+        # experts. Weights train only in full fine-tuning (peft all-linear does not adapt raw Parameters).
+        E = spec.num_experts
+        mlp = 0.0
+        if c.full:
+            mlp += (2 if c.mixed and rb == 4 else rb) * T * h  # router input
+            mlp += rb * T * h * ktok  # gathered tokens (input of gate_up)
+            mlp += ab * T * I * ktok  # product (input of down)
+            mlp += ab * T * h * ktok  # expert outputs, saved by the routing-weight product
+        mlp += 3 * ab * T * I * ktok  # gate_up output (act input + up view) + act output
+        mlp += T * E * (4 + ab)  # router logits + fp32 routing softmax
+        down = 0
+    elif spec.num_experts:
         E = spec.num_experts
         mlp = consumers_saved(c, T, rb, roles.router)
         if c.full:
             mlp += (2 if c.mixed and rb == 4 else rb) * T * h * ktok
         else:
             mlp += consumers_saved(c, T, rb, roles.mlp_in, already_saved=True)
-        mlp += ktok * ab * T * h + T * E * (4 + ab)  # expert outputs, router logits + fp32 routing softmax
+        mlp += ktok * ab * T * h + T * E * (4 + ab)
+        mlp += 3 * ab * T * I * ktok
+        down = consumers_saved(c, T, ab, roles.mlp_out)
+        mlp += down
     else:
         mlp = consumers_saved(c, T, rb, roles.mlp_in)
         if spec.parallel_attn and c.full and not (c.mixed and rb == 4):
             mlp -= rb * T * h  # attention and MLP read the same saved norm output
-    mlp += (3 if gated else 1) * ab * T * I * ktok  # gate (act input), act out, up  |  fc1 out (act input)
-    down = consumers_saved(c, T, ab, roles.mlp_out)
-    mlp += down
+        mlp += (3 if gated else 1) * ab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
+        down = consumers_saved(c, T, ab, roles.mlp_out)
+        mlp += down
 
     # --- hidden dropout (BERT/T5/GPT-2 style configs): a bool mask per dropout on the residual branch
     p_hid = _config_float(spec, "hidden_dropout_prob", "hidden_dropout", "resid_pdrop", "dropout_rate", "dropout")

@@ -27,7 +27,7 @@ from oomdoctor.memory import optimizer as optm
 from oomdoctor.memory import parameters as prm
 from oomdoctor.memory import runtime as rt
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
-from oomdoctor.memory.context import HEAD_NAMES, Ctx, make_ctx
+from oomdoctor.memory.context import Ctx, make_ctx
 from oomdoctor.memory.lora import adapter_bytes
 from oomdoctor.plan import Plan
 from oomdoctor.spec import ModelSpec
@@ -43,7 +43,7 @@ def _persistent_tensors(c: Ctx, opt: optm.OptimizerMemory) -> list[tuple[int, in
         n_states = 2 if c.plan.optimizer in ("adamw", "adamw-8bit", "paged-adamw", "paged-adamw-8bit") else 1
     for g in c.spec.groups:
         w = g.weight_numel * c.wb
-        if c.quant is not None and g.kind == "linear" and g.name not in HEAD_NAMES:
+        if c.quant is not None and prm.is_quantized(g):
             w = prm.nf4_weight_bytes(g.weight_numel) if c.quant != "int8" else g.weight_numel
         k = g.count * ((1 + 1 + n_states) if c.full else 1)
         out.append((w, k))

@@ -4,7 +4,7 @@ LoRA adapters, and AMP's low-precision weight copies. Pure functions of (ModelSp
 
 from __future__ import annotations
 
-from oomdoctor.memory.context import Ctx
+from oomdoctor.memory.context import HEAD_NAMES, Ctx
 from oomdoctor.memory.lora import adapter_bytes
 
 #: bitsandbytes 4-bit: one absmax per block of 64 weights (``quantize_4bit`` default blocksize; QLoRA paper §2,
@@ -59,15 +59,22 @@ def base_weight_bytes(c: Ctx) -> int:
     s = c.sums
     if c.quant is None:
         return (s.linear_numel + s.head_numel + s.embed_numel + s.other_numel) * c.wb
-    q = 0
+    total = (s.linear_numel + s.head_numel + s.embed_numel + s.other_numel) * c.wb
     for g in c.spec.groups:
-        if g.kind != "linear" or g.name in ("lm_head", "score", "classifier"):
+        if not is_quantized(g):
             continue
         if c.quant == "int8":
-            q += int8_weight_bytes(g.weight_numel, g.out_features) * g.count
+            q = int8_weight_bytes(g.weight_numel, g.out_features)
         else:
-            q += nf4_weight_bytes(g.weight_numel, c.plan.double_quant) * g.count
-    return q + (s.head_numel + s.embed_numel + s.other_numel) * c.wb
+            q = nf4_weight_bytes(g.weight_numel, c.plan.double_quant)
+        total += (q - g.weight_numel * c.wb) * g.count
+    return total
+
+
+def is_quantized(g) -> bool:
+    """bitsandbytes replaces exactly ``nn.Linear``/``Conv1D`` modules (``ParamGroup.quantizable``, set by the
+    architecture builders) except the output head (transformers' ``modules_to_not_convert``)."""
+    return g.kind == "linear" and getattr(g, "quantizable", True) and g.name not in HEAD_NAMES
 
 
 def parameter_bytes(c: Ctx) -> int:
@@ -106,7 +113,10 @@ def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
     s = c.sums
     L = max(c.spec.num_layers, 1)
     adapters = c.lora_numel * 2
-    base_layer = 0 if c.quant is not None else s.linear_numel * 2
+    if c.quant is not None:  # quantized linears are dequantized per call, nothing saved; the rest are cast
+        base_layer = sum(g.weight_numel * g.count for g in c.spec.groups if g.kind == "linear" and g.per_layer and not is_quantized(g)) * 2
+    else:
+        base_layer = s.linear_numel * 2
     head = (s.head_numel or (s.embed_numel if c.spec.tie_word_embeddings else 0)) * 2
     if layers is None:
         return base_layer + head + adapters
