@@ -1,4 +1,4 @@
-"""Checkpoints: atomic, resumable; a run killed with SIGKILL and resumed ends exactly where an uninterrupted one does."""
+"""Checkpoints: atomic and resumable; a run killed with SIGKILL and resumed ends where an uninterrupted one does."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 

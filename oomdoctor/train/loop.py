@@ -310,9 +310,9 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
         lines = [f"out of memory at step {step + 1} in {phase} with micro-batch 1 x seq_len {cfg.seq_len} "
                  f"({reason})"]
         if cap is not None:
-            lines.append(f"budget {format_bytes(cap)}; held outside the failed micro-batch (weights, gradients, optimizer "
-                         f"state): {format_bytes(meter.current) if meter else '?'}: too little is left for one "
-                         f"sample's activations")
+            held = format_bytes(meter.current) if meter else "?"
+            lines.append(f"budget {format_bytes(cap)}; held outside the failed micro-batch (weights, gradients, "
+                         f"optimizer state): {held}: too little is left for one sample's activations")
         if memory_dict:
             comps = {k[:-6]: v for k, v in memory_dict.items()
                      if k.endswith("_bytes") and not k.startswith("peak") and v}
