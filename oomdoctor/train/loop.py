@@ -224,6 +224,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
                              "oom_recoveries": 0, "losses": [], "fingerprint": _fingerprint(cfg), "recoveries": []}
     step = 0
     resumed_from = None
+    saved: dict = {}
     out_dir = Path(cfg.output_dir)
     if resume:
         last = ckpt.latest_checkpoint(out_dir)
@@ -356,6 +357,14 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
                         f"fix the plan (`oomdoctor train CONFIG --dry-run --gpu-mem SIZE` lists changes that fit), "
                         f"then `oomdoctor train CONFIG --resume`",
                     ) from None
+                if step == 0 or (resumed_from and step == int(saved["step"])):
+                    # field notes 1.4: with GC + PEFT a missing input-grad hook trains nothing, silently
+                    with torch.no_grad():
+                        live = any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in trainable)
+                    if not live:
+                        msg = "no gradient reached the trainable parameters in the first step: nothing trains"
+                        notes.append(msg)
+                        emit({"type": "info", "message": "warning: " + msg})
                 try:
                     if scaler is not None:
                         scaler.unscale_(optimizer)
