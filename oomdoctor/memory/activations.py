@@ -104,6 +104,13 @@ def layer_roles(spec: ModelSpec) -> LayerRoles:
     )
 
 
+def _quantized(spec: ModelSpec, name: str) -> bool:
+    for g in spec.groups:
+        if g.name == name and g.kind == "linear" and g.per_layer:
+            return bool(getattr(g, "quantizable", True))
+    return False
+
+
 def _config_float(spec: ModelSpec, *keys: str) -> float:
     for key in keys:
         v = spec.config.get(key)
@@ -254,15 +261,26 @@ def layer_activations(c: Ctx) -> LayerActs:
         mlp = consumers_saved(c, T, rb, roles.mlp_in)
         if spec.parallel_attn and c.full and not (c.mixed and rb == 4):
             mlp -= rb * T * h  # attention and MLP read the same saved norm output
-        mlp += (3 if gated else 1) * ab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
-        down = consumers_saved(c, T, ab, roles.mlp_out)
+        # bitsandbytes Linear4bit/8bitLt return ``out.to(input dtype)``: under autocast their inputs are the fp32
+        # norm outputs, so the MLP intermediates are fp32 (measured by the simulate engine: +6·T·I per layer).
+        mab = 4 if (c.quant is not None and c.mixed and any(_quantized(spec, n) for n, *_x in roles.mlp_in)) else ab
+        mlp += (3 if gated else 1) * mab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
+        down = consumers_saved(c, T, mab, roles.mlp_out)
         mlp += down
+
+    # --- LLM.int8(): MatMul8bitLt casts its input to fp16 and saves that copy for the input gradient (bitsandbytes
+    # autograd/_functions.py), one copy per quantized linear.
+    int8_in = 0.0
+    if c.quant == "int8":
+        for n, i, _o, m in roles.attn_in + roles.attn_out + roles.mlp_in + roles.mlp_out:
+            if _quantized(spec, n):
+                int8_in += 2 * T * i * m
 
     # --- hidden dropout (BERT/T5/GPT-2 style configs): a bool mask per dropout on the residual branch
     p_hid = _config_float(spec, "hidden_dropout_prob", "hidden_dropout", "resid_pdrop", "dropout_rate", "dropout")
     drop = 2 * c.mask_b * T * h if p_hid > 0 else 0
 
-    saved = int(norms + att + mlp + drop)
+    saved = int(norms + att + mlp + drop + int8_in)
 
     # LoRA: block 0's input does not require grad (frozen embedding): its first norm saves nothing and the
     # dropout masks of the modules reading it are not kept.

@@ -92,10 +92,10 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         # forward only. Forward end: trainable casts (cached) + the head's; backward: one block's + the head's.
         trainable_casts = (c.lora_numel * 2) if not c.full else M_all
         M_fwd = min(M_all, trainable_casts + M_head) if c.mixed else 0
-        M_top = M_head + M_layer
+        M_top = M_layer
     else:
         M_fwd = M_all
-        M_top = M_all
+        M_top = M_all - M_head  # the head's copy dies with the head's backward, before the top block's
     M_bottom = M_layer
 
     # ---- activations
@@ -113,9 +113,10 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     if plan.offload_activations:
         # save_on_cpu: packed tensors go to pinned host memory; one block's tensors are on the device while it
         # runs (forward) or is back-propagated (unpacked copies).
+        # The device holds what the running node unpacks, not a whole block: price the block's backward transients.
         cpu_act = layers_saved
         layers_saved = 0
-        recompute = la.saved if not gc else la.saved
+        recompute = 0
     A_end = layers_saved + fin + shared
 
     # ---- gradients along backward
@@ -142,7 +143,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
 
     # forward: end of forward (loss) or the last block's working set
     fwd_extra_logits = lg.forward_peak
-    fwd_tmp = la.fwd_transient if not plan.offload_activations else la.fwd_transient + la.saved
+    fwd_tmp = la.fwd_transient
     if fwd_extra_logits >= fwd_tmp:
         fwd = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
                           activations=A_end, logits=fwd_extra_logits)
@@ -162,7 +163,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         # block 0 recomputed: its first norm's save is either the kept input (full) or absent (LoRA discount)
         bottom_acts = la.gc_saved + la.saved - (la.first_layer_discount if not c.full else la.gc_alias) + shared
     elif plan.offload_activations:
-        bottom_acts = la.saved - la.first_layer_discount + shared
+        bottom_acts = shared
     else:
         bottom_acts = la.saved - la.first_layer_discount + shared
     cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom, optimizer_states=O,
