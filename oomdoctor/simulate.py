@@ -21,8 +21,9 @@ The target is a CUDA GPU, so where the CPU code path would allocate differently 
   PyTorch's allocator: counted in ``peak_device`` (``paged_optimizer``), not in ``peak_allocated``;
 * torch optimizers keep the ``step`` counter on the host unless ``fused`` (not counted then).
 
-Speed: transformer blocks are identical, so the step is simulated with 2 and 4 blocks and every number is
-extrapolated linearly to N blocks; models whose blocks differ (alternating attention kinds, MoE) are simulated in full.
+Speed: transformer blocks are identical, so the step is simulated with 2 and 3 blocks (``EXTRAPOLATE_FROM``) and
+every number is extrapolated linearly to N blocks (per phase, at three aligned moments: the phase peak, its start and
+its end, keeping the largest); models whose blocks differ (alternating attention kinds, MoE) are simulated in full.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ CATEGORY_FIELDS = {
     "logits": "logits",
     "temporaries": "temporaries",
 }
+#: Block counts simulated for linear extrapolation. Memory is affine in the block count from two blocks on (blocks are
+#: identical; the first/last block's own differences, e.g. a non-grad-requiring input, are in the intercept; with one
+#: block the backward peak can sit elsewhere, e.g. QLoRA + GC): checked against full simulations in
+#: tests/test_simulate.py.
+EXTRAPOLATE_FROM = (2, 3)
 #: bnb paged optimizers keep tensors smaller than this on the device (bitsandbytes optim/optimizer.py get_state_buffer).
 PAGED_MIN_NUMEL = 100_000
 
@@ -278,6 +284,9 @@ class RunStats:
     timeline: list = field(default_factory=list)
     param_bytes: int = 0
     adapter_bytes: int = 0
+    candidates: dict = field(default_factory=dict)
+    """Per phase: category dicts at [the phase peak, the start and the end of its last instance] — moments that are
+    aligned across block counts, extrapolated separately (the peak may move to a phase boundary for large N)."""
 
 
 def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: str = "cuda", head=None,
@@ -360,6 +369,13 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     peaks = lb.phase_peaks
     events = lb.phase_peak_events()
     phase_cats = {ph: lb.categories_at(ev) for ph, ev in events.items()}
+    # aligned candidate moments for extrapolation: the peak, and the start/end of the last instance of each phase
+    last: dict[str, tuple] = {}
+    for name, start, end, _pk in lb.spans():
+        last[name] = (start, end)
+    candidates = {
+        ph: [phase_cats[ph], lb.categories_at(last[ph][0]), lb.categories_at(last[ph][1])] for ph in phase_cats
+    }
     best = max(PHASE_NAMES, key=lambda ph: peaks.get(ph, -1))
     peak = max(peaks.values())
     return RunStats(
@@ -374,6 +390,7 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
         timeline=lb.timeline() if lb.record_timeline else [],
         param_bytes=param_bytes,
         adapter_bytes=adapter_bytes,
+        candidates=candidates,
     )
 
 
@@ -530,6 +547,24 @@ def _extrapolate(a: int, b: int, la: int, lb_: int, n: int) -> int:
     return a + (b - a) * (n - la) // (lb_ - la)
 
 
+def _extrapolate_categories(c2: dict, c4: dict, la: int, lb_: int, n: int, total: int) -> dict:
+    """Per-category extrapolation that still sums to ``total`` (the extrapolated sum, exact when memory is affine in
+    the block count): categories that would go negative are clamped and the difference is taken from/added to the
+    transient categories."""
+    cats = {c: max(_extrapolate(c2[c], c4[c], la, lb_, n), 0) for c in c4}
+    diff = total - sum(cats.values())
+    order = ("temporaries", "activations", "logits", "master_weights", "gradients", "optimizer_states", "parameters")
+    if diff > 0:
+        cats["temporaries"] += diff
+    for c in order:
+        if diff >= 0:
+            break
+        take = min(cats[c], -diff)
+        cats[c] -= take
+        diff += take
+    return cats
+
+
 def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", timeline: bool = False,
                   round_to: int = 512) -> SimulationResult:
     """Simulate ``plan`` on ``spec``. ``layers="auto"`` simulates 2 and 4 blocks and extrapolates when the blocks are
@@ -539,17 +574,22 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
     plan = validate(plan)
     t0 = time.perf_counter()
     n = spec.num_layers
-    extrap = layers == "auto" and n > 4 and homogeneous_layers(spec)
+    extrap = layers == "auto" and n > EXTRAPOLATE_FROM[1] + 1 and homogeneous_layers(spec)
     if extrap:
-        r2 = simulate_run(spec, plan, 2, timeline=False, round_to=round_to)
-        r4 = simulate_run(spec, plan, 4, timeline=timeline, round_to=round_to)
+        la, lb_ = EXTRAPOLATE_FROM
+        r2 = simulate_run(spec, plan, la, timeline=False, round_to=round_to)
+        r4 = simulate_run(spec, plan, lb_, timeline=timeline, round_to=round_to)
         runs = (r2, r4)
         ex = lambda a, b: max(_extrapolate(a, b, r2.layers, r4.layers, n), 0)  # noqa: E731
-        phase_peaks = {ph: ex(r2.phase_peaks.get(ph, 0), r4.phase_peaks.get(ph, 0)) for ph in r4.phase_peaks}
-        phase_cats = {
-            ph: {c: ex(r2.phase_categories[ph][c], r4.phase_categories[ph][c]) for c in r4.phase_categories[ph]}
-            for ph in r4.phase_categories
-        }
+        phase_peaks, phase_cats = {}, {}
+        for ph in r4.phase_peaks:
+            best, best_total = None, -1
+            for c2, c4 in zip(r2.candidates[ph], r4.candidates[ph]):
+                total = ex(sum(c2.values()), sum(c4.values()))
+                if total > best_total:
+                    best, best_total = _extrapolate_categories(c2, c4, r2.layers, r4.layers, n, total), total
+            phase_cats[ph] = best
+            phase_peaks[ph] = best_total
         external = {k: ex(r2.external.get(k, 0), r4.external.get(k, 0)) for k in set(r2.external) | set(r4.external)}
         adapter = ex(r2.adapter_bytes, r4.adapter_bytes)
         ref = r4
@@ -592,7 +632,9 @@ def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, ad
     """Fill a MemoryBreakdown from tensor categories at the peak plus the device-level model (runtime constants)."""
     paged = external.get("paged_optimizer", 0)
     offloaded = external.get("cpu_offloaded", 0)
-    dev = device_overheads(spec, plan, peak, paged)
+    transient = cats["activations"] + cats["logits"] + cats["temporaries"] + cats["master_weights"]
+    dev = device_overheads(spec, plan, transient)
+    reserved = peak + dev["allocator_slack"] + dev["cublas_workspace"]
     return MemoryBreakdown(
         parameters=cats["parameters"],
         adapters=min(adapter, cats["parameters"]),
@@ -608,8 +650,8 @@ def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, ad
         paged_optimizer=paged,
         cpu_offloaded=offloaded,
         peak_allocated=peak,
-        peak_reserved=peak + dev["allocator_slack"],
-        peak_device=peak + dev["allocator_slack"] + dev["cuda_context"] + dev["cublas_workspace"] + paged,
+        peak_reserved=reserved,
+        peak_device=reserved + dev["cuda_context"] + paged,
         peak_phase=peak_phase,
         phases={ph: int(phase_peaks.get(ph, 0)) for ph in PHASE_NAMES},
         engine="simulate",
@@ -617,31 +659,33 @@ def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, ad
     )
 
 
-def device_overheads(spec, plan, peak_allocated: int, paged: int) -> dict:
-    """CUDA context, cuBLAS workspace and allocator slack for a given tensor peak.
+def device_overheads(spec, plan, transient_bytes: int) -> dict:
+    """CUDA context, cuBLAS workspace and allocator slack around a simulated tensor peak.
 
-    Uses the analytic engine's runtime model (``oomdoctor.memory.runtime``) when it is present, so both engines
-    agree on everything outside the tensor bytes."""
+    Taken from the analytic engine's runtime model (``oomdoctor.memory.runtime``: named constants calibrated on a
+    GPU), so both engines agree on everything outside the tensor bytes: slack = per-block rounding of the
+    persistent tensors + segment tails + a fragmentation share of the transient bytes at the peak; cuBLAS workspace
+    is allocator memory counted in ``peak_reserved``; the context only in ``peak_device``."""
     try:
-        from oomdoctor.memory import runtime  # owned by the analytic engine
-    except ImportError:
-        runtime = None
-    if runtime is not None and hasattr(runtime, "device_overheads"):
-        d = runtime.device_overheads(spec, plan, peak_allocated)
+        from oomdoctor.memory import optimizer as optm
+        from oomdoctor.memory import runtime as rt
+        from oomdoctor.memory.analytic import _persistent_tensors
+        from oomdoctor.memory.context import make_ctx
+
+        c = make_ctx(spec, plan, "cuda")
+        slack = rt.allocator_slack_bytes(_persistent_tensors(c, optm.optimizer_memory(c)), transient_bytes)
         return {
-            "allocator_slack": int(d["allocator_slack"]),
-            "cuda_context": int(d["cuda_context"]),
-            "cublas_workspace": int(d["cublas_workspace"]),
-            "notes": tuple(d.get("notes", ())),
+            "allocator_slack": int(slack),
+            "cuda_context": int(rt.cuda_context_bytes(c)),
+            "cublas_workspace": int(rt.cublas_workspace_bytes(c)),
         }
-    # ADAPTER until oomdoctor/memory/runtime.py lands: typical values on H100/A100 with torch 2.x
-    # (CUDA context + kernels ~ 500 MiB; cuBLAS workspace 4 MiB + cuBLASLt 32 MiB on Hopper; slack 5% of the peak).
-    return {
-        "allocator_slack": int(peak_allocated * 0.05),
-        "cuda_context": 500 * 2**20,
-        "cublas_workspace": 36 * 2**20,
-        "notes": ("device overheads: provisional constants (runtime model not available)",),
-    }
+    except (ImportError, AttributeError, TypeError):  # runtime model absent or changed: documented fallback
+        return {
+            "allocator_slack": int(transient_bytes * 0.08) + 12 * 2**20,
+            "cuda_context": 512 * 2**20,
+            "cublas_workspace": 64 * 2**20,
+            "notes": ("device overheads: fallback constants (oomdoctor.memory.runtime not importable)",),
+        }
 
 
 def estimate_simulated(spec: "ModelSpec", plan: "Plan") -> MemoryBreakdown:
