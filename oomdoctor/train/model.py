@@ -2,9 +2,9 @@
 
 Efficient init (Lightning Fabric ``init_module`` / HF ``from_pretrained`` semantics), never a full fp32 copy first:
 
-- ``init: pretrained``: ``AutoModelForCausalLM.from_pretrained(path, dtype=<weight dtype>, device_map={"": device},
-  quantization_config=...)`` loads the checkpoint straight into the target dtype on the target device (transformers
-  5 builds on meta and materializes each tensor once).
+- ``init: pretrained``: ``AutoModelForCausalLM.from_pretrained(path, dtype=<weight dtype>,
+  device_map={"": "cuda:0"|"cpu"}, quantization_config=...)`` loads the checkpoint straight into the target
+  dtype on the target device (transformers 5 builds on meta and materializes each tensor once).
 - ``init: random``: ``AutoModelForCausalLM.from_config(config, dtype=...)`` under ``with torch.device(device):``
   allocates every parameter directly on the device in the target dtype. With a bitsandbytes base (QLoRA smoke
   runs) the random model is built in the compute dtype on the CPU, saved to a temporary directory and loaded back
@@ -137,7 +137,7 @@ def build_model(cfg: TrainConfig, device: torch.device, vocab_size: int) -> Buil
     if cfg.model.init == "pretrained":
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                cfg.model.path, dtype=wdtype, device_map={"": device}, quantization_config=qconf,
+                cfg.model.path, dtype=wdtype, device_map={"": str(device)}, quantization_config=qconf,
                 attn_implementation=attn,
             )
         except OSError as exc:
@@ -161,7 +161,8 @@ def build_model(cfg: TrainConfig, device: torch.device, vocab_size: int) -> Buil
                 tmp_model.save_pretrained(tmp)
                 del tmp_model
                 model = AutoModelForCausalLM.from_pretrained(
-                    tmp, dtype=wdtype, device_map={"": device}, quantization_config=qconf, attn_implementation=attn
+                    tmp, dtype=wdtype, device_map={"": str(device)}, quantization_config=qconf,
+                    attn_implementation=attn,
                 )
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
