@@ -188,7 +188,8 @@ def train(
     print(f"done: {res.optimizer_steps} optimizer steps, effective batch {res.effective_batch_size} "
           f"(micro {res.micro_batch_size} x {res.gradient_accumulation_steps}), {loss}")
     print(f"peak memory {_fmt(res.measured_peak_bytes)} measured"
-          + (f" vs {_fmt(pred)} predicted (peak allocated)" if pred else "")
+          + (f" vs {_fmt(pred)} predicted (peak allocated"
+             + (", at the configured micro-batch)" if res.oom_recoveries else ")") if pred else "")
           + f"; OOM recoveries {res.oom_recoveries}; {res.tokens_per_second:,.0f} tokens/s")
     print(f"checkpoint: {res.checkpoint}")
     for n in res.notes:
