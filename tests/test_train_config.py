@@ -161,3 +161,11 @@ def test_defaults_are_documented():
         # a docstring follows every field (litgpt style)
         after = src.split(f"\n    {f.name}:", 1)[1].split("\n", 2)[1]
         assert after.strip().startswith('"""'), f.name
+
+
+def test_cli_import_stays_light():
+    """`oomdoctor --help` stays instant: the train command and its config module import no torch stack."""
+    code = ("import sys, oomdoctor.cli, oomdoctor.train.config, oomdoctor.train.dryrun; "
+            "print([m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules])")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
