@@ -222,6 +222,30 @@ def test_measurement_sees_the_activations():
     assert abs((e2 - e1) - (r2 - r1)) <= 0.05 * (r2 - r1)
 
 
+#: Plans a CPU cannot run with CUDA semantics (bitsandbytes on CUDA, CUDA autocast, paged memory): compared with
+#: the simulate engine instead (the real HF step replayed on fake tensors under the CUDA policy; byte-exact vs real
+#: CPU steps in its own tests). 7B/16-scaled Llama, B2 S256, no allocator rounding.
+SIM_CASES: list[tuple[str, Plan]] = [
+    ("qlora nf4 bf16-mixed", Plan(method="qlora", seq_len=256, micro_batch=2)),
+    ("qlora nf4+dq bf16-mixed GC", Plan(method="qlora", double_quant=True, gradient_checkpointing=True, seq_len=256, micro_batch=2)),
+    ("qlora int8 bf16-mixed", Plan(method="qlora", quant="int8", seq_len=256, micro_batch=2)),
+    ("full bf16 paged-adamw-8bit", Plan(method="full", precision="bf16", optimizer="paged-adamw-8bit", seq_len=256, micro_batch=2)),
+    ("lora bf16-mixed GC", Plan(method="lora", gradient_checkpointing=True, seq_len=256, micro_batch=2)),
+]
+
+
+@pytest.mark.parametrize("name,plan", SIM_CASES, ids=[c[0] for c in SIM_CASES])
+def test_analytic_matches_simulate_on_cuda_only_plans(name, plan):
+    simulate = pytest.importorskip("oomdoctor.simulate")
+    spec = build_spec(LLAMA7B_SCALED, "7b-scaled")
+    plan = validate(plan)
+    sim = simulate.simulate_plan(spec, plan, layers="full", round_to=1).breakdown
+    est = estimate_analytic(spec, plan)
+    err = (est.peak_allocated - sim.peak_allocated) / sim.peak_allocated
+    assert abs(err) <= TOLERANCE, f"{name}: analytic {est.peak_allocated:,} vs simulate {sim.peak_allocated:,} ({err:+.2%})"
+    assert est.paged_optimizer == sim.paged_optimizer
+
+
 if __name__ == "__main__":  # pragma: no cover - prints the table used in docs/memory-model.md
     print(f"| plan | model | real peak (B) | analytic (B) | error | phase real/analytic |")
     print("|---|---|---:|---:|---:|---|")
@@ -230,3 +254,14 @@ if __name__ == "__main__":  # pragma: no cover - prints the table used in docs/m
         model = "7B/16 (h256, L4, V2000, hd128)" if cfg is LLAMA7B_SCALED else f"h{cfg['hidden_size']} L{cfg['num_hidden_layers']} V{cfg['vocab_size']} kv{cfg['num_key_value_heads']}"
         label = f"{name}: {validate(plan).label()} B{plan.micro_batch} S{plan.seq_len}"
         print(f"| {label} | {model} | {real:,} | {est:,} | {err:+.2%} | {rp}/{ep} |")
+    from oomdoctor.simulate import simulate_plan
+
+    print("\n| plan (CUDA semantics) | simulate peak (B) | analytic (B) | error |")
+    print("|---|---:|---:|---:|")
+    for name, plan in SIM_CASES:
+        plan = validate(plan)
+        spec = build_spec(LLAMA7B_SCALED, "7b-scaled")
+        sim = simulate_plan(spec, plan, layers="full", round_to=1).breakdown
+        est = estimate_analytic(spec, plan)
+        err = (est.peak_allocated - sim.peak_allocated) / sim.peak_allocated
+        print(f"| {name} | {sim.peak_allocated:,} | {est.peak_allocated:,} | {err:+.2%} |")
