@@ -479,7 +479,7 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model.to_empty(device="cpu")
-        _reset_nonpersistent_buffers(model)
+        _retie(model)
         batch = make_batch(spec, plan, "cpu")
         lb = LiveBytes(round_to=round_to, record_timeline=timeline, param_copy_category="master_weights")
         with _offload_activations(plan, lb):
@@ -535,9 +535,12 @@ def _offload_activations(plan, lb):
         yield
 
 
-def _reset_nonpersistent_buffers(model) -> None:
-    """``to_empty`` leaves buffers uninitialized; fake tensors hold no data so nothing to recompute."""
-    return None
+def _retie(model) -> None:
+    """``to_empty`` replaces each module's parameters one by one, which unties shared weights (tied embeddings):
+    tie them again as transformers does after loading."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(getattr(base, "config", None), "tie_word_embeddings", False) and hasattr(base, "tie_weights"):
+        base.tie_weights()
 
 
 def _extrapolate(a: int, b: int, la: int, lb_: int, n: int) -> int:

@@ -51,6 +51,15 @@ def test_fake_replay_equals_real_cpu_step(tiny_config, plan):
     assert r.peak > 0 and sum(r.peak_categories.values()) == r.peak
 
 
+def test_tied_embeddings_stay_tied(tiny_config):
+    """to_empty unties shared weights; the replay re-ties them (else the head is counted twice)."""
+    r = _same(_spec(tiny_config, tie_word_embeddings=True), Plan(method="full", seq_len=SEQ))
+    from oomdoctor.simulate import simulate_run
+
+    untied = simulate_run(_spec(tiny_config), validate(Plan(method="full", seq_len=SEQ)))
+    assert r.param_bytes < untied.param_bytes
+
+
 def test_qlora_real_bitsandbytes_model_step_matches_standin(tiny_config, tmp_path):
     """A real bnb 4-bit model (loaded on CPU) trained one LoRA step counts the same bytes as the stand-in replay
     (with bnb's fused op, as on CPU)."""

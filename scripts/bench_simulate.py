@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""Wall time of the simulated engine per plan, for 1B / 7B / 70B configs (bundled ids, no download).
+
+    python scripts/bench_simulate.py                 # default models and plans, table on stdout
+    python scripts/bench_simulate.py --threads 2     # as on a 2-core CI machine
+    python scripts/bench_simulate.py --compare       # also the analytic engine and its error vs simulate
+    python scripts/bench_simulate.py --json out.json
+
+The first plan of a process also pays the imports (torch, transformers, peft, bitsandbytes) and is reported
+separately as ``warm-up``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OOMDOCTOR_OFFLINE", "1")
+
+MODELS = ("meta-llama/Llama-3.2-1B", "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+          "meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-70b-hf")
+
+
+def default_plans():
+    from oomdoctor.plan import Plan
+
+    return [
+        Plan(method="full", seq_len=2048, micro_batch=1),
+        Plan(method="full", seq_len=2048, micro_batch=1, gradient_checkpointing=True, optimizer="adamw-8bit"),
+        Plan(method="lora", seq_len=2048, micro_batch=2),
+        Plan(method="qlora", quant="nf4", seq_len=2048, micro_batch=1, gradient_checkpointing=True,
+             optimizer="paged-adamw-8bit"),
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CI has 2 cores)")
+    ap.add_argument("--compare", action="store_true", help="also run the analytic engine and print its error")
+    ap.add_argument("--json", help="write the rows to this JSON file")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from oomdoctor.plan import validate
+    from oomdoctor.simulate import simulate_plan
+    from oomdoctor.spec import load_spec
+    from oomdoctor.units import format_bytes
+
+    t0 = time.perf_counter()
+    simulate_plan(load_spec(args.models[0]), validate(default_plans()[0].with_(seq_len=128)))
+    print(f"warm-up (imports + first plan): {time.perf_counter() - t0:.1f} s")
+    rows = []
+    hdr = f"{'model':52s} {'plan':58s} {'params':>8s} {'seconds':>8s} {'peak_allocated':>15s} {'phase':>14s}"
+    if args.compare:
+        hdr += f" {'analytic':>12s} {'error':>8s}"
+    print(hdr)
+    for mid in args.models:
+        spec = load_spec(mid)
+        for plan in default_plans():
+            plan = validate(plan)
+            t = time.perf_counter()
+            r = simulate_plan(spec, plan)
+            dt = time.perf_counter() - t
+            b = r.breakdown
+            row = {"model": mid, "plan": plan.label(), "params": spec.num_params, "seconds": round(dt, 2),
+                   "peak_allocated": b.peak_allocated, "peak_phase": b.peak_phase,
+                   "layers_simulated": list(r.layers_simulated)}
+            line = (f"{mid:52s} {plan.label():58s} {spec.num_params / 1e9:7.2f}B {dt:8.2f} "
+                    f"{format_bytes(b.peak_allocated):>15s} {b.peak_phase:>14s}")
+            if args.compare:
+                from oomdoctor.memory import estimate
+
+                a = estimate(spec, plan, "analytic")
+                err = (a.peak_allocated - b.peak_allocated) / b.peak_allocated
+                row.update(analytic=a.peak_allocated, error=err)
+                line += f" {format_bytes(a.peak_allocated):>12s} {err * 100:+7.2f}%"
+            print(line, flush=True)
+            rows.append(row)
+    secs = [r["seconds"] for r in rows]
+    print(f"simulate time per plan: median {statistics.median(secs):.2f} s, max {max(secs):.2f} s "
+          f"({args.threads} threads)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""(b) The analytic engine stays within 5 % of the simulated engine (the reference for tensor bytes) on a grid of
+plans: sizes, sequence lengths, methods, gradient checkpointing, optimizers, precisions, attention.
+
+Cells where the formulas are known to be off are marked ``xfail(strict=False)`` with the reason, so the grid keeps
+its 5 % bar (see docs/simulate.md for the measured errors)."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomdoctor.plan import Plan, validate
+from oomdoctor.spec import spec_from_config
+
+TOL = 0.05
+
+#: A small Llama-shaped model (2 blocks; GQA; realistic vocab/hidden ratio) and a wider one.
+MINI = {
+    "model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+}
+WIDE = dict(MINI, hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16,
+            vocab_size=32000, tie_word_embeddings=True)
+
+QLORA_FP32_FLOW = pytest.mark.xfail(
+    strict=False,
+    reason="analytic prices QLoRA block intermediates in bf16; bnb's Linear4bit returns .to(input dtype) = fp32 "
+    "(fp32 norms), so the MLP/attention outputs, peft's result.clone() and result+lora are fp32 (saved for backward)",
+)
+INT8_FLOW = pytest.mark.xfail(
+    strict=False,
+    reason="analytic does not price MatMul8bitLt's kept fp32 input (ctx.tensors) and fp32 outputs of int8 layers",
+)
+
+GC_BWD_CASTS = pytest.mark.xfail(
+    strict=False,
+    reason="analytic keeps every cached AMP weight cast at the start of backward under GC; autocast clears its cache "
+    "when the forward's autocast region exits, so only the head's cast (saved by its matmul) is left",
+)
+
+GRID = [
+    ("mini", Plan(method="full", seq_len=512)),
+    ("mini", Plan(method="full", seq_len=1024, micro_batch=2, gradient_checkpointing=True)),
+    ("mini", Plan(method="full", seq_len=512, optimizer="adamw-8bit")),
+    ("mini", Plan(method="full", seq_len=512, optimizer="adafactor", precision="bf16")),
+    ("mini", Plan(method="full", seq_len=256, optimizer="sgd", sgd_momentum=0.9, optimizer_impl="fused")),
+    ("mini", Plan(method="full", seq_len=512, optimizer="lion", attn="eager")),
+    pytest.param("mini", Plan(method="full", seq_len=512, optimizer="paged-adamw", gradient_checkpointing=True),
+                 marks=GC_BWD_CASTS),
+    ("mini", Plan(method="full", seq_len=512, precision="fp32")),
+    ("mini", Plan(method="lora", seq_len=512)),
+    ("mini", Plan(method="lora", seq_len=2048, gradient_checkpointing=True)),
+    ("mini", Plan(method="lora", seq_len=512, micro_batch=4, precision="fp16-mixed", lora_targets=("q_proj", "v_proj"))),
+    ("mini", Plan(method="lora", seq_len=1024, attn="eager", lora_r=64)),
+    ("mini", Plan(method="qlora", seq_len=1024, gradient_checkpointing=True, optimizer="paged-adamw-8bit")),
+    pytest.param("mini", Plan(method="qlora", seq_len=512), marks=QLORA_FP32_FLOW),
+    pytest.param("mini", Plan(method="qlora", seq_len=512, double_quant=True, micro_batch=2), marks=QLORA_FP32_FLOW),
+    pytest.param("mini", Plan(method="qlora", quant="int8", seq_len=512, gradient_checkpointing=True), marks=INT8_FLOW),
+    ("wide", Plan(method="full", seq_len=1024)),
+    ("wide", Plan(method="lora", seq_len=1024, micro_batch=2)),
+    ("wide", Plan(method="qlora", seq_len=2048, gradient_checkpointing=True)),
+]
+
+
+def _id(p):
+    return p.label() if isinstance(p, Plan) else str(p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,plan", GRID, ids=_id)
+def test_analytic_within_5_percent_of_simulate(model, plan):
+    from oomdoctor.memory import estimate
+
+    spec = spec_from_config(MINI if model == "mini" else WIDE, name=model)
+    plan = validate(plan)
+    sim = estimate(spec, plan, "simulate")
+    ana = estimate(spec, plan, "analytic")
+    err = (ana.peak_allocated - sim.peak_allocated) / sim.peak_allocated
+    comps = {c: ana.__dict__[c] - sim.__dict__[c] for c in ("parameters", "master_weights", "gradients",
+                                                            "optimizer_states", "activations", "logits", "temporaries")}
+    assert abs(err) <= TOL, f"analytic {err:+.2%} vs simulate; component deltas (analytic - simulate): {comps}"
+    # model states are exact in both engines: parameters and optimizer state must agree closely at any peak
+    assert abs(ana.parameters - sim.parameters) <= max(0.01 * sim.parameters, 64 * 1024)
