@@ -316,3 +316,43 @@ __all__ = [
     "quantized_storage_bytes",
     "GEMM_4BIT_CUSTOM_MAX_M",
 ]
+
+
+def quantize_model_real(model, plan, *, head_name: str = "lm_head", device: str = "cuda", std: float = 0.02) -> int:
+    """Replace every ``nn.Linear`` but the head by a REAL bitsandbytes layer quantized from random weights on
+    ``device`` (one layer at a time, so the full-precision model never exists on the device). For the measured engine
+    and scripts/validate_gpu.py on a CUDA GPU; ``model`` may live on the meta device."""
+    import torch
+
+    bnb = _bnb()
+    from oomdoctor.modelbuild import torch_dtype
+
+    compute = torch_dtype(plan.compute_dtype)
+    replaced = 0
+    for _name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if type(child) is not torch.nn.Linear or child_name == head_name:
+                continue
+            w = torch.empty(child.out_features, child.in_features, dtype=torch.float16, device=device).normal_(0, std)
+            if plan.quant == "int8":
+                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, child.bias is not None,
+                                          has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta")
+                new.weight = bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False)
+            else:
+                new = bnb.nn.Linear4bit(child.in_features, child.out_features, child.bias is not None,
+                                        compute_dtype=compute, compress_statistics=plan.double_quant,
+                                        quant_type=plan.quant, quant_storage=torch.uint8, device="meta")
+                new.weight = bnb.nn.Params4bit(w.to(compute), requires_grad=False, compress_statistics=plan.double_quant,
+                                               quant_type=plan.quant, quant_storage=torch.uint8, module=new)
+            del w
+            if child.bias is not None:
+                new.bias = torch.nn.Parameter(torch.zeros(child.out_features, device=device), requires_grad=False)
+            new = new.to(device)  # bnb quantizes on the move to the device
+            setattr(mod, child_name, new)
+            replaced += 1
+    if plan.quant == "int8":
+        model.is_loaded_in_8bit = True
+    else:
+        model.is_loaded_in_4bit = True
+    model.is_quantized = True
+    return replaced

@@ -125,11 +125,14 @@ def build_model(
     quant_standin: bool = True,
     seed: int | None = None,
     bnb_decompose: bool = True,
+    real_quant_device: str | None = None,
 ) -> BuiltModel:
     """Build the model of ``spec`` as ``plan`` trains it (see the module docstring for the steps).
 
     ``device="meta"`` (no memory; materialize later with ``model.to_empty(device=...)``), ``"cpu"`` or ``"cuda"``
     (random init of the real shape). ``num_layers`` overrides the number of transformer blocks (extrapolation).
+    ``real_quant_device="cuda"`` (with ``device="meta"``): real bitsandbytes layers quantized from random weights on
+    that device, every other parameter materialized there (GPU measurements).
     ``quant_standin=False`` skips the bitsandbytes replacement (for callers that load a real bnb model themselves);
     ``bnb_decompose=False`` makes 4-bit stand-ins call bnb's fused ``gemm_4bit`` op as bnb does on CPU (the CUDA
     dequantize temporary is then inside the op, not counted).
@@ -161,7 +164,13 @@ def build_model(
     finally:
         torch.set_default_dtype(prev_default)
 
-    if plan.quant is not None and quant_standin:
+    if plan.quant is not None and real_quant_device is not None:
+        # a real GPU run: real bnb layers quantized from random weights, the rest materialized there
+        from oomdoctor.bnb_standin import quantize_model_real
+
+        quantize_model_real(model, plan, head_name=spec.head_name, device=real_quant_device)
+        materialize_meta(model, real_quant_device)
+    elif plan.quant is not None and quant_standin:
         from oomdoctor.bnb_standin import quantize_model_standin
 
         quantize_model_standin(model, plan, head_name=spec.head_name, device=device, decompose=bnb_decompose)
@@ -202,6 +211,37 @@ def build_model(
     )
 
 
+def materialize_meta(model, device: str, std: float = 0.02) -> None:
+    """Give every meta parameter/buffer real storage on ``device`` (random normal weights, ones for norms); keeps
+    tied weights tied (shared Parameter objects are materialized once)."""
+    import torch
+
+    done: dict[int, torch.nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            if id(p) not in done:
+                t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                with torch.no_grad():
+                    t.fill_(1.0) if p.dim() == 1 else t.normal_(0, std)
+                done[id(p)] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+            mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.device.type == "meta":
+                mod._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+    # rotary inv_freq and similar computed buffers: let transformers recompute them where it can
+    for mod in model.modules():
+        if hasattr(mod, "rope_init_fn") and hasattr(mod, "inv_freq") and hasattr(mod, "config"):
+            try:
+                inv_freq, _ = mod.rope_init_fn(mod.config, torch.device(device))
+                mod.inv_freq = inv_freq
+                if hasattr(mod, "original_inv_freq"):
+                    mod.original_inv_freq = inv_freq
+            except Exception:  # noqa: BLE001 - values do not matter for memory
+                pass
+
+
 def _find_layers(model) -> list:
     """The transformer blocks (the biggest ``ModuleList`` of the model)."""
     import torch
@@ -226,4 +266,4 @@ def make_batch(spec: "ModelSpec", plan: "Plan", device: str = "cpu", *, fake_ok:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-__all__ = ["BuiltModel", "build_model", "make_batch", "config_with_layers", "hf_config", "lora_target_modules", "torch_dtype"]
+__all__ = ["BuiltModel", "build_model", "materialize_meta", "make_batch", "config_with_layers", "hf_config", "lora_target_modules", "torch_dtype"]

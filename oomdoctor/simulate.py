@@ -261,7 +261,9 @@ def make_optimizer(model, plan: "Plan", lb=None, *, target: str = "cuda"):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # bnb builds its quantization maps from data (real tensors, shared by all params)
-        o = _GpuLike(groups, lr=lr, optim_bits=optim_bits, is_paged=False)
+        if target == "gpu":  # a real GPU: bnb as is (paged state really is unified memory)
+        return base(groups, lr=lr, optim_bits=optim_bits, is_paged=is_paged)
+    o = _GpuLike(groups, lr=lr, optim_bits=optim_bits, is_paged=False)
     o._sim_paged = is_paged and target == "cuda"
     return o
 
@@ -290,9 +292,12 @@ class RunStats:
 
 
 def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: str = "cuda", head=None,
-              optimizer=None, checkpoint_region: bool = True) -> RunStats:
-    """Run ``steps`` training steps of ``model`` on ``batch`` under the live tracker ``lb`` (already entered or not:
-    this function enters it). Works on real or fake tensors: the same code measures a real CPU step."""
+              optimizer=None, checkpoint_region: bool = True, on_step=None) -> RunStats:
+    """Run ``steps`` training steps of ``model`` on ``batch`` under the live tracker ``lb`` (this function enters it).
+
+    ``target``: ``"cuda"`` replays on CPU tensors (real or fake) allocating as CUDA does (:class:`CudaPolicy`);
+    ``"cpu"`` runs plain CPU semantics; ``"gpu"`` runs on a real CUDA device (CUDA autocast, bnb as is).
+    ``on_step(step_index)`` is called after each step (the measured engine samples NVML there)."""
     import torch
 
     lb.track_module(model)
@@ -301,6 +306,7 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     )
     param_bytes = lb.current
     mixed = plan.is_mixed
+    ac_device = "cuda" if target == "gpu" else "cpu"
     cdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[plan.compute_dtype]
     step_peaks: list[int] = []
     hooks = []
@@ -328,7 +334,7 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
         for step in range(steps):
             lb.reset_peak()
             with lb.phase("forward"):
-                ac = torch.autocast("cpu", dtype=cdtype) if mixed else torch.autocast("cpu", enabled=False)
+                ac = torch.autocast(ac_device, dtype=cdtype) if mixed else torch.autocast(ac_device, enabled=False)
                 with ac:
                     out = model(**batch)
                 loss = out["loss"] if isinstance(out, dict) else out.loss
@@ -356,11 +362,14 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
                 if step == 0:
                     lb.track_optimizer(opt)
                     if target == "cuda" and not (plan.optimizer in ("adamw", "sgd") and plan.optimizer_impl == "fused"):
+                        # (on a real GPU, target "gpu", these CPU scalars are not on the device: not counted)
                         _untrack_host_scalars(opt, lb)
                     if plan.offload_optimizer:
                         _offload_optimizer_state(opt, lb)
                 opt.zero_grad(set_to_none=True)
             step_peaks.append(lb.peak)
+            if on_step is not None:
+                on_step(step)
     for h in hooks:
         h.remove()
     for mod, fn in restore_ckpt:

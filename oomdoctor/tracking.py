@@ -133,10 +133,12 @@ class LiveBytes(TorchDispatchMode):
         round_to: int = CUDA_ROUND,
         cap_bytes: int | None = None,
         record_timeline: bool = False,
-        device_name: str = "GPU 0",
+        device_name: str = "GPU 0",  # used in the OOM message
         param_copy_category: str | None = None,
+        device_type: str | None = None,
     ):
         super().__init__()
+        self.device_type = device_type
         self.param_copy_category = _canon(param_copy_category) if param_copy_category else None
         self.round_to = round_to
         self.cap_bytes = cap_bytes
@@ -177,6 +179,8 @@ class LiveBytes(TorchDispatchMode):
         input_keys: set[int] | None = None
         for t in flat:
             if not isinstance(t, torch.Tensor):
+                continue
+            if self.device_type is not None and t.device.type != self.device_type:
                 continue
             try:
                 st = t.untyped_storage()
@@ -310,6 +314,11 @@ class LiveBytes(TorchDispatchMode):
         for t in tensors:
             if t is None:
                 continue
+            if isinstance(t, torch.Tensor) and (
+                getattr(t, "is_paged", False)
+                or (self.device_type is not None and t.device.type != self.device_type)
+            ):
+                continue  # bnb paged (unified) memory / another device: not this allocator's bytes
             st = self._storage_of(t)
             key = st._cdata
             if key in self._ignored:

@@ -1,0 +1,274 @@
+"""The measured engine: run the plan's real training step on the local CUDA GPU and read the allocator's peaks.
+
+``estimate_measured(spec, plan)`` builds the model of the plan's real shape with random weights (memory does not
+depend on values; ``model_path`` loads local weights instead), runs the same two steps as the simulated engine
+(``oomdoctor.simulate.run_steps`` with ``target="gpu"``: real CUDA autocast, real bitsandbytes layers and optimizers)
+and reports:
+
+* ``peak_allocated`` = ``torch.cuda.max_memory_allocated()`` and ``peak_reserved`` = ``max_memory_reserved()``
+  (allocator statistics reset after the model is built, so the peak includes the weights, as in training);
+* tensor components from :class:`oomdoctor.tracking.LiveBytes` (same classification as ``simulate``), scaled to the
+  allocator: anything the allocator holds that no tracked tensor explains (cuBLAS workspace, kernel-internal buffers)
+  is reported in ``temporaries``;
+* ``peak_device`` from NVML: this process's device memory after the steps (the caching allocator keeps its peak
+  reservation), plus other processes' usage in the notes; ``cuda_context`` = NVML process usage - reserved.
+
+Without a CUDA GPU it raises :class:`oomdoctor.errors.NoGPU` (exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from oomdoctor.errors import NoGPU
+from oomdoctor.memory.breakdown import MemoryBreakdown
+
+if TYPE_CHECKING:  # pragma: no cover
+    from oomdoctor.plan import Plan
+    from oomdoctor.spec import ModelSpec
+
+NO_GPU_MESSAGE = "--engine measure needs a CUDA GPU; none found"
+NO_GPU_HINT = "use --engine simulate (exact tensor bytes, no GPU) or --engine analytic"
+
+
+@dataclass
+class MeasureResult:
+    """Raw measurements of one plan on the local GPU."""
+
+    breakdown: MemoryBreakdown
+    max_allocated: int
+    """``torch.cuda.max_memory_allocated()`` over the two steps."""
+    max_reserved: int
+    """``torch.cuda.max_memory_reserved()`` over the two steps."""
+    nvml_process_used: int | None
+    """NVML's view of this process after the steps (None when NVML is unavailable)."""
+    tracked_peak: int
+    """LiveBytes' peak (tensor storages only)."""
+    step_max_allocated: list[int] = field(default_factory=list)
+    """``max_memory_allocated`` after each step."""
+    gpu: dict = field(default_factory=dict)
+    """``oomdoctor.gpu.detect_gpu()`` as a dict (name, total, free, used, used by other processes)."""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "memory": self.breakdown.to_dict(),
+            "max_allocated_bytes": self.max_allocated,
+            "max_reserved_bytes": self.max_reserved,
+            "nvml_process_used_bytes": self.nvml_process_used,
+            "tracked_peak_bytes": self.tracked_peak,
+            "step_max_allocated_bytes": self.step_max_allocated,
+            "gpu": self.gpu,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def require_cuda() -> None:
+    """Raise NoGPU (exit 2) unless a CUDA device is usable."""
+    if not cuda_available():
+        raise NoGPU(NO_GPU_MESSAGE, NO_GPU_HINT)
+
+
+def _nvml_process_used() -> int | None:
+    """Device memory NVML attributes to this process (None when not available)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001
+        return None
+    try:
+        from oomdoctor.gpu import _device_index
+
+        h = pynvml.nvmlDeviceGetHandleByIndex(_device_index())
+        me = os.getpid()
+        for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+            try:
+                for p in getattr(pynvml, getter)(h):
+                    if p.pid == me and isinstance(getattr(p, "usedGpuMemory", None), int):
+                        return int(p.usedGpuMemory)
+            except Exception:  # noqa: BLE001
+                continue
+        return None
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _gpu_info() -> dict:
+    try:
+        from oomdoctor.gpu import detect_gpu
+    except ImportError:  # pragma: no cover
+        return {}
+    g = detect_gpu()
+    return g.to_dict() if g is not None else {}
+
+
+def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = None, steps: int = 2,
+                 seed: int = 0) -> MeasureResult:
+    """Run ``plan`` for real on the local CUDA GPU (see the module docstring)."""
+    import time
+
+    require_cuda()
+    import torch
+
+    from oomdoctor.modelbuild import build_model, make_batch
+    from oomdoctor.plan import validate
+    from oomdoctor.simulate import PHASE_NAMES, run_steps
+    from oomdoctor.tracking import LiveBytes
+
+    plan = validate(plan)
+    t0 = time.perf_counter()
+    gpu_before = _gpu_info()
+    torch.manual_seed(seed)
+    torch.cuda.init()
+    if model_path is not None:
+        model, head = _load_local(spec, plan, model_path)
+    else:
+        if plan.quant is not None:
+            built = build_model(spec, plan, device="meta", real_quant_device="cuda", seed=seed)
+        else:
+            built = build_model(spec, plan, device="cuda", seed=seed)
+        model, head = built.model, built.head_module
+    batch = make_batch(spec, plan, "cuda", fake_ok=False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    lb = LiveBytes(round_to=512, param_copy_category="master_weights", device_type="cuda")
+    step_max: list[int] = []
+
+    def on_step(_i):
+        torch.cuda.synchronize()
+        step_max.append(int(torch.cuda.max_memory_allocated()))
+
+    stats = run_steps(model, plan, batch, lb, steps=steps, target="gpu", head=head, on_step=on_step)
+    torch.cuda.synchronize()
+    max_alloc = int(torch.cuda.max_memory_allocated())
+    max_res = int(torch.cuda.max_memory_reserved())
+    nvml_used = _nvml_process_used()
+    cats = dict(stats.peak_categories)
+    unexplained = max_alloc - sum(cats.values())
+    if unexplained > 0:
+        cats["temporaries"] += unexplained
+    paged = 0  # unified memory shows in NVML's process usage, not in the allocator
+    ctx = max((nvml_used or 0) - int(torch.cuda.memory_reserved()), 0) if nvml_used else 0
+    notes = [
+        f"measured on {gpu_before.get('name', 'CUDA GPU')}: max_memory_allocated {max_alloc}, "
+        f"max_memory_reserved {max_res}, NVML process usage {nvml_used}",
+    ]
+    if gpu_before.get("used_by_others_bytes"):
+        notes.append(f"other processes held {gpu_before['used_by_others_bytes']} bytes on the device")
+    if unexplained > 0:
+        notes.append(f"{unexplained} allocator bytes not held by any tracked tensor (cuBLAS workspace, kernels)")
+    bd = MemoryBreakdown(
+        parameters=cats["parameters"],
+        adapters=min(stats.adapter_bytes, cats["parameters"]),
+        master_weights=cats["master_weights"],
+        gradients=cats["gradients"],
+        optimizer_states=cats["optimizer_states"],
+        activations=cats["activations"],
+        logits=cats["logits"],
+        temporaries=cats["temporaries"],
+        allocator_slack=max_res - max_alloc,
+        cuda_context=ctx,
+        cublas_workspace=0,
+        paged_optimizer=paged,
+        cpu_offloaded=stats.external.get("cpu_offloaded", 0),
+        peak_allocated=max_alloc,
+        peak_reserved=max_res,
+        peak_device=max(nvml_used or 0, max_res),
+        peak_phase=stats.peak_phase,
+        phases={ph: int(stats.phase_peaks.get(ph, 0)) for ph in PHASE_NAMES},
+        engine="measure",
+        notes=tuple(notes),
+    )
+    if unexplained < 0:  # LiveBytes rounding above the allocator's: keep the sum invariant
+        bd = _rebalance(bd, max_alloc)
+    res = MeasureResult(
+        breakdown=bd,
+        max_allocated=max_alloc,
+        max_reserved=max_res,
+        nvml_process_used=nvml_used,
+        tracked_peak=stats.peak,
+        step_max_allocated=step_max,
+        gpu=gpu_before,
+        seconds=time.perf_counter() - t0,
+    )
+    del model, batch, lb
+    torch.cuda.empty_cache()
+    return res
+
+
+def _rebalance(bd: MemoryBreakdown, total: int) -> MemoryBreakdown:
+    from dataclasses import replace
+
+    from oomdoctor.memory.breakdown import TENSOR_COMPONENTS
+
+    excess = bd.tensor_sum() - total
+    changes = {}
+    for c in ("temporaries", "activations", "logits", "master_weights"):
+        if excess <= 0:
+            break
+        take = min(getattr(bd, c), excess)
+        changes[c] = getattr(bd, c) - take
+        excess -= take
+    _ = TENSOR_COMPONENTS
+    return replace(bd, **changes)
+
+
+def _load_local(spec, plan, path: str):
+    """Local weights: transformers from_pretrained on the GPU (bnb quantization for QLoRA), then the plan's
+    LoRA/GC as build_model applies them."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from oomdoctor.modelbuild import attn_implementation, lora_target_modules, torch_dtype
+
+    kw = {"device_map": "cuda", "attn_implementation": attn_implementation(plan)}
+    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+    if plan.quant == "int8":
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+    elif plan.quant is not None:
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=plan.quant, bnb_4bit_use_double_quant=plan.double_quant,
+            bnb_4bit_compute_dtype=torch_dtype(plan.compute_dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    if plan.uses_lora:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    if plan.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if plan.uses_lora:
+            model.enable_input_require_grads()
+    if plan.uses_lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha,
+                                                 lora_dropout=plan.lora_dropout,
+                                                 target_modules=lora_target_modules(spec, plan), task_type="CAUSAL_LM"))
+    model.train()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return model, base.get_output_embeddings()
+
+
+def estimate_measured(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = None) -> MemoryBreakdown:
+    """Entry point of ``oomdoctor.memory.estimate(spec, plan, "measure")``; raises NoGPU without CUDA."""
+    return measure_plan(spec, plan, model_path=model_path).breakdown
+
+
+__all__ = ["estimate_measured", "measure_plan", "MeasureResult", "require_cuda", "cuda_available", "NO_GPU_MESSAGE"]
