@@ -252,7 +252,7 @@ if __name__ == "__main__":  # pragma: no cover - prints the table used in docs/m
     for name, cfg, plan in CASES:
         real, est, err, rp, ep = compare(cfg, plan)
         model = "7B/16 (h256, L4, V2000, hd128)" if cfg is LLAMA7B_SCALED else f"h{cfg['hidden_size']} L{cfg['num_hidden_layers']} V{cfg['vocab_size']} kv{cfg['num_key_value_heads']}"
-        label = f"{name}: {validate(plan).label()} B{plan.micro_batch} S{plan.seq_len}"
+        label = f"{name}: {validate(plan).label().replace(' | ', ', ')} B{plan.micro_batch} S{plan.seq_len}"
         print(f"| {label} | {model} | {real:,} | {est:,} | {err:+.2%} | {rp}/{ep} |")
     from oomdoctor.simulate import simulate_plan
 
