@@ -258,12 +258,12 @@ def make_optimizer(model, plan: "Plan", lb=None, *, target: str = "cuda"):
                 return buf
             return torch.zeros_like(p, dtype=dtype, device=p.device)
 
+    if target == "gpu":  # a real GPU: bnb as is (paged state really is unified memory)
+        return base(groups, lr=lr, optim_bits=optim_bits, is_paged=is_paged)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # bnb builds its quantization maps from data (real tensors, shared by all params)
-        if target == "gpu":  # a real GPU: bnb as is (paged state really is unified memory)
-        return base(groups, lr=lr, optim_bits=optim_bits, is_paged=is_paged)
-    o = _GpuLike(groups, lr=lr, optim_bits=optim_bits, is_paged=False)
+        o = _GpuLike(groups, lr=lr, optim_bits=optim_bits, is_paged=False)
     o._sim_paged = is_paged and target == "cuda"
     return o
 
