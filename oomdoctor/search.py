@@ -208,6 +208,14 @@ def choose_micro_batch(max_micro: int, global_batch: int | None) -> BatchChoice:
     return BatchChoice(max_micro, micro, accum, global_batch, note)
 
 
+def accum_for(micro: int, global_batch: int | None) -> int:
+    """Gradient accumulation to price a micro-batch with: ``global // micro`` (1 without a global batch or when the
+    micro-batch covers it). Memory depends only on whether it is 1 or more."""
+    if not global_batch or micro >= global_batch:
+        return 1
+    return max(global_batch // micro, 2)
+
+
 def micro_batch_search(
     spec: ModelSpec,
     plan: Plan,
@@ -226,8 +234,10 @@ def micro_batch_search(
     cache: dict[int, MemoryBreakdown] = {}
 
     def mem(b: int) -> MemoryBreakdown:
+        # accumulation matters for memory only as "1" vs ">= 2" (from the second micro-batch on, the backward runs
+        # with every gradient already allocated): price the accumulation the global batch implies at this size
         if b not in cache:
-            cache[b] = estimator(spec, plan.with_(micro_batch=b, grad_accum=1))
+            cache[b] = estimator(spec, plan.with_(micro_batch=b, grad_accum=accum_for(b, global_batch)))
         return cache[b]
 
     upper = min(limit, global_batch) if global_batch else limit
@@ -235,7 +245,10 @@ def micro_batch_search(
     if best == 0:
         return None, mem(1)
     choice = choose_micro_batch(best, global_batch)
-    return choice, mem(choice.micro_batch)
+    final = mem(choice.micro_batch)
+    if choice.grad_accum != accum_for(choice.micro_batch, global_batch):  # pragma: no cover - same rule both ways
+        final = estimator(spec, plan.with_(micro_batch=choice.micro_batch, grad_accum=choice.grad_accum))
+    return choice, final
 
 
 @dataclass
@@ -633,7 +646,7 @@ def search(
 
 __all__ = [
     "Estimator", "analytic_estimator", "parse_margin", "budget_bytes", "max_fitting", "divisors", "BatchChoice",
-    "choose_micro_batch", "micro_batch_search", "HardwareProfile", "REFERENCE_PROFILE", "profile_for",
+    "choose_micro_batch", "micro_batch_search", "accum_for", "HardwareProfile", "REFERENCE_PROFILE", "profile_for",
     "trainable_params", "Throughput", "estimate_throughput", "fidelity_key", "Candidate", "rank_key",
     "SearchResult", "enumerate_candidates", "search", "SearchTrace", "ADAMW_FAMILY", "verify_and_refine",
     "VerifyStep",

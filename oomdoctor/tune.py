@@ -20,6 +20,7 @@ import os
 import shlex
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -221,7 +222,9 @@ def simulate_prober(spec: ModelSpec, budget: int, predicted: Callable[[Plan], in
         p = plan.with_(micro_batch=micro)
         t0 = time.perf_counter()
         try:
-            mem = estimate(spec, p, "simulate")
+            with warnings.catch_warnings():  # transformers deprecation chatter from the replayed step
+                warnings.simplefilter("ignore")
+                mem = estimate(spec, p, "simulate")
         except Exception as exc:  # noqa: BLE001 - any simulator failure is reported, not fatal
             return Trial(micro, p.grad_accum, "error", "simulate", p.label(), predicted(p),
                          seconds=time.perf_counter() - t0, message=f"{type(exc).__name__}: {exc}"[:500])
@@ -383,7 +386,7 @@ def tune(
     pred_cache: dict[Plan, int] = {}
 
     def predicted_peak(p: Plan) -> int:
-        key = p.with_(grad_accum=1)
+        key = p.with_(grad_accum=min(p.grad_accum, 2))  # memory only sees accumulation 1 vs >= 2
         if key not in pred_cache:
             pred_cache[key] = estimator(spec, key).peak_device
         return pred_cache[key]

@@ -51,6 +51,8 @@ from oomdoctor.search import divisors, max_fitting  # noqa: E402
 from oomdoctor.spec import spec_from_config  # noqa: E402
 from oomdoctor.units import format_bytes  # noqa: E402
 
+VERBOSE = bool(os.environ.get("BENCH_VERBOSE"))
+
 MODELS = {
     # 2 layers, hidden 64: the test-suite shape
     "tiny": {
@@ -85,6 +87,8 @@ class Device:
 
         n = steps or self.steps
         self.trials += 1
+        if VERBOSE:
+            print(f"    trial micro={micro} steps={n}", file=sys.stderr, flush=True)
         outcome, done, peak, msg = run_steps(self.cfg, self.built, self.plan.with_(micro_batch=micro),
                                              device="cpu", steps=n, cap_bytes=self.cap)
         self.steps_run += done + (1 if outcome == "oom" else 0)  # the failing step counts as attempted
@@ -200,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="training steps per oomdoctor / accelerate trial")
     ap.add_argument("--quick", action="store_true", help="fewer cases (for a smoke run)")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: tiny ops do not gain from threads, and a busy machine stalls them)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
 
     from oomdoctor.probe import build_for_probe
 

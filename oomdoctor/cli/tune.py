@@ -77,6 +77,9 @@ def tune(
             pins[k] = v
     if lora_targets:
         pins["lora_targets"] = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+    if output is not None and os.path.exists(output) and not force:
+        raise BadInput(f"--output {output} exists; not overwriting it",
+                       "pass --force to replace it, or another --output path")
     if not as_json:
         typer.echo("searching plans with the analytic memory model...", err=True)
     result = run_tune(model, gpu_mem=cap, seq_len=seq_len, global_batch=global_batch, method=method, prefer=prefer,
@@ -102,7 +105,7 @@ def _print(r) -> None:
     from oomdoctor.memory.breakdown import LABELS, TENSOR_COMPONENTS
     from oomdoctor.units import format_bytes
 
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 160)
     p, m = r.plan, r.memory
     con.print(f"[bold]{r.spec.name}[/]  {r.spec.num_params / 1e9:.2f}B params  seq_len {r.seq_len}  "
               f"capacity {format_bytes(r.capacity_bytes)} ({r.capacity_source}), margin {r.margin:.0%} -> budget "
