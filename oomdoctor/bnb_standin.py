@@ -279,6 +279,20 @@ def quantize_model_standin(model, plan, *, head_name: str = "lm_head", device: s
     return replaced
 
 
+def quant_state_tensors(model) -> list:
+    """Tensors real bnb layers keep outside parameters/buffers (``weight.quant_state`` constants, ``weight.SCB``)."""
+    out = []
+    for p in model.parameters():
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            out += [t for t in (qs.absmax, qs.code, qs.offset) if t is not None]
+            if qs.state2 is not None:
+                out += [t for t in (qs.state2.absmax, qs.state2.code) if t is not None]
+        if getattr(p, "SCB", None) is not None:
+            out.append(p.SCB)
+    return out
+
+
 def quantized_storage_bytes(model: Any, granularity: int = 1) -> int:
     """Bytes of every distinct storage a (real or stand-in) quantized model holds: parameters, buffers and the
     tensors of bnb ``quant_state``/``SCB`` attributes. ``granularity`` rounds each storage (512 = CUDA allocator)."""

@@ -150,6 +150,10 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     lb = LiveBytes(round_to=512, param_copy_category="master_weights", device_type="cuda")
+    if plan.quant is not None:
+        from oomdoctor.bnb_standin import quant_state_tensors
+
+        lb.track_existing(quant_state_tensors(model), "parameters")
     step_max: list[int] = []
 
     def on_step(_i):
