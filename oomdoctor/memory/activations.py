@@ -104,6 +104,34 @@ def layer_roles(spec: ModelSpec) -> LayerRoles:
     )
 
 
+#: Extra intermediate-sized tensors saved by activation functions that transformers composes from pointwise ops
+#: (``activations.py``): NewGELU ``0.5*x*(1+tanh(c*(x+0.044715*x^3)))`` keeps tanh's output, ``0.5*x`` and
+#: ``1+tanh`` besides its input; FastGELU one more (``0.044715*x`` times x); QuickGELU keeps ``sigmoid(1.702x)``.
+#: Fused ones (silu, gelu, gelu_pytorch_tanh, relu) keep only their input.
+ACT_EXTRA_TENSORS = {"gelu_new": 3, "gelu_fast": 4, "gelu_accurate": 3, "quick_gelu": 1, "gelu_python": 2}
+
+
+#: transformers' config defaults when config.json omits the activation.
+DEFAULT_ACT = {"gpt2": "gelu_new", "phi": "gelu_new", "falcon": "gelu", "gemma": "gelu_pytorch_tanh",
+               "gemma2": "gelu_pytorch_tanh", "bert": "gelu", "t5": "relu"}
+
+
+def act_extra_tensors(spec: ModelSpec) -> int:
+    for key in ("hidden_act", "activation_function", "hidden_activation", "feed_forward_proj"):
+        v = spec.config.get(key)
+        if isinstance(v, str):
+            return ACT_EXTRA_TENSORS.get(v.replace("gated-", ""), 0)
+    return ACT_EXTRA_TENSORS.get(DEFAULT_ACT.get(spec.model_type, ""), 0)
+
+
+def effective_attn(spec: ModelSpec, attn: str) -> str:
+    """Attention implementation the model really runs: transformers refuses SDPA for models that soft-cap attention
+    logits (Gemma-2: ``_supports_sdpa = False``), so they run eager unless flash-attention is requested."""
+    if attn == "sdpa" and spec.config.get("attn_logit_softcapping") is not None and spec.model_type == "gemma2":
+        return "eager"
+    return attn
+
+
 def _quantized(spec: ModelSpec, name: str) -> bool:
     for g in spec.groups:
         if g.name == name and g.kind == "linear" and g.per_layer:
@@ -210,12 +238,15 @@ def layer_activations(c: Ctx) -> LayerActs:
     att = consumers_saved(c, T, rb, roles.attn_in)
     qkv_out = sum(o * m for _n, _i, o, m in roles.attn_in) / max(n_att, 1e-9)  # q+k+v width per attention block
     kv_w = max(qkv_out - qd, 2 * kvd) if qkv_out else qd + 2 * kvd
-    if plan.attn == "eager":
+    attn_impl = effective_attn(spec, plan.attn)
+    if attn_impl == "eager":
         rep = qd / max(kvd, 1) if nkv and nkv != nh else 1.0
         inner = ab * T * (qd + kv_w * rep)  # q, repeated k/v (copies when GQA)
         inner += 4 * B * nh * S * S  # fp32 softmax output
         if ab != 4:
             inner += ab * B * nh * S * S  # probs cast back to the compute dtype (saved by matmul with v)
+        if spec.config.get("attn_logit_softcapping") is not None:
+            inner += ab * B * nh * S * S  # tanh soft-capping keeps its output (Gemma-2 eager_attention_forward)
         p_att = _config_float(spec, "attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")
         if p_att > 0:
             inner += (c.mask_b + ab) * B * nh * S * S
@@ -223,10 +254,14 @@ def layer_activations(c: Ctx) -> LayerActs:
         inner += ab * T * qd if c.full and not c.mixed else 0  # contiguous output copy saved by a trainable o_proj
     else:
         inner = ab * T * (qd + kv_w) + ab * T * qd + 4 * B * nh * S  # q,k,v + out + logsumexp
+        if len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon"):
+            # fused qkv (Phi-3 qkv_proj): v is a view of the fused output, so SDPA's saved v keeps all of it alive
+            # while rotary made new q/k.
+            inner += ab * T * (qd + kv_w / 2)
         out_saved_by_attn = True
     att += n_att * inner
     att += consumers_saved(c, T, ab, roles.attn_out, already_saved=out_saved_by_attn or (c.full and not c.mixed))
-    if plan.attn == "eager" and c.full and c.mixed:
+    if attn_impl == "eager" and c.full and c.mixed:
         att += n_att * ab * T * qd  # o_proj saves the bf16 output copy (autocast cast is a no-op on bf16)
 
     # --- MLP
@@ -265,6 +300,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         # norm outputs, so the MLP intermediates are fp32 (measured by the simulate engine: +6·T·I per layer).
         mab = 4 if (c.quant is not None and c.mixed and any(_quantized(spec, n) for n, *_x in roles.mlp_in)) else ab
         mlp += (3 if gated else 1) * mab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
+        mlp += act_extra_tensors(spec) * mab * T * I  # activations composed of several pointwise ops
         down = consumers_saved(c, T, mab, roles.mlp_out)
         mlp += down
 
@@ -299,8 +335,8 @@ def layer_activations(c: Ctx) -> LayerActs:
         fwd_t = max(fwd_t, 4 * T * (qd + kvd))
     if not c.full and c.lora_groups:
         widest = max((g.out_features for g in c.lora_groups if g.per_layer), default=0)
-        fwd_t = max(fwd_t, 3 * 4 * T * widest)
-    if plan.attn == "eager":
+        fwd_t = max(fwd_t, (ab + 8) * T * widest)  # base output + fp32 lora_B output + its scaled copy
+    if attn_impl == "eager":
         fwd_t = max(fwd_t, (2 * ab + 4) * B * nh * S * S)
 
     # backward extras: MLP grads (3 intermediate-sized grads at the product's backward) and the residual grad
@@ -308,7 +344,7 @@ def layer_activations(c: Ctx) -> LayerActs:
     flow = 2 * rb * T * h
     mlp_b = ((3 if gated else 2) * ab * T * I * ktok) - down
     att_b = ab * T * (qd + kv_w) + 4 * T * qd
-    if plan.attn == "eager":
+    if attn_impl == "eager":
         att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w)
     lora_b = 0
     if not c.full:
@@ -332,7 +368,7 @@ def shared_forward_bytes(c: Ctx) -> int:
     float causal mask (B x 1 x S x S in the residual dtype)."""
     spec = c.spec
     cos_sin = 2 * c.S * spec.head_dim * c.rb if spec.model_type not in ("gpt2", "bert", "t5") else 0
-    mask = c.rb * c.B * c.S * c.S if c.plan.attn == "eager" else 0
+    mask = c.rb * c.B * c.S * c.S if effective_attn(spec, c.plan.attn) == "eager" else 0
     return cos_sin + mask
 
 

@@ -231,7 +231,9 @@ def _notes(c: Ctx) -> list[str]:
         notes.append("MoE: experts_per_token dense MLPs per token with perfect load balance (real routing varies)")
     if spec.arch_kind == "encoder-decoder":
         notes.append("encoder-decoder: decoder length taken equal to seq_len; cross-attention approximated")
-    if plan.attn == "eager":
+    if act.effective_attn(spec, plan.attn) != plan.attn:
+        notes.append(f"{spec.model_type} does not support SDPA in transformers (attention soft-capping): priced as eager")
+    if act.effective_attn(spec, plan.attn) == "eager":
         notes.append("eager attention saves fp32 B*heads*S^2 probabilities per layer (grows with seq_len^2)")
     if plan.grad_accum > 1:
         notes.append("grad_accum > 1: gradients stay allocated through every micro-batch's forward/backward")

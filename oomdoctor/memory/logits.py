@@ -56,4 +56,10 @@ def logits_memory(c: Ctx) -> LogitsMemory:
     # per logit, no more than the loss's lb+4+4: the loss stays the forward peak.
     saved = ce * T * V
     bwd = 3 * ce * T * V
+    if spec.config.get("final_logit_softcapping") is not None:
+        # Gemma-2: logits / cap -> tanh (keeps its output for backward) -> * cap: one more lb·T·V kept until the
+        # head's backward (modeling_gemma2.py).
+        fwd += lb * T * V
+        saved += lb * T * V
+        bwd += lb * T * V
     return LogitsMemory(fwd, saved, bwd)
