@@ -360,7 +360,9 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
                     ) from None
                 if step == 0 or (resumed_from and step == int(saved["step"])):
                     # field notes 1.4: with GC + PEFT a missing input-grad hook trains nothing, silently
-                    with torch.no_grad():
+                    from torch.utils._python_dispatch import _disable_current_modes
+
+                    with torch.no_grad(), _disable_current_modes():  # a check, not part of the budget
                         live = any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in trainable)
                     if not live:
                         msg = "no gradient reached the trainable parameters in the first step: nothing trains"
