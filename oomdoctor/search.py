@@ -512,14 +512,16 @@ OPTIMIZER_RANK = {"adamw": 0, "paged-adamw": 0, "adamw-8bit": 1, "paged-adamw-8b
 
 def fidelity_key(plan: Plan) -> tuple[int, ...]:
     """Lower is more faithful: method (full > LoRA > QLoRA), quantization bits, weight precision (fp32 master
-    weights > pure bf16), optimizer state precision (32-bit/bf16 > 8-bit > other optimizers), then no GC > GC.
-    GC changes no numbers, so it is the last fidelity criterion (it is priced again in the throughput)."""
+    weights > pure bf16), optimizer state precision (32-bit/bf16 > 8-bit > other optimizers), then plain > a
+    compute-for-memory trade (gradient checkpointing or offload). GC and offload change no numbers, so they come
+    last, as one criterion: between the two, the estimated throughput decides."""
+    trade = plan.gradient_checkpointing or plan.offload_optimizer or plan.offload_activations or plan.offload_params
     return (
         METHOD_RANK[plan.method],
         QUANT_RANK.get(plan.quant, 9),
         PRECISION_RANK.get(plan.precision, 9),
         OPTIMIZER_RANK.get(plan.optimizer, 9),
-        int(plan.gradient_checkpointing),
+        int(trade),
     )
 
 

@@ -170,16 +170,19 @@ def test_verify_steps_down_and_falls_back_with_a_real_engine_prober(tiny_spec):
 
 
 def test_probe_child_process_on_cpu_with_cap(tiny_config_path):
-    """The GPU probe's child-process path, run on CPU with the LiveBytes cap: fits, then OOM, never raising."""
-    from oomdoctor.probe import run_probe
+    """The GPU probe's child-process path, run on CPU with the LiveBytes cap; failures become results, not raises."""
+    from oomdoctor.probe import probe_in_process, run_probe
 
     plan = Plan(method="full", precision="fp32", seq_len=64, micro_batch=2, grad_accum=2)
     ok = run_probe(tiny_config_path, plan, device="cpu", cap_bytes=10**9, timeout_s=300)
     assert ok.outcome == "fits" and ok.steps == 2 and ok.peak_allocated_bytes > 0
-    oom = run_probe(tiny_config_path, plan, device="cpu", cap_bytes=ok.peak_allocated_bytes // 2, timeout_s=300)
-    assert oom.outcome == "oom" and "out of memory" in oom.message
-    bad = run_probe(tiny_config_path + ".missing", plan, device="cpu", cap_bytes=10**9, timeout_s=300)
+    # same step in-process under half that cap: an OOM result (the child runs exactly this function)
+    oom = probe_in_process(tiny_config_path, plan, device="cpu", cap_bytes=ok.peak_allocated_bytes // 2)
+    assert oom.outcome == "oom" and "out of memory" in oom.message and oom.steps < 2
+    bad = probe_in_process(tiny_config_path + ".missing", plan, device="cpu", cap_bytes=10**9)
     assert bad.outcome == "error"
+    crashed = run_probe(tiny_config_path, plan, device="cpu", python="false", timeout_s=30)  # child dies: no result
+    assert crashed.outcome == "error" and "exit code" in crashed.message
 
 
 # ------------------------------------------------------------------------------------------- JSON contract + emit

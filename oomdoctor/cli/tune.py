@@ -107,7 +107,9 @@ def _print(r) -> None:
 
     con = Console(width=None if sys.stdout.isatty() else 160)
     p, m = r.plan, r.memory
-    con.print(f"[bold]{r.spec.name}[/]  {r.spec.num_params / 1e9:.2f}B params  seq_len {r.seq_len}  "
+    n = r.spec.num_params
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+    con.print(f"[bold]{r.spec.name}[/]  {size} params  seq_len {r.seq_len}  "
               f"capacity {format_bytes(r.capacity_bytes)} ({r.capacity_source}), margin {r.margin:.0%} -> budget "
               f"{format_bytes(r.budget_bytes)}")
     con.print(f"\n[bold green]plan[/]  {p.label()}")
