@@ -154,7 +154,10 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
 
     # backward candidates
     cands = []
-    cands.append(_components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
+    # (a) loss backward: under GC the forward's autocast cache is gone (cleared when the autocast region exits)
+    # and checkpointed blocks saved no casts: only the head's copy is left.
+    M_loss = M_head if gc else M_fwd
+    cands.append(_components(parameters=P, master_weights=M_loss, gradients=G_pre, optimizer_states=O,
                              activations=A_end, logits=lg.backward_peak))
     top_acts = layers_saved + shared + (recompute if (gc or plan.offload_activations) else 0)
     cands.append(_components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
