@@ -224,18 +224,13 @@ def probe_in_process(model_ref: str, plan: Plan, *, device: str = "cuda", steps:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return ProbeResult("error", plan.micro_batch, device=device, message="no CUDA device in the probe process")
-        torch.cuda.init()
-        free0, total = torch.cuda.mem_get_info()
-        torch.zeros(1, device=dev)  # create the context + allocator
-        free1, _ = torch.cuda.mem_get_info()
-        ctx_bytes = max(free0 - free1, 0)
-        # mem_get_info before the first tensor may already include the context: ask NVML for this process then
-        if ctx_bytes < 64 * 2**20:
-            from oomdoctor.gpu import detect_gpu
+        from oomdoctor.gpu import detect_gpu
 
-            g = detect_gpu()
-            mine = [b for pid, b in g.other_processes if pid == os.getpid()] if g else []
-            ctx_bytes = mine[0] if mine else ctx_bytes
+        before = detect_gpu()  # NVML, before this process has a CUDA context
+        torch.zeros(1, device=dev)  # create the context + allocator
+        free1, total = torch.cuda.mem_get_info(dev)
+        # context + kernels = free before - free after - the one block the allocator reserved for zeros(1)
+        ctx_bytes = max(before.free_bytes - free1 - torch.cuda.memory_reserved(dev), 0) if before else 0
         if cap_bytes is not None:
             allowed = max(cap_bytes - ctx_bytes, 0)
             torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), dev)

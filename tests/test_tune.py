@@ -185,6 +185,22 @@ def test_probe_child_process_on_cpu_with_cap(tiny_config_path):
     assert crashed.outcome == "error" and "exit code" in crashed.message
 
 
+@pytest.mark.gpu
+def test_gpu_verification_probes_in_a_child(tiny_config_path):
+    """On a CUDA machine: the chosen plan runs for real in a child process, capped at the planned capacity."""
+    from oomdoctor.gpu import detect_gpu
+
+    gpu = detect_gpu()
+    assert gpu is not None
+    r = tune(tiny_config_path, gpu_mem=min(gpu.free_bytes, 4 * 10**9), seq_len=128, global_batch=8, gpu=gpu,
+             verify_mode="gpu", margin=0.1)
+    assert r.verification == "gpu"
+    t = r.trials[-1]
+    assert t.verified_by == "gpu" and t.outcome == "fits" and t.steps == 2
+    assert t.measured_peak_bytes and t.measured_peak_allocated_bytes
+    assert t.measured_peak_bytes <= r.capacity_bytes
+
+
 # ------------------------------------------------------------------------------------------- JSON contract + emit
 
 
