@@ -485,8 +485,9 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
         raise BadInput("the simulated engine does not model --offload-params yet", "use --engine analytic")
     built = build_model(spec, plan, device="meta", num_layers=num_layers, bnb_decompose=bnb_decompose)
     model = built.model
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake:
+    # no fallback kernels: an op without a fake implementation must never run for real on full-size zeros
+    fake = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+    with fake, _fake_gaps():
         model.to_empty(device="cpu")
         _retie(model)
         batch = make_batch(spec, plan, "cpu")
@@ -496,6 +497,28 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
     stats.layers = built.num_layers
     del model, built
     return stats
+
+
+@contextmanager
+def _fake_gaps():
+    """Ops torch has no fake implementation for: ``_fused_sgd_`` (in-place update, allocates nothing on CUDA)."""
+    import torch
+
+    orig = torch._fused_sgd_
+
+    def fused_sgd_(*args, **kwargs):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        params = args[0] if args else kwargs.get("self", [])
+        if params and isinstance(params[0], FakeTensor):
+            return None
+        return orig(*args, **kwargs)
+
+    torch._fused_sgd_ = fused_sgd_
+    try:
+        yield
+    finally:
+        torch._fused_sgd_ = orig
 
 
 def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_layers: int | None = None,

@@ -40,12 +40,36 @@ def default_plans():
     ]
 
 
+def grid_plans():
+    """The analytic-vs-simulate grid (sizes come from --models): methods, GC, optimizers, precisions, seq lengths."""
+    from oomdoctor.plan import Plan
+
+    return [
+        Plan(method="full", seq_len=1024),
+        Plan(method="full", seq_len=2048, micro_batch=2, gradient_checkpointing=True),
+        Plan(method="full", seq_len=1024, optimizer="adamw-8bit"),
+        Plan(method="full", seq_len=1024, optimizer="adafactor", precision="bf16"),
+        Plan(method="full", seq_len=512, optimizer="sgd", sgd_momentum=0.9, optimizer_impl="fused"),
+        Plan(method="full", seq_len=1024, optimizer="lion", attn="eager"),
+        Plan(method="full", seq_len=1024, optimizer="paged-adamw", gradient_checkpointing=True),
+        Plan(method="lora", seq_len=1024),
+        Plan(method="lora", seq_len=4096, gradient_checkpointing=True),
+        Plan(method="lora", seq_len=512, micro_batch=4, precision="fp16-mixed", lora_targets=("q_proj", "v_proj")),
+        Plan(method="lora", seq_len=2048, attn="eager", lora_r=64),
+        Plan(method="qlora", seq_len=2048, gradient_checkpointing=True, optimizer="paged-adamw-8bit"),
+        Plan(method="qlora", seq_len=1024),
+        Plan(method="qlora", seq_len=1024, double_quant=True, micro_batch=2),
+        Plan(method="qlora", quant="int8", seq_len=1024, gradient_checkpointing=True),
+    ]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CI has 2 cores)")
     ap.add_argument("--compare", action="store_true", help="also run the analytic engine and print its error")
     ap.add_argument("--json", help="write the rows to this JSON file")
+    ap.add_argument("--grid", action="store_true", help="the analytic-vs-simulate grid instead of the timing plans")
     args = ap.parse_args(argv)
 
     import torch
@@ -66,7 +90,7 @@ def main(argv=None) -> int:
     print(hdr)
     for mid in args.models:
         spec = load_spec(mid)
-        for plan in default_plans():
+        for plan in grid_plans() if args.grid else default_plans():
             plan = validate(plan)
             t = time.perf_counter()
             r = simulate_plan(spec, plan)
@@ -86,6 +110,10 @@ def main(argv=None) -> int:
                 line += f" {format_bytes(a.peak_allocated):>12s} {err * 100:+7.2f}%"
             print(line, flush=True)
             rows.append(row)
+    if args.compare:
+        errs = [abs(r["error"]) for r in rows]
+        print(f"analytic vs simulate |error| on peak allocated: median {statistics.median(errs) * 100:.2f}%, "
+              f"max {max(errs) * 100:.2f}%, within 5%: {sum(e <= 0.05 for e in errs)}/{len(errs)}")
     secs = [r["seconds"] for r in rows]
     print(f"simulate time per plan: median {statistics.median(secs):.2f} s, max {max(secs):.2f} s "
           f"({args.threads} threads)")

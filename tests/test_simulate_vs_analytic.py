@@ -22,20 +22,9 @@ MINI = {
 WIDE = dict(MINI, hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16,
             vocab_size=32000, tie_word_embeddings=True)
 
-QLORA_FP32_FLOW = pytest.mark.xfail(
-    strict=False,
-    reason="analytic prices QLoRA block intermediates in bf16; bnb's Linear4bit returns .to(input dtype) = fp32 "
-    "(fp32 norms), so the MLP/attention outputs, peft's result.clone() and result+lora are fp32 (saved for backward)",
-)
 INT8_FLOW = pytest.mark.xfail(
     strict=False,
     reason="analytic does not price MatMul8bitLt's kept fp32 input (ctx.tensors) and fp32 outputs of int8 layers",
-)
-
-GC_BWD_CASTS = pytest.mark.xfail(
-    strict=False,
-    reason="analytic keeps every cached AMP weight cast at the start of backward under GC; autocast clears its cache "
-    "when the forward's autocast region exits, so only the head's cast (saved by its matmul) is left",
 )
 
 GRID = [
@@ -45,16 +34,15 @@ GRID = [
     ("mini", Plan(method="full", seq_len=512, optimizer="adafactor", precision="bf16")),
     ("mini", Plan(method="full", seq_len=256, optimizer="sgd", sgd_momentum=0.9, optimizer_impl="fused")),
     ("mini", Plan(method="full", seq_len=512, optimizer="lion", attn="eager")),
-    pytest.param("mini", Plan(method="full", seq_len=512, optimizer="paged-adamw", gradient_checkpointing=True),
-                 marks=GC_BWD_CASTS),
+    ("mini", Plan(method="full", seq_len=512, optimizer="paged-adamw", gradient_checkpointing=True)),
     ("mini", Plan(method="full", seq_len=512, precision="fp32")),
     ("mini", Plan(method="lora", seq_len=512)),
     ("mini", Plan(method="lora", seq_len=2048, gradient_checkpointing=True)),
     ("mini", Plan(method="lora", seq_len=512, micro_batch=4, precision="fp16-mixed", lora_targets=("q_proj", "v_proj"))),
     ("mini", Plan(method="lora", seq_len=1024, attn="eager", lora_r=64)),
     ("mini", Plan(method="qlora", seq_len=1024, gradient_checkpointing=True, optimizer="paged-adamw-8bit")),
-    pytest.param("mini", Plan(method="qlora", seq_len=512), marks=QLORA_FP32_FLOW),
-    pytest.param("mini", Plan(method="qlora", seq_len=512, double_quant=True, micro_batch=2), marks=QLORA_FP32_FLOW),
+    ("mini", Plan(method="qlora", seq_len=512)),
+    ("mini", Plan(method="qlora", seq_len=512, double_quant=True, micro_batch=2)),
     pytest.param("mini", Plan(method="qlora", quant="int8", seq_len=512, gradient_checkpointing=True), marks=INT8_FLOW),
     ("wide", Plan(method="full", seq_len=1024)),
     ("wide", Plan(method="lora", seq_len=1024, micro_batch=2)),
