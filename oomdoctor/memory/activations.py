@@ -132,6 +132,13 @@ def effective_attn(spec: ModelSpec, attn: str) -> str:
     return attn
 
 
+def mab_global(c: Ctx, roles: LayerRoles) -> int:
+    """Bytes per element of the MLP intermediates (fp32 when bitsandbytes layers run under autocast)."""
+    if c.quant is not None and c.mixed and any(_quantized(c.spec, n) for n, *_x in roles.mlp_in):
+        return 4
+    return c.ab
+
+
 def _quantized(spec: ModelSpec, name: str) -> bool:
     for g in spec.groups:
         if g.name == name and g.kind == "linear" and g.per_layer:
@@ -214,6 +221,9 @@ class LayerActs:
     gc_alias: int = 0
     """Bytes of ``saved`` that are the block input itself (fp32 RMSNorm / LayerNorm save their input): under
     gradient checkpointing the recomputed block shares them with the kept input."""
+    gc_extra: int = 0
+    """Bytes a block keeps under gradient checkpointing besides its input: LLM.int8()'s ``MatMul8bitLt`` stores
+    its inputs as ``ctx.tensors`` attributes, outside the saved-tensor hooks checkpointing relies on."""
 
 
 def layer_activations(c: Ctx) -> LayerActs:
@@ -360,7 +370,12 @@ def layer_activations(c: Ctx) -> LayerActs:
     alias = 0
     if spec.norm_kind != "rms" or rb == 4:
         alias = rb * T * h  # the first norm saves the block input tensor itself
-    return LayerActs(saved, int(discount), gc_saved, int(fwd_t), bwd_extra, int(down), int(alias))
+    gc_extra = 0
+    if c.quant == "int8":
+        # distinct inputs of the quantized linears, in their own dtype (measured by the simulate engine):
+        # attention norm output, attention output, MLP norm output (unless parallel), MLP intermediate.
+        gc_extra = rb * T * h * (1 if spec.parallel_attn else 2) + ab * T * qd + mab_global(c, roles) * T * I
+    return LayerActs(saved, int(discount), gc_saved, int(fwd_t), bwd_extra, int(down), int(alias), int(gc_extra))
 
 
 def shared_forward_bytes(c: Ctx) -> int:

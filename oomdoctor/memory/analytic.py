@@ -104,7 +104,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     fin = act.final_saved(c)
     lg = lgt.logits_memory(c)
     if gc:
-        layers_saved = L * la.gc_saved
+        layers_saved = L * (la.gc_saved + la.gc_extra)
         recompute = la.saved - la.gc_alias
     else:
         layers_saved = L * la.saved - la.first_layer_discount
@@ -164,7 +164,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
                              activations=top_acts, temporaries=la.bwd_extra))
     if gc:
         # block 0 recomputed: its first norm's save is either the kept input (full) or absent (LoRA discount)
-        bottom_acts = la.gc_saved + la.saved - (la.first_layer_discount if not c.full else la.gc_alias) + shared
+        bottom_acts = la.gc_saved + la.gc_extra + la.saved - (la.first_layer_discount if not c.full else la.gc_alias) + shared
     elif plan.offload_activations:
         bottom_acts = shared
     else:
