@@ -52,6 +52,8 @@ class BuiltModel:
     """The output head module (``lm_head``), for hooks that classify logits."""
     layer_modules: tuple = ()
     """The transformer block modules, in order."""
+    attn_implementation: str = "sdpa"
+    """Attention implementation actually built (``eager`` when the architecture has no SDPA path)."""
 
 
 def torch_dtype(name: str):
@@ -151,11 +153,18 @@ def build_model(
     if seed is not None:
         torch.manual_seed(seed)
     prev_default = torch.get_default_dtype()
+    attn = attn_implementation(plan)
     try:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=attn_implementation(plan)
-            )
+        try:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        except ValueError as exc:
+            if attn == "eager" or "attention implementation" not in str(exc):
+                raise
+            # the architecture has no SDPA path (e.g. Gemma 2 with soft-capping): transformers uses eager
+            attn = "eager"
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unsupported configs
         raise BadInput(
             f"{spec.name}: transformers could not build the model ({type(exc).__name__}: {exc})",
@@ -202,6 +211,7 @@ def build_model(
     head = getattr(base, spec.head_name, None) or (base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None)
     layers = _find_layers(base)
     return BuiltModel(
+        attn_implementation=attn,
         model=model,
         num_layers=len(layers) if layers else (num_layers or spec.num_layers),
         dtype=dtype,

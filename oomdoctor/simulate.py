@@ -455,21 +455,27 @@ def _wrap_checkpoint_functions(model, lb, policy_cls=None, *, classify: bool = T
 # ============================================================================ simulate
 
 
+def layer_period(spec: "ModelSpec") -> int | None:
+    """Blocks per repeating unit: 1 when every block is built the same way, p when the blocks repeat with period p
+    (Gemma 2 alternates sliding-window and global attention: p = 2; explicit ``layer_types`` lists), None when
+    memory is not periodic in the block count (MoE: data-dependent routing; partial sliding windows)."""
+    cfg = spec.config
+    if spec.num_experts or spec.arch_kind != "decoder":
+        return None
+    if cfg.get("use_sliding_window") and cfg.get("max_window_layers") not in (None, 0, cfg.get("num_hidden_layers")):
+        return None
+    lt = cfg.get("layer_types")
+    if isinstance(lt, list) and lt:
+        for p in range(1, len(lt) + 1):
+            if len(lt) % p == 0 and all(lt[i] == lt[i % p] for i in range(len(lt))):
+                return p
+        return None
+    return {"gemma2": 2, "gemma3": 6, "cohere2": 4}.get(spec.model_type, 1)
+
+
 def homogeneous_layers(spec: "ModelSpec") -> bool:
     """True when every transformer block is built the same way, so memory is linear in the block count."""
-    cfg = spec.config
-    if spec.num_experts:
-        return False
-    lt = cfg.get("layer_types")
-    if isinstance(lt, list) and len(set(lt)) > 1:
-        return False
-    if spec.model_type in ("gemma2", "gemma3", "cohere2", "gpt_oss"):
-        return False
-    if cfg.get("use_sliding_window") and cfg.get("max_window_layers") not in (None, 0, cfg.get("num_hidden_layers")):
-        return False
-    if spec.arch_kind != "decoder":
-        return False
-    return True
+    return layer_period(spec) == 1
 
 
 def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, *, timeline: bool = False,
@@ -609,9 +615,24 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
     plan = validate(plan)
     t0 = time.perf_counter()
     n = spec.num_layers
-    extrap = layers == "auto" and n > EXTRAPOLATE_FROM[1] + 1 and homogeneous_layers(spec)
+    period = layer_period(spec) if layers == "auto" else None
+    extrap = period is not None and n % period == 0 and n > (EXTRAPOLATE_FROM[1] + 1) * period
+    try:
+        return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1)
+    except BadInput:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an op or model path the replay cannot run: say so, point to analytic
+        msg = str(exc).strip().splitlines()[0][:240] if str(exc).strip() else ""
+        raise BadInput(
+            f"{spec.name}: the simulated step could not run this model/plan ({type(exc).__name__}: {msg})",
+            "use --engine analytic for this model, or report it with the model's config.json",
+        ) from exc
+
+
+def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: int, t0: float,
+                   period: int = 1) -> SimulationResult:
     if extrap:
-        la, lb_ = EXTRAPOLATE_FROM
+        la, lb_ = EXTRAPOLATE_FROM[0] * period, EXTRAPOLATE_FROM[1] * period
         r2 = simulate_run(spec, plan, la, timeline=False, round_to=round_to)
         r4 = simulate_run(spec, plan, lb_, timeline=timeline, round_to=round_to)
         runs = (r2, r4)

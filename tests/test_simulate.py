@@ -217,3 +217,21 @@ def test_timeline_for_plots(tiny_spec):
     assert isinstance(ev, int) and isinstance(cats, dict)
     assert {p for _, p, _ in r.timeline} >= {"forward", "backward", "optimizer-step"}
     assert max(sum(c.values()) for _, _, c in r.timeline) == r.breakdown.peak_allocated
+
+
+def test_periodic_blocks_extrapolate_by_period():
+    """Gemma 2 alternates sliding-window and global attention: extrapolate in whole periods (2 blocks)."""
+    from oomdoctor.simulate import layer_period, simulate_plan
+
+    cfg = {
+        "model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 10,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+        "max_position_embeddings": 256, "sliding_window": 16, "query_pre_attn_scalar": 16,
+    }
+    spec = spec_from_config(cfg, name="tiny-gemma2")
+    assert layer_period(spec) == 2
+    plan = validate(Plan(method="lora", seq_len=SEQ))
+    ex = simulate_plan(spec, plan)
+    full = simulate_plan(spec, plan, layers="full")
+    assert ex.layers_simulated == (4, 6) and full.layers_simulated == (10,)
+    assert ex.phase_peaks == full.phase_peaks
