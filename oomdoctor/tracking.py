@@ -28,6 +28,9 @@ Rule 3 needs the future (does the storage outlive the forward?), so per-category
 from the storages' lifetimes (:meth:`LiveBytes.categories_at`, :meth:`LiveBytes.peak_categories`,
 :meth:`LiveBytes.timeline`); ``current``/``peak``/the cap are online.
 
+History: dead storages' lifetimes are kept (for per-category numbers at past moments and timelines) unless
+``history=False``; a tracker built with ``cap_bytes`` and no timeline keeps none by default (long real runs).
+
 Cap: with ``cap_bytes`` set, an op whose new storages would push ``current`` past the cap raises
 ``torch.OutOfMemoryError`` with the CUDA allocator's message format (``Tried to allocate X ... of which Y is free``),
 frees nothing that existed before, and does not count the refused outputs.
@@ -136,9 +139,13 @@ class LiveBytes(TorchDispatchMode):
         device_name: str = "GPU 0",  # used in the OOM message
         param_copy_category: str | None = None,
         device_type: str | None = None,
+        history: bool | None = None,
     ):
         super().__init__()
         self.device_type = device_type
+        # history: keep dead storages' lifetimes (per-category numbers at past moments, timelines). Off by default
+        # when used as a memory cap over a long real run (train --gpu-mem), where it would grow without bound.
+        self.history = (cap_bytes is None or record_timeline) if history is None else history
         self.param_copy_category = _canon(param_copy_category) if param_copy_category else None
         self.round_to = round_to
         self.cap_bytes = cap_bytes
@@ -258,7 +265,8 @@ class LiveBytes(TorchDispatchMode):
             phase_serial=self._phase_serial,
         )
         self.records[key] = rec
-        self._all.append(rec)
+        if self.history:
+            self._all.append(rec)
         self.current += nb
 
         def _freed(_ref, key=key, rec=rec, self_ref=weakref.ref(self)):
@@ -501,7 +509,7 @@ class LiveBytes(TorchDispatchMode):
     def categories_at(self, event: int) -> dict[str, int]:
         """Live bytes per category right after event ``event`` (sum == live bytes then)."""
         out = dict.fromkeys(CATEGORIES, 0)
-        for rec in self._all:
+        for rec in self._all if self.history else self.records.values():
             if rec.birth <= event and (rec.death is None or rec.death > event):
                 out[self._category_of(rec)] += rec.nbytes
         return out

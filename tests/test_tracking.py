@@ -163,3 +163,11 @@ def test_views_of_untracked_existing_tensors_are_not_new_allocations():
         y = v * 2  # a real new allocation
         assert lb.current == 4000
         del y, v
+
+
+def test_cap_tracker_keeps_no_history_of_dead_storages():
+    with LiveBytes(cap_bytes=10**9, round_to=1) as lb:
+        for _ in range(100):
+            torch.zeros(10)
+        assert lb.current == 0 and lb.peak == 40
+    assert not lb.history and len(lb._all) == 0
