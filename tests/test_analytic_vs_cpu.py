@@ -201,8 +201,7 @@ CASES: list[tuple[str, dict, Plan]] = [
 
 
 _SMALL = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=344, num_attention_heads=4, vocab_size=512)
-#: Other architecture families (transformers' own config defaults fill the rest). Falcon is not here: its custom
-#: attention (fused qkv split + multi-query broadcast) is under-priced by ~10% (docs/memory-model.md, limits).
+#: Other architecture families (transformers' own config defaults fill the rest).
 ARCH_CASES: list[tuple[str, dict, Plan]] = [
     ("qwen2 full bf16", dict(_SMALL, model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False),
      Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
@@ -218,6 +217,9 @@ ARCH_CASES: list[tuple[str, dict, Plan]] = [
      attention_dropout=0.0, partial_rotary_factor=0.5), Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
     ("phi3 full bf16", dict(_SMALL, model_type="phi3", num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
      Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
+    ("falcon-7b-style lora bf16", dict(model_type="falcon", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+     vocab_size=512, new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
+     hidden_dropout=0.0, attention_dropout=0.0), Plan(method="lora", precision="bf16", lora_r=8, seq_len=64, micro_batch=2)),
     ("mixtral full bf16", dict(_SMALL, model_type="mixtral", intermediate_size=256, num_key_value_heads=2,
      num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False), Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
 ]

@@ -129,6 +129,11 @@ def effective_attn(spec: ModelSpec, attn: str) -> str:
     logits (Gemma-2: ``_supports_sdpa = False``), so they run eager unless flash-attention is requested."""
     if attn == "sdpa" and spec.config.get("attn_logit_softcapping") is not None and spec.model_type == "gemma2":
         return "eager"
+    if (attn == "sdpa" and spec.model_type == "falcon" and not spec.config.get("new_decoder_architecture")
+            and spec.num_kv_heads != spec.num_heads):
+        # Falcon-7B multi-query: FalconAttention passes 1-head k/v to SDPA without enable_gqa, so SDPA falls back
+        # to its math kernel, which materializes the B x heads x S x S probabilities like eager attention.
+        return "eager"
     return attn
 
 

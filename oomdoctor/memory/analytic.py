@@ -235,7 +235,10 @@ def _notes(c: Ctx) -> list[str]:
     if spec.arch_kind == "encoder-decoder":
         notes.append("encoder-decoder: decoder length taken equal to seq_len; cross-attention approximated")
     if act.effective_attn(spec, plan.attn) != plan.attn:
-        notes.append(f"{spec.model_type} does not support SDPA in transformers (attention soft-capping): priced as eager")
+        notes.append(
+            f"{spec.model_type}: transformers cannot use a memory-efficient SDPA kernel here (Gemma-2 soft-capping, "
+            "Falcon multi-query without enable_gqa): attention priced as eager (seq^2 probabilities)"
+        )
     if act.effective_attn(spec, plan.attn) == "eager":
         notes.append("eager attention saves fp32 B*heads*S^2 probabilities per layer (grows with seq_len^2)")
     if plan.grad_accum > 1:
