@@ -358,14 +358,20 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
                 params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
                 torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=plan.optimizer_impl != "for-loop")
                 del params
-                opt.step()
-                if step == 0:
-                    lb.track_optimizer(opt)
-                    if target == "cuda" and not (plan.optimizer in ("adamw", "sgd") and plan.optimizer_impl == "fused"):
-                        # (on a real GPU, target "gpu", these CPU scalars are not on the device: not counted)
-                        _untrack_host_scalars(opt, lb)
-                    if plan.offload_optimizer:
+                if plan.offload_optimizer and target != "gpu":
+                    # the state lives and the update runs on the host (CPU-offloaded optimizer): nothing of the
+                    # step is device memory; gradients and weights stay on the device
+                    with lb.paused():
+                        opt.step()
+                    if step == 0:
                         _offload_optimizer_state(opt, lb)
+                else:
+                    opt.step()
+                    if step == 0:
+                        lb.track_optimizer(opt)
+                        if target == "cuda" and not (plan.optimizer in ("adamw", "sgd") and plan.optimizer_impl == "fused"):
+                            # (on a real GPU, target "gpu", these CPU scalars are not on the device: not counted)
+                            _untrack_host_scalars(opt, lb)
                 opt.zero_grad(set_to_none=True)
             step_peaks.append(lb.peak)
             if on_step is not None:
@@ -414,12 +420,13 @@ def _untrack_host_scalars(opt, lb) -> None:
 
 
 def _offload_optimizer_state(opt, lb) -> None:
+    """Optimizer state created on the host (under ``lb.paused``): never device bytes; counted in cpu_offloaded."""
     import torch
 
     for st in opt.state.values():
         for v in st.values() if isinstance(st, dict) else ():
             if isinstance(v, torch.Tensor):
-                lb.untrack(v, external="cpu_offloaded")
+                lb.ignore(v, external="cpu_offloaded")
 
 
 def _wrap_checkpoint_functions(model, lb, policy_cls=None, *, classify: bool = True) -> list:
@@ -560,10 +567,18 @@ def _offload_activations(plan, lb):
         return
     import torch
 
+    per_span: dict[int, int] = {}
+
     def pack(t):
         with lb.paused():
             host = torch.empty_like(t)
+        k = len(lb.spans())
+        per_span[k] = per_span.get(k, 0) + host.untyped_storage().nbytes()
+        lb.external["cpu_offloaded"] = lb.external.get("cpu_offloaded", 0) - _prev[0] + max(per_span.values())
+        _prev[0] = max(per_span.values())
         return (t.device, host)
+
+    _prev = [0]
 
     def unpack(packed):
         _dev, host = packed

@@ -42,6 +42,8 @@ def _same(spec, plan, **kw):
         Plan(method="qlora", quant="int8", seq_len=SEQ),
         pytest.param(Plan(method="full", precision="bf16", optimizer="adamw-8bit", seq_len=SEQ), marks=pytest.mark.slow),
         Plan(method="full", precision="fp32", optimizer="adafactor", seq_len=SEQ),
+        pytest.param(Plan(method="full", seq_len=SEQ, offload_optimizer=True, offload_activations=True),
+                     marks=pytest.mark.slow),
     ],
     ids=lambda p: p.label() if isinstance(p, Plan) else str(p),
 )
@@ -195,6 +197,17 @@ def test_optimizer_state_bytes(tiny_spec):
     assert got["sgd"] == 0
     assert got["adamw"] == 2 * got["sgd-momentum"] == 2 * got["lion"]
     assert 0 < got["adafactor"] < got["lion"]
+
+
+def test_offloaded_optimizer_state_is_host_memory(tiny_spec):
+    from oomdoctor.simulate import simulate_plan
+
+    on = simulate_plan(tiny_spec, validate(Plan(seq_len=SEQ)))
+    off = simulate_plan(tiny_spec, validate(Plan(seq_len=SEQ, offload_optimizer=True)))
+    assert off.breakdown.optimizer_states == 0
+    # host bytes are not rounded to allocator blocks
+    assert off.breakdown.cpu_offloaded >= 0.99 * on.phase_categories["optimizer-step"]["optimizer_states"]
+    assert off.breakdown.peak_allocated < on.breakdown.peak_allocated
 
 
 def test_paged_optimizer_state_is_device_not_allocated(tiny_config):
