@@ -276,16 +276,27 @@ class RunStats:
     """Raw numbers of one simulated (or real) run."""
 
     layers: int
+    """Transformer blocks of the model that ran."""
     peak: int
+    """Peak live tensor bytes over all steps (rounded as configured)."""
     peak_phase: str
+    """Phase of ``peak``."""
     peak_categories: dict[str, int]
+    """Bytes per category at the peak (sums to ``peak``)."""
     phase_peaks: dict[str, int]
+    """Peak per phase (max over the steps)."""
     phase_categories: dict[str, dict[str, int]]
+    """Bytes per category at each phase's peak."""
     step_peaks: list[int]
+    """Peak of each step."""
     external: dict[str, int]
+    """Bytes outside the device allocator: ``paged_optimizer``, ``cpu_offloaded``."""
     timeline: list = field(default_factory=list)
+    """(event, phase, {category: bytes}) samples when recorded."""
     param_bytes: int = 0
+    """Bytes of parameters/buffers (and registered quantization constants) before the first step."""
     adapter_bytes: int = 0
+    """Of ``param_bytes``: LoRA adapter weights."""
     candidates: dict = field(default_factory=dict)
     """Per phase: category dicts at [the phase peak, the start and the end of its last instance] — moments that are
     aligned across block counts, extrapolated separately (the peak may move to a phase boundary for large N)."""
