@@ -634,9 +634,11 @@ def _extrapolate_categories(c2: dict, c4: dict, la: int, lb_: int, n: int, total
 
 
 def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", timeline: bool = False,
-                  round_to: int = 512) -> SimulationResult:
-    """Simulate ``plan`` on ``spec``. ``layers="auto"`` simulates 2 and 4 blocks and extrapolates when the blocks are
-    identical (else the full model); ``"full"`` always simulates every block."""
+                  round_to: int = 512, timeline_layers: str = "full") -> SimulationResult:
+    """Simulate ``plan`` on ``spec``. ``layers="auto"`` simulates 2 and 3 blocks (whole periods for periodic blocks)
+    and extrapolates (else the full model); ``"full"`` always simulates every block. ``timeline=True`` also records
+    the memory curve for plots: of the full model (``timeline_layers="full"``, one more replay of every block) or of
+    the 3-block model (``"sample"``, fast, not the real peak)."""
     from oomdoctor.plan import validate
 
     plan = validate(plan)
@@ -645,7 +647,7 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
     period = layer_period(spec) if layers == "auto" else None
     extrap = period is not None and n % period == 0 and n > (EXTRAPOLATE_FROM[1] + 1) * period
     try:
-        return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1)
+        return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1, timeline_layers)
     except BadInput:
         raise
     except Exception as exc:  # noqa: BLE001 - an op or model path the replay cannot run: say so, point to analytic
@@ -657,11 +659,11 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
 
 
 def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: int, t0: float,
-                   period: int = 1) -> SimulationResult:
+                   period: int = 1, timeline_layers: str = "full") -> SimulationResult:
     if extrap:
         la, lb_ = EXTRAPOLATE_FROM[0] * period, EXTRAPOLATE_FROM[1] * period
         r2 = simulate_run(spec, plan, la, timeline=False, round_to=round_to)
-        r4 = simulate_run(spec, plan, lb_, timeline=timeline, round_to=round_to)
+        r4 = simulate_run(spec, plan, lb_, timeline=False, round_to=round_to)
         runs = (r2, r4)
         ex = lambda a, b: max(_extrapolate(a, b, r2.layers, r4.layers, n), 0)  # noqa: E731
         phase_peaks, phase_cats = {}, {}
@@ -680,6 +682,12 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         r = simulate_run(spec, plan, None, timeline=timeline, round_to=round_to)
         runs = (r,)
         phase_peaks, phase_cats, external, adapter, ref = r.phase_peaks, r.phase_categories, r.external, r.adapter_bytes, r
+    tl_run = ref
+    if timeline and extrap and timeline_layers == "full":
+        # a plot needs the real curve: one more replay of every block (slower: ~N/5 times the extrapolated cost)
+        tl_run = simulate_run(spec, plan, None, timeline=True, round_to=round_to)
+    elif timeline and extrap:
+        tl_run = simulate_run(spec, plan, EXTRAPOLATE_FROM[1] * period, timeline=True, round_to=round_to)
     peak_phase = max(PHASE_NAMES, key=lambda ph: phase_peaks.get(ph, -1))
     cats = phase_cats[peak_phase]
     peak = phase_peaks[peak_phase]
@@ -698,12 +706,12 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
     bd = breakdown_from(cats, peak, peak_phase, phase_peaks, adapter, external, spec, plan, notes)
     return SimulationResult(
         breakdown=bd,
-        timeline=ref.timeline,
+        timeline=tl_run.timeline,
         phase_peaks=phase_peaks,
         phase_categories=phase_cats,
         seconds=seconds,
         layers_simulated=tuple(r.layers for r in runs),
-        timeline_layers=ref.layers,
+        timeline_layers=tl_run.layers,
         extrapolated=extrap,
         paged_bytes=external.get("paged_optimizer", 0),
         step_peaks=tuple(ref.step_peaks),
