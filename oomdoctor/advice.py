@@ -4,7 +4,7 @@ Every candidate is a one-knob change of the plan, priced with the memory model (
 ``peak_device`` minus the changed plan's). Candidates are ranked by what they cost the user — first changes that
 keep the same math (micro-batch split with more accumulation, memory-efficient attention, fused optimizer), then
 compute for memory (gradient checkpointing, offload), then numerics (bf16, 8-bit states), then what is trained
-(LoRA, QLoRA), and last the data (shorter sequences). If no single change fits, a greedy path of changes is
+(LoRA, QLoRA), and last the data (shorter sequences). If no single change fits, the cheapest combination of changes is
 returned; if nothing fits at all, the largest bundled model of the same family that does.
 
 The texts teach the techniques as they are: LoRA is Low-Rank Adaptation (peft), AdamW costs exactly Adam's
@@ -267,8 +267,8 @@ class Advice:
 
 
 def advise(spec: ModelSpec, plan: Plan, capacity: int | None, *, margin: float = 0.0,
-           estimator: Estimator | None = None, max_steps: int = 8, with_path: bool = True) -> Advice:
-    """Ranked changes that make ``plan`` fit ``capacity`` (bytes); ``with_path=False`` skips the greedy path."""
+           estimator: Estimator | None = None, max_depth: int = 3, with_path: bool = True) -> Advice:
+    """Ranked changes that make ``plan`` fit ``capacity`` (bytes); ``with_path=False`` skips the combination search."""
     est = estimator or _analytic
     before = est(spec, plan)
     single = _priced(spec, plan, before, capacity, est, margin)
@@ -277,25 +277,49 @@ def advise(spec: ModelSpec, plan: Plan, capacity: int | None, *, margin: float =
     if capacity is None or fits(before, capacity, margin) or any(ch.fits for ch in single) or not with_path:
         advice.path_fits = bool(capacity is not None and (fits(before, capacity, margin) or single and single[0].fits))
         return advice
-    # Greedy: take the cheapest change that saves at least 1% (largest saving among equal cost), repeat.
-    cur_plan, cur_mem = plan, before
-    for _ in range(max_steps):
-        options = _priced(spec, cur_plan, cur_mem, capacity, est, margin)
-        if not options:
-            break
-        fitting = [o for o in options if o.fits]
-        if fitting:
-            choice = min(fitting, key=lambda o: (o.cost, -o.saves_bytes))
-        else:
-            worthwhile = [o for o in options if o.saves_bytes >= 0.01 * cur_mem.peak_device] or options
-            choice = min(worthwhile, key=lambda o: (o.cost, -o.saves_bytes))
-        advice.path.append(choice)
-        cur_plan = choice.plan
-        cur_mem = est(spec, cur_plan)
-        if choice.fits:
-            advice.path_fits = True
-            break
+    advice.path, advice.path_fits = _cheapest_combination(spec, plan, before, capacity, est, margin, max_depth)
     return advice
+
+
+def _cheapest_combination(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, capacity: int, est: Estimator,
+                          margin: float, max_depth: int, beam: int = 48) -> tuple[list[Change], bool]:
+    """Breadth-first over combinations of changes (depth <= ``max_depth``): the fitting combination with the
+    lowest total cost (then fewest changes, then most saved). Intermediate steps may save nothing on their own
+    (LoRA without gradient checkpointing can need more than full fine-tuning with offload; together they fit),
+    which is why this is not a greedy walk. Without a fitting combination, the path to the smallest peak found."""
+    frontier: list[tuple[Plan, MemoryBreakdown, list[Change]]] = [(plan, before, [])]
+    seen = {plan}
+    best: tuple[int, list[Change]] = (before.peak_device, [])
+    for _ in range(max_depth):
+        fitting: list[list[Change]] = []
+        nxt: list[tuple[Plan, MemoryBreakdown, list[Change]]] = []
+        for cur, mem, path in frontier:
+            used = {c.id.split(":")[0] for c in path}
+            for cid, desc, how, cost, changes in candidate_changes(spec, cur):
+                if cid.split(":")[0] in used:  # one change per knob
+                    continue
+                try:
+                    new_plan = cur.with_(**changes)
+                except Exception:  # noqa: BLE001 - invalid combination: not offered
+                    continue
+                if new_plan in seen:
+                    continue
+                seen.add(new_plan)
+                after = est(spec, new_plan)
+                ok = bool(fits(after, capacity, margin))
+                step = Change(cid, desc, how, cost, new_plan, mem.peak_device - after.peak_device, ok)
+                new_path = path + [step]
+                if ok:
+                    fitting.append(new_path)
+                else:
+                    nxt.append((new_plan, after, new_path))
+                    if after.peak_device < best[0]:
+                        best = (after.peak_device, new_path)
+        if fitting:
+            return min(fitting, key=lambda p: (sum(c.cost for c in p), len(p), -sum(c.saves_bytes for c in p))), True
+        nxt.sort(key=lambda t: (t[1].peak_device, sum(c.cost for c in t[2])))
+        frontier = nxt[:beam]
+    return best[1], False
 
 
 @dataclass(frozen=True)
