@@ -146,4 +146,8 @@ def print_diagnose(report) -> None:
             f"({sm.params / 1e9:.2f} B) with {sm.plan.label()} at {format_bytes(sm.memory.peak_device)}."
         )
     elif not fitting:
-        console.print("\nNothing fits, and no smaller bundled model of this family does either.")
+        rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single))
+                      for r in report.results)
+        if not rescued:
+            console.print("\nNothing fits, not even with the changes above, and no smaller bundled model of this "
+                          "family does either.")
