@@ -88,6 +88,11 @@ def breakdown_table(m) -> Table:
     return t
 
 
+def _change_line(prefix: str, c) -> None:
+    console.print(f"{prefix}{c.description}")
+    console.print(f"        [dim]saves {format_bytes(c.saves_bytes)}; {c.how}[/]")
+
+
 def print_advice(result, index: int) -> None:
     adv = result.advice
     if adv is None:
@@ -96,16 +101,16 @@ def print_advice(result, index: int) -> None:
     fitting = [c for c in adv.single if c.fits]
     if fitting:
         for c in fitting[:4]:
-            console.print(f"  [green]fits[/] with {c.description}  (saves {format_bytes(c.saves_bytes)}; {c.how})")
+            _change_line("  [green]fits[/] with ", c)
         return
     if adv.path:
         verdict = "[green]fits[/]" if adv.path_fits else "[red]still does not fit[/]"
         console.print(f"  no single change is enough; cheapest combination ({verdict}):")
         for k, c in enumerate(adv.path, 1):
-            console.print(f"   {k}. {c.description}  (saves {format_bytes(c.saves_bytes)}; {c.how})")
+            _change_line(f"   {k}. ", c)
     else:
         for c in adv.single[:3]:
-            console.print(f"  - {c.description}  (saves {format_bytes(c.saves_bytes)})")
+            _change_line("  - ", c)
 
 
 def print_diagnose(report) -> None:
