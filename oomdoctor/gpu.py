@@ -46,8 +46,23 @@ def _device_index() -> int:
     return int(vis) if vis.isdigit() else 0
 
 
-def detect_gpu(index: int | None = None) -> GpuInfo | None:
-    """Query NVML for the (first visible) GPU; None when NVML or a GPU is not available."""
+def _device_processes(pynvml, handle) -> list[tuple[int, int]]:
+    """(pid, bytes) of every compute and graphics process NVML lists on ``handle``."""
+    procs: list[tuple[int, int]] = []
+    for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        try:
+            listed = getattr(pynvml, getter)(handle)
+        except Exception:  # noqa: BLE001 - not supported on some drivers/containers
+            continue
+        for p in listed:
+            used = getattr(p, "usedGpuMemory", None)
+            if isinstance(used, int) and used > 0:
+                procs.append((int(p.pid), int(used)))
+    return procs
+
+
+def _with_nvml(fn, index: int | None = None):
+    """Run ``fn(pynvml, handle, index)`` on the (first visible) GPU; None when NVML or a GPU is not available."""
     try:
         import pynvml  # nvidia-ml-py
     except ImportError:
@@ -60,21 +75,25 @@ def detect_gpu(index: int | None = None) -> GpuInfo | None:
         idx = _device_index() if index is None else index
         if idx >= pynvml.nvmlDeviceGetCount():
             return None
-        h = pynvml.nvmlDeviceGetHandleByIndex(idx)
+        return fn(pynvml, pynvml.nvmlDeviceGetHandleByIndex(idx), idx)
+    except Exception:  # noqa: BLE001 - any NVML failure means "no usable GPU info"
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def detect_gpu(index: int | None = None) -> GpuInfo | None:
+    """Query NVML for the (first visible) GPU; None when NVML or a GPU is not available."""
+
+    def query(pynvml, h, idx: int) -> GpuInfo:
         name = pynvml.nvmlDeviceGetName(h)
         name = name.decode() if isinstance(name, bytes) else str(name)
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
         me = os.getpid()
-        others: list[tuple[int, int]] = []
-        for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-            try:
-                procs = getattr(pynvml, getter)(h)
-            except Exception:  # noqa: BLE001 - not supported on some drivers/containers
-                continue
-            for p in procs:
-                used = getattr(p, "usedGpuMemory", None)
-                if p.pid != me and isinstance(used, int) and used > 0:
-                    others.append((int(p.pid), int(used)))
+        others = [(pid, b) for pid, b in _device_processes(pynvml, h) if pid != me]
         return GpuInfo(
             index=idx,
             name=name,
@@ -84,10 +103,15 @@ def detect_gpu(index: int | None = None) -> GpuInfo | None:
             used_by_others_bytes=sum(b for _, b in others),
             other_processes=tuple(others),
         )
-    except Exception:  # noqa: BLE001 - any NVML failure means "no usable GPU info"
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
+
+    return _with_nvml(query, index)
+
+
+def process_bytes(pid: int | None = None, index: int | None = None) -> int | None:
+    """Device memory NVML attributes to process ``pid`` (default: this one); None when not available."""
+    pid = os.getpid() if pid is None else pid
+
+    def query(pynvml, h, idx: int) -> int | None:
+        return next((b for p, b in _device_processes(pynvml, h) if p == pid), None)
+
+    return _with_nvml(query, index)

@@ -18,11 +18,11 @@ Without a CUDA GPU it raises :class:`oomdoctor.errors.NoGPU` (exit 2).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from oomdoctor.errors import NoGPU
+from oomdoctor.gpu import detect_gpu, process_bytes
 from oomdoctor.memory.breakdown import MemoryBreakdown
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,43 +79,7 @@ def require_cuda() -> None:
         raise NoGPU(NO_GPU_MESSAGE, NO_GPU_HINT)
 
 
-def _nvml_process_used() -> int | None:
-    """Device memory NVML attributes to this process (None when not available)."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001
-        return None
-    try:
-        from oomdoctor.gpu import _device_index
-
-        h = pynvml.nvmlDeviceGetHandleByIndex(_device_index())
-        me = os.getpid()
-        for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-            try:
-                for p in getattr(pynvml, getter)(h):
-                    if p.pid == me and isinstance(getattr(p, "usedGpuMemory", None), int):
-                        return int(p.usedGpuMemory)
-            except Exception:  # noqa: BLE001
-                continue
-        return None
-    except Exception:  # noqa: BLE001
-        return None
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
-
-
 def _gpu_info() -> dict:
-    try:
-        from oomdoctor.gpu import detect_gpu
-    except ImportError:  # pragma: no cover
-        return {}
     g = detect_gpu()
     return g.to_dict() if g is not None else {}
 
@@ -164,7 +128,7 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
     torch.cuda.synchronize()
     max_alloc = int(torch.cuda.max_memory_allocated())
     max_res = int(torch.cuda.max_memory_reserved())
-    nvml_used = _nvml_process_used()
+    nvml_used = process_bytes()
     cats = dict(stats.peak_categories)
     unexplained = max_alloc - sum(cats.values())
     if unexplained > 0:
