@@ -355,7 +355,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
                     where = save(step)  # state as of the start of this step: weights untouched, data not consumed
                     raise UnrecoverableOOM(
                         diagnosis(exc.phase, exc.reason, exc.message) + f"\ncheckpoint saved: {where}",
-                        f"fix the plan (`oomdoctor train CONFIG --dry-run --gpu-mem SIZE` lists changes that fit), "
+                        "fix the plan (`oomdoctor train CONFIG --dry-run --gpu-mem SIZE` lists changes that fit), "
                         f"then `oomdoctor train CONFIG --resume`",
                     ) from None
                 if step == 0 or (resumed_from and step == int(saved["step"])):
