@@ -356,7 +356,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
                     raise UnrecoverableOOM(
                         diagnosis(exc.phase, exc.reason, exc.message) + f"\ncheckpoint saved: {where}",
                         "fix the plan (`oomdoctor train CONFIG --dry-run --gpu-mem SIZE` lists changes that fit), "
-                        f"then `oomdoctor train CONFIG --resume`",
+                        "then `oomdoctor train CONFIG --resume`",
                     ) from None
                 if step == 0 or (resumed_from and step == int(saved["step"])):
                     # field notes 1.4: with GC + PEFT a missing input-grad hook trains nothing, silently
