@@ -43,11 +43,21 @@ GRID = [
     ("wide", Plan(method="full", seq_len=1024)),
     ("wide", Plan(method="lora", seq_len=1024, micro_batch=2)),
     ("wide", Plan(method="qlora", seq_len=2048, gradient_checkpointing=True)),
+    # activation offload (save_on_cpu packs every saved tensor, weight casts included)
+    ("mini", Plan(method="full", seq_len=1024, optimizer="sgd", offload_activations=True)),
+    ("mini", Plan(method="lora", seq_len=1024, offload_activations=True)),
+    ("mini", Plan(method="lora", seq_len=1024, offload_activations=True, gradient_checkpointing=True)),
+    ("wide", Plan(method="lora", seq_len=1024, offload_activations=True)),
+    # gradient accumulation: gradients alive through the later micro-batches' forward/backward
+    ("mini", Plan(method="full", seq_len=512, grad_accum=2)),
+    ("mini", Plan(method="lora", seq_len=512, grad_accum=4, gradient_checkpointing=True)),
 ]
 
 
 def _id(p):
-    return p.label() if isinstance(p, Plan) else str(p)
+    if isinstance(p, Plan):
+        return p.label() + (f" | accum {p.grad_accum}" if p.grad_accum > 1 else "")
+    return str(p)
 
 
 @pytest.mark.slow

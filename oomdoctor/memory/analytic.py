@@ -97,6 +97,21 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         M_fwd = M_all
         M_top = M_all - M_head  # the head's copy dies with the head's backward, before the top block's
     M_bottom = M_layer
+    M_loss = M_head if gc else M_fwd
+    unpack_tmp = 0
+    if plan.offload_activations:
+        # save_on_cpu packs EVERY tensor saved for backward to the host, the low-precision weight casts that matmuls
+        # save included (torch/autograd/graph.py ``save_on_cpu``; oomdoctor train uses it as is on CUDA; checked
+        # against the simulated engine, tests/test_simulate_vs_analytic.py). On the device stay only the autocast
+        # cache's casts of trainable leaf weights, until the autocast region exits at the end of the forward.
+        # In backward each node unpacks its own saved tensors: one weight (cast or frozen parameter) copied back at a
+        # time, a transient.
+        trainable_casts = (c.lora_numel * 2) if not c.full else M_all
+        M_fwd = min(M_all, trainable_casts) if c.mixed else 0
+        M_loss = M_top = M_bottom = 0
+        unpack_tmp = max((g.weight_numel for g in spec.groups
+                          if g.kind == "linear" and g.per_layer and not (c.quant is not None and prm.is_quantized(g))),
+                         default=0) * (2 if c.mixed else c.wb)
 
     # ---- activations
     la = act.layer_activations(c)
@@ -156,12 +171,11 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     cands = []
     # (a) loss backward: under GC the forward's autocast cache is gone (cleared when the autocast region exits)
     # and checkpointed blocks saved no casts: only the head's copy is left.
-    M_loss = M_head if gc else M_fwd
     cands.append(_components(parameters=P, master_weights=M_loss, gradients=G_pre, optimizer_states=O,
                              activations=A_end, logits=lg.backward_peak))
     top_acts = layers_saved + shared + (recompute if (gc or plan.offload_activations) else 0)
     cands.append(_components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
-                             activations=top_acts, temporaries=la.bwd_extra))
+                             activations=top_acts, temporaries=la.bwd_extra + unpack_tmp))
     if gc:
         # block 0 recomputed: its first norm's save is either the kept input (full) or absent (LoRA discount)
         bottom_acts = la.gc_saved + la.gc_extra + la.saved - (la.first_layer_discount if not c.full else la.gc_alias) + shared
@@ -170,7 +184,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     else:
         bottom_acts = la.saved - la.first_layer_discount + shared
     cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom, optimizer_states=O,
-                             activations=bottom_acts, temporaries=la.bwd_extra))
+                             activations=bottom_acts, temporaries=la.bwd_extra + unpack_tmp))
     cands.append(_components(parameters=P, gradients=G_pre + (g_end if not ga else 0), optimizer_states=O))
     bwd = max(cands, key=lambda d: sum(d.values()))
     phases["backward"] = (sum(bwd.values()), bwd)
@@ -246,7 +260,8 @@ def _notes(c: Ctx) -> list[str]:
     if plan.offload_params:
         notes.append("offload_params: two blocks' weights resident at a time (double-buffered streaming)")
     if plan.offload_activations:
-        notes.append("offload_activations: one block's saved tensors on the device at a time (save_on_cpu)")
+        notes.append("offload_activations: every saved tensor (weight casts included) goes to host memory (save_on_cpu); "
+                     "backward copies one node's tensors back at a time")
     if plan.optimizer_is_paged:
         notes.append(
             "paged optimizer states live in CUDA unified memory: counted in peak_device, not peak_allocated; "
