@@ -303,12 +303,14 @@ class RunStats:
 
 
 def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: str = "cuda", head=None,
-              optimizer=None, checkpoint_region: bool = True, on_step=None) -> RunStats:
+              optimizer=None, checkpoint_region: bool = True, on_step=None, micro_batches: int | None = None) -> RunStats:
     """Run ``steps`` training steps of ``model`` on ``batch`` under the live tracker ``lb`` (this function enters it).
 
     ``target``: ``"cuda"`` replays on CPU tensors (real or fake) allocating as CUDA does (:class:`CudaPolicy`);
     ``"cpu"`` runs plain CPU semantics; ``"gpu"`` runs on a real CUDA device (CUDA autocast, bnb as is).
-    ``on_step(step_index)`` is called after each step (the measured engine samples NVML there)."""
+    ``on_step(step_index)`` is called after each step (the measured engine samples NVML there).
+    ``micro_batches``: forward/backward passes per optimizer step (None: 2 when ``plan.grad_accum >= 2`` — the
+    later micro-batches all run with the gradients allocated and are identical — else 1)."""
     import torch
 
     lb.track_module(model)
@@ -320,6 +322,9 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     ac_device = "cuda" if target == "gpu" else "cpu"
     cdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[plan.compute_dtype]
     step_peaks: list[int] = []
+    # gradient accumulation: micro-batches after the first run with every gradient already allocated (accumulated
+    # in place); the 2nd and later are identical, so 2 micro-batches per optimizer step price any grad_accum >= 2.
+    n_micro = min(max(plan.grad_accum, 1), 2) if micro_batches is None else micro_batches
     hooks = []
     if head is not None:
         hooks.append(head.register_forward_pre_hook(lambda m, a: lb.push_region("logits")))
@@ -344,27 +349,30 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
         opt = optimizer if optimizer is not None else make_optimizer(model, plan, lb, target=target)
         for step in range(steps):
             lb.reset_peak()
-            with lb.phase("forward"):
-                ac = torch.autocast(ac_device, dtype=cdtype) if mixed else torch.autocast(ac_device, enabled=False)
-                with ac:
-                    out = model(**batch)
-                loss = out["loss"] if isinstance(out, dict) else out.loss
-                if mixed:
-                    # accelerate's convert_outputs_to_fp32: every fp16/bf16 output becomes an fp32 copy
-                    logits = out["logits"] if isinstance(out, dict) else out.logits
-                    if logits is not None and logits.dtype in (torch.float16, torch.bfloat16):
-                        logits32 = logits.float()
-                        del logits32
-                    del logits
-                if plan.precision == "fp16-mixed":
-                    loss = loss * 65536.0  # GradScaler.scale
-                del out
-                lb.pop_region_all()
-            with lb.phase("backward"):
-                lb.set_backward_region("logits" if head is not None else None)
-                loss.backward()
-                lb.set_backward_region(None)
-                del loss
+            for _micro in range(n_micro):
+                with lb.phase("forward"):
+                    ac = torch.autocast(ac_device, dtype=cdtype) if mixed else torch.autocast(ac_device, enabled=False)
+                    with ac:
+                        out = model(**batch)
+                    loss = out["loss"] if isinstance(out, dict) else out.loss
+                    if mixed:
+                        # accelerate's convert_outputs_to_fp32: every fp16/bf16 output becomes an fp32 copy
+                        logits = out["logits"] if isinstance(out, dict) else out.logits
+                        if logits is not None and logits.dtype in (torch.float16, torch.bfloat16):
+                            logits32 = logits.float()
+                            del logits32
+                        del logits
+                    if n_micro > 1:
+                        loss = loss / plan.grad_accum  # Trainer: loss / gradient_accumulation_steps
+                    if plan.precision == "fp16-mixed":
+                        loss = loss * 65536.0  # GradScaler.scale
+                    del out
+                    lb.pop_region_all()
+                with lb.phase("backward"):
+                    lb.set_backward_region("logits" if head is not None else None)
+                    loss.backward()
+                    lb.set_backward_region(None)
+                    del loss
             with lb.phase("optimizer-step"):
                 params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
                 torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=plan.optimizer_impl != "for-loop")

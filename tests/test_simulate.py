@@ -44,8 +44,10 @@ def _same(spec, plan, **kw):
         Plan(method="full", precision="fp32", optimizer="adafactor", seq_len=SEQ),
         pytest.param(Plan(method="full", seq_len=SEQ, offload_optimizer=True, offload_activations=True),
                      marks=pytest.mark.slow),
+        Plan(method="full", precision="fp32", seq_len=SEQ, grad_accum=2),
+        Plan(method="lora", seq_len=SEQ, grad_accum=4, offload_activations=True),
     ],
-    ids=lambda p: p.label() if isinstance(p, Plan) else str(p),
+    ids=lambda p: (p.label() + (f" | accum {p.grad_accum}" if p.grad_accum > 1 else "")) if isinstance(p, Plan) else str(p),
 )
 def test_fake_replay_equals_real_cpu_step(tiny_config, plan):
     """(a) the simulated step counts exactly the bytes the same step allocates on real CPU tensors."""
@@ -248,3 +250,20 @@ def test_periodic_blocks_extrapolate_by_period():
     full = simulate_plan(spec, plan, layers="full")
     assert ex.layers_simulated == (4, 6) and full.layers_simulated == (10,)
     assert ex.phase_peaks == full.phase_peaks
+
+
+def test_grad_accum_runs_micro_batches_with_gradients_alive(tiny_spec):
+    """grad_accum >= 2: the 2nd micro-batch's forward runs with every gradient allocated (accumulated in place);
+    later micro-batches are identical, so grad_accum 2 and 8 price the same step."""
+    from oomdoctor.simulate import simulate_plan
+
+    plan = Plan(method="full", precision="fp32", seq_len=SEQ)
+    one = simulate_plan(tiny_spec, validate(plan))
+    two = simulate_plan(tiny_spec, validate(plan.with_(grad_accum=2)))
+    eight = simulate_plan(tiny_spec, validate(plan.with_(grad_accum=8)))
+    grads = one.phase_categories["optimizer-step"]["gradients"]
+    assert grads > 0
+    assert one.phase_categories["forward"]["gradients"] == 0
+    assert two.phase_categories["forward"]["gradients"] == grads
+    assert two.phase_peaks["forward"] >= one.phase_peaks["forward"] + grads
+    assert eight.phase_peaks == two.phase_peaks
