@@ -14,7 +14,7 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	oomdoctor diagnose meta-llama/Llama-2-7b-hf --gpu-mem 24GB --seq-len 1024
-	oomdoctor tune meta-llama/Llama-2-7b-hf --gpu-mem 24GB --seq-len 1024 --global-batch 32 --output runs/demo/llama2-7b-24gb.yaml
+	oomdoctor tune meta-llama/Llama-2-7b-hf --gpu-mem 24GB --seq-len 1024 --global-batch 32 --output runs/demo/llama2-7b-24gb.yaml --force
 	oomdoctor train configs/train/tiny-cpu.yaml
 
 test: $(STAMP)
