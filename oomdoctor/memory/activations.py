@@ -64,6 +64,11 @@ class LayerRoles:
     """gate and up are one linear of 2*intermediate (Phi-3)."""
 
 
+#: Attention input projections by module name (separate or fused q/k/v), classified before the shape rules.
+ATTN_IN_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack",
+                           "query", "key", "value", "q", "k", "v"})
+
+
 @lru_cache(maxsize=256)
 def layer_roles(spec: ModelSpec) -> LayerRoles:
     """Classify per-layer linears by shape: MLP up (h -> I or 2I), MLP down (I -> h), router (h -> experts),
@@ -80,6 +85,8 @@ def layer_roles(spec: ModelSpec) -> LayerRoles:
         item = (g.name, g.in_features, g.out_features, mult)
         if E and g.out_features == E and g.in_features == h:
             router.append(item)
+        elif g.name in ATTN_IN_NAMES:
+            attn_in.append(item)  # by name first: a fused qkv of 3h outputs looks like an MLP input when I == 3h
         elif g.in_features == h and g.out_features in (inter, 2 * inter) and inter != h:
             fused_up = fused_up or g.out_features == 2 * inter
             mlp_in.append(item)
@@ -229,6 +236,12 @@ class LayerActs:
     gc_extra: int = 0
     """Bytes a block keeps under gradient checkpointing besides its input: LLM.int8()'s ``MatMul8bitLt`` stores
     its inputs as ``ctx.tensors`` attributes, outside the saved-tensor hooks checkpointing relies on."""
+    gc_recompute: int = 0
+    """LoRA under gradient checkpointing: bytes beyond ``saved`` at the widest MLP-input adapter's forward during
+    block 0's recompute (its base output, lora_B output and scaled copy — fp32 unless under autocast — minus the MLP
+    tensors not yet recomputed, plus the forward's held residual/norm output), with the block's output gradient (rb,
+    twice) and its fp32 copy alive, and block 0's first-norm saves back (``enable_input_require_grads``: the
+    embedding output requires grad under GC)."""
 
 
 def layer_activations(c: Ctx) -> LayerActs:
@@ -281,6 +294,7 @@ def layer_activations(c: Ctx) -> LayerActs:
 
     # --- MLP
     gated = spec.mlp_kind == "gated"
+    mlp_after = 0.0
     if spec.num_experts and not roles.mlp_in:
         # transformers 5.x MoE (Mixtral): router = raw Parameter (F.linear on the normed hidden states), experts =
         # fused 3-D Parameters looped per expert: gathered tokens -> gate_up (2I, its chunks saved by act and
@@ -309,6 +323,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         mlp += down
     else:
         mlp = consumers_saved(c, T, rb, roles.mlp_in)
+        mlp_after = -mlp  # + the total below: what the MLP saves after its input linears
         if spec.parallel_attn and c.full and not (c.mixed and rb == 4):
             mlp -= rb * T * h  # attention and MLP read the same saved norm output
         # bitsandbytes Linear4bit/8bitLt return ``out.to(input dtype)``: under autocast their inputs are the fp32
@@ -318,6 +333,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         mlp += act_extra_tensors(spec) * mab * T * I  # activations composed of several pointwise ops
         down = consumers_saved(c, T, mab, roles.mlp_out)
         mlp += down
+        mlp_after += mlp
 
     # --- LLM.int8(): MatMul8bitLt casts its input to fp16 and saves that copy for the input gradient (bitsandbytes
     # autograd/_functions.py), one copy per quantized linear.
@@ -343,6 +359,20 @@ def layer_activations(c: Ctx) -> LayerActs:
 
     gc_saved = rb * T * h
 
+    # LoRA: the forward of the widest MLP-input adapter (base output + lora_B output + its scaled copy: fp32 unless
+    # under autocast) runs before the MLP's later saved tensors exist (``mlp_after``), while the residual and the
+    # norm output are held by the running forward (and, pure bf16 with dropout, peft's fp32 cast of the input).
+    # Bytes beyond the block's ``saved``; measured tensor by tensor on Phi-3 shapes (fused gate_up, 2I wide) with
+    # the simulated engine.
+    mlp_in_fwd = 0
+    if not c.full and roles.mlp_in and not spec.num_experts:
+        w, w_in = max(((o, i) for n, i, o, _m in roles.mlp_in if c.is_adapted(n)), default=(0, 0))
+        if w:
+            per_out = 3 * ab if c.mixed else ab + 8
+            mlp_in_fwd = int(per_out * T * w - mlp_after + 2 * rb * T * h)
+            if not c.mixed and rb != 4 and plan.lora_dropout > 0:
+                mlp_in_fwd += 4 * T * w_in
+
     # forward transients: gated product inputs + output, mixed-precision fp32 rotary copies, LoRA fp32 branch
     # outputs, eager scores.
     fwd_t = 2 * rb * T * h + ab * T * I * ktok
@@ -350,7 +380,10 @@ def layer_activations(c: Ctx) -> LayerActs:
         fwd_t = max(fwd_t, 4 * T * (qd + kvd))
     if not c.full and c.lora_groups:
         widest = max((g.out_features for g in c.lora_groups if g.per_layer), default=0)
-        fwd_t = max(fwd_t, (ab + 8) * T * widest)  # base output + fp32 lora_B output + its scaled copy
+        if mlp_in_fwd and widest == max(o for n, _i, o, _m in roles.mlp_in if c.is_adapted(n)):
+            fwd_t = max(fwd_t, mlp_in_fwd)  # the widest adapter is an MLP input: net of the MLP's later tensors
+        else:
+            fwd_t = max(fwd_t, (ab + 8) * T * widest)  # base output + fp32 lora_B output + its scaled copy
     if attn_impl == "eager":
         fwd_t = max(fwd_t, (2 * ab + 4) * B * nh * S * S)
 
@@ -366,11 +399,23 @@ def layer_activations(c: Ctx) -> LayerActs:
         # peft LoRA backward of one adapted module (in -> out), at the dropout backward where it peaks (measured on
         # CPU): the output grad's fp32 cast (pure bf16) and its scaled copy (4·T·out each), the grad of lora_A's
         # input (4·T·in) and one more fp32 hidden-sized grad; the module's saved tensors are still alive.
+        fused_up = gated and len(roles.mlp_in) == 1 and not spec.num_experts
         for _n, i, o, m in roles.attn_in + roles.attn_out + roles.mlp_in + roles.mlp_out:
             if c.is_adapted(_n):
                 t = T * (m if m > 1 else 1)
                 n_out_grads = 1 if ab == 4 and not c.mixed else 2  # an fp32 grad needs no cast copy
-                lora_b = max(lora_b, t * (4 * n_out_grads * o + 4 * i) + 4 * T * h)
+                out_b = 4 * n_out_grads
+                if c.mixed:
+                    # under autocast the adapter's matmuls run in ab: the output grad and its scaled copy are ab,
+                    # not fp32 (measured with the simulated engine on Phi-3 shapes; no Llama grid cell moves)
+                    out_b = 2 * ab
+                b = t * (out_b * o + 4 * i) + 4 * T * h
+                if fused_up and (_n, i, o, m) in roles.mlp_in:
+                    # fused gate_up (Phi-3): its backward runs after the product's and the activation's, whose saved
+                    # tensors (and down's) are freed by then; its output gradient (the two halves) is alive.
+                    # Measured with the simulated engine on a Phi-3-shaped model (tests/test_simulate_vs_analytic.py).
+                    b += ab * t * o - mlp_after
+                lora_b = max(lora_b, b)
     bwd_extra = int(flow + max(mlp_b, att_b, lora_b))
     alias = 0
     if spec.norm_kind != "rms" or rb == 4:
@@ -380,7 +425,9 @@ def layer_activations(c: Ctx) -> LayerActs:
         # distinct inputs of the quantized linears, in their own dtype (measured by the simulate engine):
         # attention norm output, attention output, MLP norm output (unless parallel), MLP intermediate.
         gc_extra = rb * T * h * (1 if spec.parallel_attn else 2) + ab * T * qd + mab_global(c, roles) * T * I
-    return LayerActs(saved, int(discount), gc_saved, int(fwd_t), bwd_extra, int(down), int(alias), int(gc_extra))
+    gc_recompute = int(mlp_in_fwd + 2 * rb * T * h + 4 * T * h + discount) if mlp_in_fwd else 0
+    return LayerActs(saved, int(discount), gc_saved, int(fwd_t), bwd_extra, int(down), int(alias), int(gc_extra),
+                     gc_recompute)
 
 
 def shared_forward_bytes(c: Ctx) -> int:

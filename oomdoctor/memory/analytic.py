@@ -185,6 +185,10 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         bottom_acts = la.saved - la.first_layer_discount + shared
     cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom, optimizer_states=O,
                              activations=bottom_acts, temporaries=la.bwd_extra + unpack_tmp))
+    if gc and la.gc_recompute and not plan.offload_activations:
+        # (c') block 0's recompute at its widest MLP-input adapter (see LayerActs.gc_recompute)
+        cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom,
+                                 optimizer_states=O, activations=bottom_acts + la.gc_recompute))
     cands.append(_components(parameters=P, gradients=G_pre + (g_end if not ga else 0), optimizer_states=O))
     bwd = max(cands, key=lambda d: sum(d.values()))
     phases["backward"] = (sum(bwd.values()), bwd)
