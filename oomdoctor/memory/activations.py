@@ -171,7 +171,12 @@ def norm_saved(c: Ctx, dim: int, tokens: int, x_bytes: int) -> int:
     trainable = c.full
     if c.spec.norm_kind == "rms":
         # LlamaRMSNorm: x.to(fp32) (saved by pow and mul) + rsqrt + (weight * y saves y when the weight trains).
-        return tokens * (4 * dim + RMS_STATS_BYTES + (x_bytes * dim if trainable else 0))
+        extra = 0
+        if c.spec.model_type == "t5" and x_bytes != 4:
+            # T5LayerNorm multiplies the 16-bit input itself by the fp32 rsqrt (the product saves that input) and
+            # keeps its 16-bit cast of the result (measured tensor by tensor on a real CPU T5 step).
+            extra = x_bytes * dim + c.ab * dim
+        return tokens * (4 * dim + RMS_STATS_BYTES + (x_bytes * dim if trainable else 0) + extra)
     # native_layer_norm saves input, mean, rstd (CUDA autocast runs layer_norm in fp32: input fp32 in mixed).
     return tokens * (x_bytes * dim + LN_STATS_BYTES)
 
@@ -282,6 +287,10 @@ def layer_activations(c: Ctx) -> LayerActs:
         inner += ab * T * qd if c.full and not c.mixed else 0  # contiguous output copy saved by a trainable o_proj
     else:
         inner = ab * T * (qd + kv_w) + ab * T * qd + 4 * B * nh * S  # q,k,v + out + logsumexp
+        if spec.model_type == "t5":
+            # T5 hands its relative position bias (1 x heads x S x S) to SDPA as attn_mask: each self-attention
+            # saves its own copy (cross-attention: one shared zero bias, in shared_forward_bytes)
+            inner += ab * nh * S * S / max(n_att, 1e-9)
         if len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon"):
             # fused qkv (Phi-3 qkv_proj): v is a view of the fused output, so SDPA's saved v keeps all of it alive
             # while rotary made new q/k.
@@ -436,6 +445,8 @@ def shared_forward_bytes(c: Ctx) -> int:
     spec = c.spec
     cos_sin = 2 * c.S * spec.head_dim * c.rb if spec.model_type not in ("gpt2", "bert", "t5") else 0
     mask = c.rb * c.B * c.S * c.S if effective_attn(spec, c.plan.attn) == "eager" else 0
+    if spec.model_type == "t5" and effective_attn(spec, c.plan.attn) != "eager":
+        mask += c.ab * spec.num_heads * c.S * c.S  # the decoder's zero cross-attention bias, saved by every SDPA
     return cos_sin + mask
 
 
