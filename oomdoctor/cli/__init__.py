@@ -10,6 +10,7 @@ import sys
 
 from oomdoctor.cli.app import app
 from oomdoctor.errors import OomDoctorError
+from oomdoctor.noise import quiet_third_party
 
 # Each import registers its command on ``app``.
 from oomdoctor.cli import diagnose as _diagnose  # noqa: E402,F401
@@ -21,6 +22,7 @@ from oomdoctor.cli import models as _models  # noqa: E402,F401
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turn our exceptions into one line on stderr and an exit code."""
+    quiet_third_party()
     try:
         app(args=argv, prog_name="oomdoctor")
     except OomDoctorError as exc:

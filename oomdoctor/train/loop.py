@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomdoctor.errors import BadInput, UnrecoverableOOM
+from oomdoctor.noise import quiet_third_party
 from oomdoctor.train.config import TrainConfig
 from oomdoctor.units import format_bytes
 
@@ -156,10 +157,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     """Run the training described by ``cfg``. Raises UnrecoverableOOM (exit 4) after saving a checkpoint when even
     micro-batch 1 runs out of memory."""
     set_allocator_env()
-    import logging
-
-    # bitsandbytes warns at import that an optional CPU 4-bit speed kernel (the `kernels` package) is missing
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    quiet_third_party()
     import torch
 
     from oomdoctor.train import checkpoint as ckpt
