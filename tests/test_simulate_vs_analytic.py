@@ -61,7 +61,7 @@ GRID = [
     ("phi3", Plan(method="lora", seq_len=512)),
     ("phi3", Plan(method="lora", seq_len=1024, precision="bf16", gradient_checkpointing=True)),
     ("phi3", Plan(method="lora", seq_len=512, gradient_checkpointing=True)),
-    ("phi3", Plan(method="qlora", seq_len=512, gradient_checkpointing=True)),
+    ("phi3", Plan(method="qlora", quant="nf4", seq_len=512, gradient_checkpointing=True)),
 ]
 
 

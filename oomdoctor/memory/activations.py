@@ -174,8 +174,9 @@ def norm_saved(c: Ctx, dim: int, tokens: int, x_bytes: int) -> int:
         extra = 0
         if c.spec.model_type == "t5" and x_bytes != 4:
             # T5LayerNorm multiplies the 16-bit input itself by the fp32 rsqrt (the product saves that input) and
-            # keeps its 16-bit cast of the result (measured tensor by tensor on a real CPU T5 step).
-            extra = x_bytes * dim + c.ab * dim
+            # keeps its 16-bit cast of the result (measured tensor by tensor on a real CPU T5 step; with a trainable
+            # weight that cast is the ``y`` counted below).
+            extra = x_bytes * dim + (0 if trainable else c.ab * dim)
         return tokens * (4 * dim + RMS_STATS_BYTES + (x_bytes * dim if trainable else 0) + extra)
     # native_layer_norm saves input, mean, rstd (CUDA autocast runs layer_norm in fp32: input fp32 in mixed).
     return tokens * (x_bytes * dim + LN_STATS_BYTES)
