@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from oomdoctor.errors import NoGPU
 from oomdoctor.gpu import detect_gpu, process_bytes
-from oomdoctor.memory.breakdown import MemoryBreakdown
+from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -144,14 +144,8 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
     if unexplained > 0:
         notes.append(f"{unexplained} allocator bytes not held by any tracked tensor (cuBLAS workspace, kernels)")
     bd = MemoryBreakdown(
-        parameters=cats["parameters"],
+        **{c: cats[c] for c in TENSOR_COMPONENTS},
         adapters=min(stats.adapter_bytes, cats["parameters"]),
-        master_weights=cats["master_weights"],
-        gradients=cats["gradients"],
-        optimizer_states=cats["optimizer_states"],
-        activations=cats["activations"],
-        logits=cats["logits"],
-        temporaries=cats["temporaries"],
         allocator_slack=max_res - max_alloc,
         cuda_context=ctx,
         cublas_workspace=0,
@@ -185,8 +179,6 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
 def _rebalance(bd: MemoryBreakdown, total: int) -> MemoryBreakdown:
     from dataclasses import replace
 
-    from oomdoctor.memory.breakdown import TENSOR_COMPONENTS
-
     excess = bd.tensor_sum() - total
     changes = {}
     for c in ("temporaries", "activations", "logits", "master_weights"):
@@ -195,7 +187,6 @@ def _rebalance(bd: MemoryBreakdown, total: int) -> MemoryBreakdown:
         take = min(getattr(bd, c), excess)
         changes[c] = getattr(bd, c) - take
         excess -= take
-    _ = TENSOR_COMPONENTS
     return replace(bd, **changes)
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.breakdown import MemoryBreakdown
+from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -359,8 +359,7 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
                         # accelerate's convert_outputs_to_fp32: every fp16/bf16 output becomes an fp32 copy
                         logits = out["logits"] if isinstance(out, dict) else out.logits
                         if logits is not None and logits.dtype in (torch.float16, torch.bfloat16):
-                            logits32 = logits.float()
-                            del logits32
+                            logits.float()  # the copy is allocated and dropped here, as in accelerate
                         del logits
                     if n_micro > 1:
                         loss = loss / plan.grad_accum  # Trainer: loss / gradient_accumulation_steps
@@ -507,7 +506,6 @@ def homogeneous_layers(spec: "ModelSpec") -> bool:
 def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, *, timeline: bool = False,
                  steps: int = 2, target: str = "cuda", round_to: int = 512, bnb_decompose: bool = True) -> RunStats:
     """One fake-tensor simulation of ``plan`` with ``num_layers`` blocks (None = the spec's)."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from oomdoctor.modelbuild import build_model, make_batch
@@ -735,14 +733,8 @@ def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, ad
     dev = device_overheads(spec, plan, transient)
     reserved = peak + dev["allocator_slack"] + dev["cublas_workspace"]
     return MemoryBreakdown(
-        parameters=cats["parameters"],
+        **{c: cats[c] for c in TENSOR_COMPONENTS},
         adapters=min(adapter, cats["parameters"]),
-        master_weights=cats["master_weights"],
-        gradients=cats["gradients"],
-        optimizer_states=cats["optimizer_states"],
-        activations=cats["activations"],
-        logits=cats["logits"],
-        temporaries=cats["temporaries"],
         allocator_slack=dev["allocator_slack"],
         cuda_context=dev["cuda_context"],
         cublas_workspace=dev["cublas_workspace"],

@@ -153,7 +153,6 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         g_bottom = max(0, G - G_emb - int(G_layer * (1 - down_frac)))
         g_end = G
 
-    base = P + O
     phases: dict[str, tuple[int, dict[str, int]]] = {}
 
     # forward: end of forward (loss) or the last block's working set
@@ -210,14 +209,8 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     device_peak = reserved + ctx_bytes + opt.paged
 
     return MemoryBreakdown(
-        parameters=comps["parameters"],
+        **{c: comps[c] for c in TENSOR_COMPONENTS},
         adapters=A,
-        master_weights=comps["master_weights"],
-        gradients=comps["gradients"],
-        optimizer_states=comps["optimizer_states"],
-        activations=comps["activations"],
-        logits=comps["logits"],
-        temporaries=comps["temporaries"],
         allocator_slack=slack,
         cuda_context=ctx_bytes,
         cublas_workspace=cublas,
