@@ -196,7 +196,7 @@ def _load_local(spec, plan, path: str):
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from oomdoctor.modelbuild import attn_implementation, lora_target_modules, torch_dtype
+    from oomdoctor.modelbuild import apply_plan_techniques, attn_implementation, torch_dtype
 
     kw = {"device_map": "cuda", "attn_implementation": attn_implementation(plan)}
     dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
@@ -207,20 +207,7 @@ def _load_local(spec, plan, path: str):
             load_in_4bit=True, bnb_4bit_quant_type=plan.quant, bnb_4bit_use_double_quant=plan.double_quant,
             bnb_4bit_compute_dtype=torch_dtype(plan.compute_dtype))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
-    if plan.uses_lora:
-        for p in model.parameters():
-            p.requires_grad_(False)
-    if plan.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if plan.uses_lora:
-            model.enable_input_require_grads()
-    if plan.uses_lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha,
-                                                 lora_dropout=plan.lora_dropout,
-                                                 target_modules=lora_target_modules(spec, plan), task_type="CAUSAL_LM"))
-    model.train()
+    model = apply_plan_techniques(model, spec, plan)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return model, base.get_output_embeddings()
 

@@ -184,6 +184,24 @@ def build_model(
 
         quantize_model_standin(model, plan, head_name=spec.head_name, device=device, decompose=bnb_decompose)
 
+    model = apply_plan_techniques(model, spec, plan)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = getattr(base, spec.head_name, None) or (base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None)
+    layers = _find_layers(base)
+    return BuiltModel(
+        attn_implementation=attn,
+        model=model,
+        num_layers=len(layers) if layers else (num_layers or spec.num_layers),
+        dtype=dtype,
+        compute_dtype=compute,
+        head_module=head,
+        layer_modules=tuple(layers),
+    )
+
+
+def apply_plan_techniques(model, spec: "ModelSpec", plan: "Plan"):
+    """Freeze the base for LoRA, enable gradient checkpointing (``use_reentrant=False``, input grads for adapters)
+    and wrap with peft LoRA as the plan says; returns the (possibly peft-wrapped) model in train mode."""
     if plan.uses_lora:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -205,20 +223,8 @@ def build_model(
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lcfg)
-
     model.train()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = getattr(base, spec.head_name, None) or (base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None)
-    layers = _find_layers(base)
-    return BuiltModel(
-        attn_implementation=attn,
-        model=model,
-        num_layers=len(layers) if layers else (num_layers or spec.num_layers),
-        dtype=dtype,
-        compute_dtype=compute,
-        head_module=head,
-        layer_modules=tuple(layers),
-    )
+    return model
 
 
 def materialize_meta(model, device: str, std: float = 0.02) -> None:
