@@ -141,3 +141,20 @@ def test_prompt_response_masking(tmp_path):
     assert labels[:n_prompt] == [IGNORE] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
     res = train(tiny_cfg(tmp_path / "sft", dataset=DatasetConfig(path=str(ROOT / "data/tiny/sft.jsonl"))))
     _finite_and_learning(res)
+
+
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("full-fp32", {}),
+        ("full-bf16", dict(precision="bf16")),
+        ("lora-fp32", dict(method="lora", r=4, lora_alpha=8)),
+        ("lora-bf16", dict(method="lora", r=4, lora_alpha=8, precision="bf16")),
+    ],
+)
+def test_measured_peak_matches_the_prediction(tmp_path, name, kw):
+    """What train really allocates is what diagnose/tune priced: the plan the engines model is the one train runs
+    (e.g. peft's fp32 adapters on a pure-bf16 base)."""
+    res = _run(tmp_path, name, **kw)
+    pred = res.memory["peak_allocated_bytes"]
+    assert abs(res.measured_peak_bytes - pred) / res.measured_peak_bytes < 0.05, (res.measured_peak_bytes, pred)

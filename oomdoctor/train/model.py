@@ -195,15 +195,12 @@ def build_model(cfg: TrainConfig, device: torch.device, vocab_size: int) -> Buil
         lcfg = LoraConfig(r=cfg.r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                           target_modules=targets, task_type="CAUSAL_LM")
         try:
-            # pure bf16: adapters stay bf16 (peft would otherwise autocast them to fp32)
-            model = get_peft_model(model, lcfg, autocast_adapter_dtype=cfg.precision != "bf16")
+            # peft's default autocast_adapter_dtype=True keeps adapters in fp32 under every precision (the base
+            # follows the plan's dtype); the memory engines price exactly this.
+            model = get_peft_model(model, lcfg)
         except ValueError as exc:
             raise BadInput(f"target_modules: {exc}", "name modules of this model (q_proj, v_proj...) or all-linear") \
                 from None
-        if cfg.precision == "bf16":
-            for n, p in model.named_parameters():
-                if p.requires_grad and p.dtype != torch.bfloat16:
-                    p.data = p.data.to(torch.bfloat16)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise BadInput("no trainable parameters after applying the method", "check method / target_modules")
