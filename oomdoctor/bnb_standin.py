@@ -271,12 +271,17 @@ def quantize_model_standin(model, plan, *, head_name: str = "lm_head", device: s
                 )
             setattr(mod, child_name, new)
             replaced += 1
+    _mark_quantized(model, plan)
+    return replaced
+
+
+def _mark_quantized(model, plan) -> None:
+    """The flags transformers sets on a bnb-loaded model (peft and the Trainer read them)."""
     if plan.quant == "int8":
         model.is_loaded_in_8bit = True
     else:
         model.is_loaded_in_4bit = True
     model.is_quantized = True
-    return replaced
 
 
 def quant_state_tensors(model) -> list:
@@ -364,9 +369,5 @@ def quantize_model_real(model, plan, *, head_name: str = "lm_head", device: str 
             new = new.to(device)  # bnb quantizes on the move to the device
             setattr(mod, child_name, new)
             replaced += 1
-    if plan.quant == "int8":
-        model.is_loaded_in_8bit = True
-    else:
-        model.is_loaded_in_4bit = True
-    model.is_quantized = True
+    _mark_quantized(model, plan)
     return replaced

@@ -47,17 +47,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from oomdoctor.memory.breakdown import TENSOR_COMPONENTS
 from oomdoctor.units import format_bytes
 
-CATEGORIES: tuple[str, ...] = (
-    "parameters",
-    "master_weights",
-    "gradients",
-    "optimizer_states",
-    "activations",
-    "logits",
-    "temporaries",
-)
+#: The tensor categories are the tensor components of a MemoryBreakdown.
+CATEGORIES: tuple[str, ...] = TENSOR_COMPONENTS
 _ALIASES = {"optimizer_state": "optimizer_states", "params": "parameters", "grads": "gradients", "activation": "activations"}
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
