@@ -6,7 +6,7 @@ Compared (issue 4, item 5):
 1. **oomdoctor** — predict the largest micro-batch with the memory model (bisection over ``estimate(...)``, no
    device work), verify it with one real trial; when that trial fits, calibrate the model by the measured peak and
    try the largest size the calibrated model allows once (refine); when it fails, step down (calibrated by the
-   overshoot) — ``oomdoctor.search.verify_and_refine``, the routine ``tune`` uses;
+   overshoot) — ``oomdoctor.tune.search.verify_and_refine``, the routine ``tune`` uses;
    the micro-batch for ``--global-batch`` is then the largest divisor <= the verified maximum (monotone memory:
    any smaller micro-batch fits too), with ``gradient_accumulation_steps = G / micro``.
 2. **Lightning** ``scale_batch_size(mode="binsearch")`` — re-implemented faithfully (Lightning is not installed) from
@@ -18,9 +18,9 @@ Compared (issue 4, item 5):
    runs the function, and on an OOM exception (``should_reduce_batch_size``) multiplies the batch size by 0.9.
    Each call of the wrapped function runs ``--steps`` training steps.
 
-The device: the CPU, with live tensor bytes capped by ``oomdoctor.tracking.LiveBytes`` (``cap_bytes``), which raises
+The device: the CPU, with live tensor bytes capped by ``oomdoctor.execute.tracking.LiveBytes`` (``cap_bytes``), which raises
 ``torch.OutOfMemoryError`` with the CUDA allocator's message past the cap — what accelerate's and Lightning's OOM
-detection match. A trial = ``run_steps`` of ``oomdoctor.probe`` (the same step the GPU probe runs: the model as
+detection match. A trial = ``run_steps`` of ``oomdoctor.engines.probe`` (the same step the GPU probe runs: the model as
 ``oomdoctor train`` builds it, a fresh optimizer, full forward/backward/optimizer steps on ``micro x seq_len`` random
 tokens). The **true maximum** is found exhaustively: every micro-batch from 1 up to the first failure is run, and the
 three sizes after it are checked to fail too (monotonicity).
@@ -47,8 +47,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from oomdoctor.plan import Plan  # noqa: E402
-from oomdoctor.search import divisors, max_fitting  # noqa: E402
-from oomdoctor.spec import spec_from_config  # noqa: E402
+from oomdoctor.tune.search import divisors, max_fitting  # noqa: E402
+from oomdoctor.model.load import spec_from_config  # noqa: E402
 from oomdoctor.units import format_bytes  # noqa: E402
 
 VERBOSE = bool(os.environ.get("BENCH_VERBOSE"))
@@ -83,7 +83,7 @@ class Device:
     log: list = field(default_factory=list)
 
     def run(self, micro: int, steps: int | None = None) -> tuple[bool, int | None, str | None]:
-        from oomdoctor.probe import run_steps
+        from oomdoctor.engines.probe import run_steps
 
         n = steps or self.steps
         self.trials += 1
@@ -121,9 +121,9 @@ def true_max(dev: Device, limit: int = 512) -> int:
 
 def oomdoctor_finder(dev: Device, spec, engine: str, margin: float, limit: int = 1024) -> tuple[int, int]:
     """Predict with the memory model (bisection, no device work), verify once, refine once with the measured peak
-    (``oomdoctor.search.verify_and_refine``, the same routine ``tune`` runs). Returns (verified max, evaluations)."""
-    from oomdoctor.memory import estimate
-    from oomdoctor.search import verify_and_refine
+    (``oomdoctor.tune.search.verify_and_refine``, the same routine ``tune`` runs). Returns (verified max, evaluations)."""
+    from oomdoctor.engines import estimate
+    from oomdoctor.tune.search import verify_and_refine
 
     budget = int(dev.cap * (1 - margin))
     cache: dict[int, int] = {}
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from oomdoctor.probe import build_for_probe
+    from oomdoctor.engines.probe import build_for_probe
 
     import transformers
 

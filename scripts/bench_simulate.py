@@ -76,8 +76,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from oomdoctor.plan import validate
-    from oomdoctor.simulate import simulate_plan
-    from oomdoctor.spec import load_spec
+    from oomdoctor.engines.simulate import simulate_plan
+    from oomdoctor.model.load import load_spec
     from oomdoctor.units import format_bytes
 
     t0 = time.perf_counter()
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             line = (f"{mid:52s} {plan.label():58s} {spec.num_params / 1e9:7.2f}B {dt:8.2f} "
                     f"{format_bytes(b.peak_allocated):>15s} {b.peak_phase:>14s}")
             if args.compare:
-                from oomdoctor.memory import estimate
+                from oomdoctor.engines import estimate
 
                 a = estimate(spec, plan, "analytic")
                 err = (a.peak_allocated - b.peak_allocated) / b.peak_allocated

@@ -18,10 +18,10 @@ os.environ.setdefault("OOMDOCTOR_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from oomdoctor.memory import estimate  # noqa: E402
+from oomdoctor.engines import estimate  # noqa: E402
 from oomdoctor.plan import Plan  # noqa: E402
-from oomdoctor.plot import plot_plans, plot_timeline  # noqa: E402
-from oomdoctor.spec import load_spec  # noqa: E402
+from oomdoctor.diagnose.plot import plot_plans, plot_timeline  # noqa: E402
+from oomdoctor.model.load import load_spec  # noqa: E402
 
 OUT = ROOT / "docs" / "img"
 
@@ -46,8 +46,8 @@ def diagnose_picture() -> Path:
 
 def timeline_picture() -> Path | None:
     try:
-        from oomdoctor.simulate import simulate_plan
-        from oomdoctor.spec import spec_from_config
+        from oomdoctor.engines.simulate import simulate_plan
+        from oomdoctor.model.load import spec_from_config
     except ImportError:
         return None
     cfg = {

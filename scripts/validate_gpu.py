@@ -7,7 +7,7 @@
 
 Each plan runs in its own child process (a clean allocator and CUDA context per plan): the child builds a
 random-init model of the real shape (no weights needed: memory does not depend on values; QLoRA/int8 layers are real
-bitsandbytes layers quantized from random weights), runs two training steps (``oomdoctor.measure.measure_plan``) and
+bitsandbytes layers quantized from random weights), runs two training steps (``oomdoctor.engines.measure.measure_plan``) and
 prints ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` / NVML's process usage as one JSON line.
 A plan that does not fit is recorded as ``oom`` with the CUDA message.
 
@@ -120,7 +120,7 @@ def _plan(kw: dict):
 
 
 def _spec(model: str, dry: bool):
-    from oomdoctor.spec import load_spec, spec_from_config
+    from oomdoctor.model.load import load_spec, spec_from_config
 
     return spec_from_config(TINY, name="tiny") if dry else load_spec(model)
 
@@ -136,14 +136,14 @@ def child(payload: str) -> int:
     out: dict
     try:
         if dry:
-            from oomdoctor.simulate import real_cpu_run
+            from oomdoctor.engines.simulate import real_cpu_run
 
             r = real_cpu_run(spec, plan, target="cpu")
             out = {"max_allocated_bytes": r.peak, "max_reserved_bytes": None, "nvml_process_used_bytes": None,
                    "tracked_peak_bytes": r.peak, "phases": r.phase_peaks, "peak_phase": r.peak_phase,
                    "gpu": {"name": "cpu-dry-run"}}
         else:
-            from oomdoctor.measure import measure_plan
+            from oomdoctor.engines.measure import measure_plan
 
             m = measure_plan(spec, plan)
             out = m.to_dict()
@@ -163,7 +163,7 @@ def child(payload: str) -> int:
 
 def predictions(spec, plan, dry: bool) -> dict:
     from oomdoctor.memory.analytic import estimate_analytic
-    from oomdoctor.simulate import simulate_plan, simulate_run
+    from oomdoctor.engines.simulate import simulate_plan, simulate_run
 
     out = {}
     if dry:
@@ -173,7 +173,7 @@ def predictions(spec, plan, dry: bool) -> dict:
                            "peak_device": None}
         out["simulate"] = {"peak_allocated": s.peak, "cublas_workspace": 0, "peak_reserved": None, "peak_device": None}
         return out
-    from oomdoctor.memory import estimate
+    from oomdoctor.engines import estimate
 
     t = time.perf_counter()
     s = simulate_plan(spec, plan).breakdown

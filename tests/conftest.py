@@ -61,6 +61,6 @@ def tiny_config_path(tmp_path, tiny_config) -> str:
 
 @pytest.fixture
 def tiny_spec(tiny_config):
-    from oomdoctor.spec import spec_from_config
+    from oomdoctor.model.load import spec_from_config
 
     return spec_from_config(tiny_config, name="tiny-llama")

@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-from oomdoctor.architectures import build_spec  # noqa: E402
+from oomdoctor.model.architectures import build_spec  # noqa: E402
 from oomdoctor.memory.analytic import estimate_analytic  # noqa: E402
 from oomdoctor.plan import Plan, validate  # noqa: E402
 
@@ -276,7 +276,7 @@ SIM_CASES: list[tuple[str, Plan]] = [
 
 @pytest.mark.parametrize("name,plan", SIM_CASES, ids=[c[0] for c in SIM_CASES])
 def test_analytic_matches_simulate_on_cuda_only_plans(name, plan):
-    simulate = pytest.importorskip("oomdoctor.simulate")
+    simulate = pytest.importorskip("oomdoctor.engines.simulate")
     spec = build_spec(LLAMA7B_SCALED, "7b-scaled")
     plan = validate(plan)
     sim = simulate.simulate_plan(spec, plan, layers="full", round_to=1).breakdown
@@ -294,7 +294,7 @@ if __name__ == "__main__":  # pragma: no cover - prints the table used in docs/m
         model = "7B/16 (h256, L4, V2000, hd128)" if cfg is LLAMA7B_SCALED else f"{cfg['model_type']} h{cfg.get('hidden_size', cfg.get('n_embd'))} V{cfg['vocab_size']}"
         label = f"{name}: {validate(plan).label().replace(' | ', ', ')} B{plan.micro_batch} S{plan.seq_len}"
         print(f"| {label} | {model} | {real:,} | {est:,} | {err:+.2%} | {rp}/{ep} |")
-    from oomdoctor.simulate import simulate_plan
+    from oomdoctor.engines.simulate import simulate_plan
 
     print("\n| plan (CUDA semantics) | simulate peak (B) | analytic (B) | error |")
     print("|---|---:|---:|---:|")

@@ -1,7 +1,7 @@
 """Every bundled config against the real transformers model built on the meta device.
 
-For each registry entry: the config loads through ``oomdoctor.spec.load_spec(id)``; the analytic inventory
-(``oomdoctor.architectures``) has EXACTLY the parameter count of the transformers model (unique parameters,
+For each registry entry: the config loads through ``oomdoctor.model.load.load_spec(id)``; the analytic inventory
+(``oomdoctor.model.architectures``) has EXACTLY the parameter count of the transformers model (unique parameters,
 tied ones once), the same parameter count per module path (block index folded into ``{i}``), and the same
 set of linear modules (nn.Linear and its subclasses, GPT-2's Conv1D) with their shapes and biases; and the
 count is within 1% of the published figure recorded in ``configs/models/registry.json``.
@@ -18,7 +18,8 @@ from collections import defaultdict
 
 import pytest
 
-from oomdoctor.spec import MODELS_DIR, ModelSpec, bundled_ids, load_spec, registry_entry
+from oomdoctor.model.spec import ModelSpec
+from oomdoctor.model.load import MODELS_DIR, bundled_ids, load_spec, registry_entry
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -245,7 +246,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_builder_variant_matches_transformers(name):
-    from oomdoctor.spec import spec_from_config
+    from oomdoctor.model.load import spec_from_config
 
     cfg = VARIANTS[name]
     spec = spec_from_config(dict(cfg), name=name)

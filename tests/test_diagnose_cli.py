@@ -125,7 +125,7 @@ def test_help_is_fast_and_imports_no_torch():
 
 
 def test_analytic_diagnose_imports_no_torch():
-    code = ("import sys\nfrom oomdoctor.diagnose import diagnose\n"
+    code = ("import sys\nfrom oomdoctor.diagnose.report import diagnose\n"
             "diagnose('meta-llama/Llama-2-7b-hf', gpu_mem=24*10**9)\n"
             "assert 'torch' not in sys.modules, 'torch imported by the analytic path'\n")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -1,4 +1,4 @@
-"""oomdoctor.explain: every OOM wording in tests/data/oom parses to the numbers written in it, the phase its traceback
+"""oomdoctor.explain.core: every OOM wording in tests/data/oom parses to the numbers written in it, the phase its traceback
 shows and the cause its numbers point to. The expected sizes below are copied from the message texts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from oomdoctor.errors import BadInput
-from oomdoctor.explain import CAUSE_IDS, PHASES, _logits_match, detect_phase, diagnose, explain, parse_oom
+from oomdoctor.explain.core import CAUSE_IDS, PHASES, _logits_match, detect_phase, diagnose, explain, parse_oom
 from oomdoctor.units import parse_size
 
 DATA = Path(__file__).parent / "data" / "oom"
@@ -285,7 +285,7 @@ def test_tracking_cap_oom_round_trips():
     import traceback
 
     torch = pytest.importorskip("torch")
-    tracking = pytest.importorskip("oomdoctor.tracking")
+    tracking = pytest.importorskip("oomdoctor.execute.tracking")
     MiB = 2**20
     text = None
     with tracking.LiveBytes(cap_bytes=3 * MiB) as lb:

@@ -3,7 +3,7 @@
 import pytest
 
 from oomdoctor.errors import BadInput
-from oomdoctor.matrix import enumerate_plans
+from oomdoctor.diagnose.matrix import enumerate_plans
 
 
 def test_unpinned_matrix_spans_methods_precisions_gc_optimizers_offload():

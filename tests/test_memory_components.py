@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from oomdoctor.architectures import build_spec
+from oomdoctor.model.architectures import build_spec
 from oomdoctor.memory import activations as act
 from oomdoctor.memory import gradients as grads
 from oomdoctor.memory import logits as lgt
@@ -254,7 +254,7 @@ def test_components_sum_to_peak_and_peaks_are_ordered(spec):
 
 
 def test_every_bundled_model_prices_every_method():
-    from oomdoctor.spec import bundled_ids, load_spec
+    from oomdoctor.model.load import bundled_ids, load_spec
 
     ids = bundled_ids()
     if not ids:
@@ -269,7 +269,7 @@ def test_every_bundled_model_prices_every_method():
 def test_fast_and_torch_free():
     code = (
         "import sys, time, itertools\n"
-        "from oomdoctor.architectures import build_spec\n"
+        "from oomdoctor.model.architectures import build_spec\n"
         "from oomdoctor.plan import Plan, validate\n"
         "from oomdoctor.memory.analytic import estimate_analytic\n"
         "s = build_spec(dict(model_type='llama', hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,"

@@ -1,4 +1,4 @@
-"""oomdoctor.plot: PNG and self-contained HTML pictures are written, valid and non-trivial; the CLI writes them."""
+"""oomdoctor.diagnose.plot: PNG and self-contained HTML pictures are written, valid and non-trivial; the CLI writes them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from oomdoctor.errors import BadInput
 from oomdoctor.memory.breakdown import MemoryBreakdown
-from oomdoctor.plot import plot_plans, plot_timeline
+from oomdoctor.diagnose.plot import plot_plans, plot_timeline
 
 GiB = 2**30
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -115,9 +115,9 @@ def test_plot_rejects_unknown_suffix_and_empty_input(tmp_path):
 
 def test_plot_with_real_analytic_breakdowns(tmp_path):
     """Bars from the real memory model (no capacity given: no line, still a valid picture)."""
-    from oomdoctor.memory import estimate
+    from oomdoctor.engines import estimate
     from oomdoctor.plan import Plan
-    from oomdoctor.spec import spec_from_config
+    from oomdoctor.model.load import spec_from_config
 
     from conftest import TINY_LLAMA
 

@@ -1,13 +1,13 @@
-"""Plan search: micro-batch bisection, exact divisors, margins, ranking, verify-and-refine (oomdoctor.search)."""
+"""Plan search: micro-batch bisection, exact divisors, margins, ranking, verify-and-refine (oomdoctor.tune.search)."""
 
 from __future__ import annotations
 
 import pytest
 
 from oomdoctor.errors import BadInput
-from oomdoctor.memory import estimate
+from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
-from oomdoctor.search import (
+from oomdoctor.tune.search import (
     REFERENCE_PROFILE,
     SearchTrace,
     budget_bytes,
@@ -24,7 +24,7 @@ from oomdoctor.search import (
     trainable_params,
     verify_and_refine,
 )
-from oomdoctor.spec import load_spec
+from oomdoctor.model.load import load_spec
 
 
 def analytic(spec, plan):

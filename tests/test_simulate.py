@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomdoctor.plan import Plan, validate
-from oomdoctor.spec import spec_from_config
+from oomdoctor.model.load import spec_from_config
 
 SEQ = 32
 
@@ -18,7 +18,7 @@ def _spec(cfg, layers=None, **over):
 
 
 def _same(spec, plan, **kw):
-    from oomdoctor.simulate import real_cpu_run, simulate_run
+    from oomdoctor.engines.simulate import real_cpu_run, simulate_run
 
     plan = validate(plan)
     fake = simulate_run(spec, plan, **kw)
@@ -58,7 +58,7 @@ def test_fake_replay_equals_real_cpu_step(tiny_config, plan):
 def test_tied_embeddings_stay_tied(tiny_config):
     """to_empty unties shared weights; the replay re-ties them (else the head is counted twice)."""
     r = _same(_spec(tiny_config, tie_word_embeddings=True), Plan(method="full", seq_len=SEQ))
-    from oomdoctor.simulate import simulate_run
+    from oomdoctor.engines.simulate import simulate_run
 
     untied = simulate_run(_spec(tiny_config), validate(Plan(method="full", seq_len=SEQ)))
     assert r.param_bytes < untied.param_bytes
@@ -71,8 +71,8 @@ def test_qlora_real_bitsandbytes_model_step_matches_standin(tiny_config, tmp_pat
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from oomdoctor.modelbuild import hf_config, lora_target_modules
-    from oomdoctor.simulate import real_cpu_run, simulate_run
+    from oomdoctor.execute.build import hf_config, lora_target_modules
+    from oomdoctor.engines.simulate import real_cpu_run, simulate_run
 
     spec = _spec(tiny_config)
     plan = validate(Plan(method="qlora", quant="nf4", double_quant=True, seq_len=SEQ, lora_dropout=0.0))
@@ -108,8 +108,8 @@ def test_qlora_real_bitsandbytes_model_step_matches_standin(tiny_config, tmp_pat
             extra += [qs.absmax, qs.code, qs.offset]
             if qs.state2 is not None:
                 extra += [qs.state2.absmax, qs.state2.code]
-    from oomdoctor import simulate as sim
-    from oomdoctor.tracking import LiveBytes
+    from oomdoctor.engines import simulate as sim
+    from oomdoctor.execute.tracking import LiveBytes
 
     orig = LiveBytes.track_module
 
@@ -135,8 +135,8 @@ def test_decomposed_4bit_counts_the_cuda_dequantize_temporary():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomdoctor.bnb_standin import standin_classes
-    from oomdoctor.tracking import LiveBytes
+    from oomdoctor.execute.bnb_standin import standin_classes
+    from oomdoctor.execute.tracking import LiveBytes
 
     L4, _ = standin_classes()
     peaks = {}
@@ -154,7 +154,7 @@ def test_decomposed_4bit_counts_the_cuda_dequantize_temporary():
 
 def test_extrapolation_matches_full_simulation(tiny_config):
     """Simulating 2 and 3 blocks and extrapolating equals simulating all blocks."""
-    from oomdoctor.simulate import simulate_plan
+    from oomdoctor.engines.simulate import simulate_plan
 
     spec = _spec(tiny_config, layers=5)
     for plan in (
@@ -171,7 +171,7 @@ def test_extrapolation_matches_full_simulation(tiny_config):
 
 
 def test_breakdown_contract_and_estimate_entry_point(tiny_spec):
-    from oomdoctor.memory import estimate
+    from oomdoctor.engines import estimate
     from oomdoctor.memory.breakdown import TENSOR_COMPONENTS
 
     bd = estimate(tiny_spec, validate(Plan(method="lora", seq_len=SEQ)), "simulate")
@@ -187,7 +187,7 @@ def test_breakdown_contract_and_estimate_entry_point(tiny_spec):
 
 def test_optimizer_state_bytes(tiny_spec):
     """Optimizer state at steady state, per optimizer, for a LoRA plan (trainable numel known)."""
-    from oomdoctor.simulate import simulate_plan
+    from oomdoctor.engines.simulate import simulate_plan
 
     base = Plan(method="lora", seq_len=SEQ, lora_dropout=0.0)
     got = {}
@@ -202,7 +202,7 @@ def test_optimizer_state_bytes(tiny_spec):
 
 
 def test_offloaded_optimizer_state_is_host_memory(tiny_spec):
-    from oomdoctor.simulate import simulate_plan
+    from oomdoctor.engines.simulate import simulate_plan
 
     on = simulate_plan(tiny_spec, validate(Plan(seq_len=SEQ)))
     off = simulate_plan(tiny_spec, validate(Plan(seq_len=SEQ, offload_optimizer=True)))
@@ -213,7 +213,7 @@ def test_offloaded_optimizer_state_is_host_memory(tiny_spec):
 
 
 def test_paged_optimizer_state_is_device_not_allocated(tiny_config):
-    from oomdoctor.simulate import simulate_plan
+    from oomdoctor.engines.simulate import simulate_plan
 
     spec = _spec(tiny_config, hidden_size=512, intermediate_size=512, num_attention_heads=8, num_key_value_heads=8)
     plain = simulate_plan(spec, validate(Plan(seq_len=SEQ, optimizer="adamw", optimizer_impl="for-loop")))
@@ -224,7 +224,7 @@ def test_paged_optimizer_state_is_device_not_allocated(tiny_config):
 
 
 def test_timeline_for_plots(tiny_spec):
-    from oomdoctor.simulate import simulate_plan
+    from oomdoctor.engines.simulate import simulate_plan
 
     r = simulate_plan(tiny_spec, validate(Plan(seq_len=SEQ)), timeline=True)
     assert r.timeline
@@ -236,7 +236,7 @@ def test_timeline_for_plots(tiny_spec):
 
 def test_periodic_blocks_extrapolate_by_period():
     """Gemma 2 alternates sliding-window and global attention: extrapolate in whole periods (2 blocks)."""
-    from oomdoctor.simulate import layer_period, simulate_plan
+    from oomdoctor.engines.simulate import layer_period, simulate_plan
 
     cfg = {
         "model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 10,
@@ -255,7 +255,7 @@ def test_periodic_blocks_extrapolate_by_period():
 def test_grad_accum_runs_micro_batches_with_gradients_alive(tiny_spec):
     """grad_accum >= 2: the 2nd micro-batch's forward runs with every gradient allocated (accumulated in place);
     later micro-batches are identical, so grad_accum 2 and 8 price the same step."""
-    from oomdoctor.simulate import simulate_plan
+    from oomdoctor.engines.simulate import simulate_plan
 
     plan = Plan(method="full", precision="fp32", seq_len=SEQ)
     one = simulate_plan(tiny_spec, validate(plan))

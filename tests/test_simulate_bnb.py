@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomdoctor.plan import Plan, validate
-from oomdoctor.spec import spec_from_config
+from oomdoctor.model.load import spec_from_config
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def saved_tiny(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from oomdoctor.modelbuild import hf_config
+    from oomdoctor.execute.build import hf_config
     from tests.conftest import TINY_LLAMA  # noqa: F401  (keeps one source of the tiny config)
 
     cfg = dict(TINY_LLAMA, num_hidden_layers=2)
@@ -30,8 +30,8 @@ def test_standin_bytes_equal_real_bitsandbytes(saved_tiny, quant, dq):
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from oomdoctor.bnb_standin import quant_bytes_4bit, quant_bytes_int8, quantized_storage_bytes
-    from oomdoctor.modelbuild import build_model
+    from oomdoctor.execute.bnb_standin import quant_bytes_4bit, quant_bytes_int8, quantized_storage_bytes
+    from oomdoctor.execute.build import build_model
 
     spec, path = saved_tiny
     if quant == "int8":

@@ -11,7 +11,7 @@ def test_measure_without_gpu_says_so_and_exits_2(tiny_spec, monkeypatch):
     import torch
 
     from oomdoctor.errors import EXIT_BAD_INPUT, NoGPU
-    from oomdoctor.memory import estimate
+    from oomdoctor.engines import estimate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(NoGPU) as ei:
@@ -25,8 +25,8 @@ def test_measure_without_gpu_says_so_and_exits_2(tiny_spec, monkeypatch):
 @pytest.mark.parametrize("plan", [Plan(seq_len=256), Plan(method="lora", seq_len=256, gradient_checkpointing=True),
                                   Plan(method="qlora", seq_len=256)], ids=lambda p: p.label())
 def test_measured_tensor_peak_close_to_simulation(tiny_spec, plan):
-    from oomdoctor.measure import measure_plan
-    from oomdoctor.simulate import simulate_plan
+    from oomdoctor.engines.measure import measure_plan
+    from oomdoctor.engines.simulate import simulate_plan
 
     plan = validate(plan)
     m = measure_plan(tiny_spec, plan)

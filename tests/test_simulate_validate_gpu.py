@@ -27,7 +27,7 @@ def test_matrix_covers_the_issue():
     rows = vg.matrix()
     assert len(rows) >= 40
     plans = [vg._plan(kw) for _m, kw in rows]
-    from oomdoctor.spec import load_spec
+    from oomdoctor.model.load import load_spec
 
     sizes = {load_spec(m).num_params for m, _ in rows}
     assert min(sizes) < 1.5e9 and max(sizes) > 7.5e9
@@ -40,9 +40,9 @@ def test_matrix_covers_the_issue():
 
 def test_real_bnb_layers_from_random_weights_train(tiny_spec):
     """The GPU path builds real bitsandbytes layers quantized from random weights; check it on the CPU."""
-    from oomdoctor.modelbuild import build_model
+    from oomdoctor.execute.build import build_model
     from oomdoctor.plan import Plan, validate
-    from oomdoctor.simulate import real_cpu_run
+    from oomdoctor.engines.simulate import real_cpu_run
 
     plan = validate(Plan(method="qlora", quant="nf4", double_quant=True, seq_len=16, lora_dropout=0.0))
     b = build_model(tiny_spec, plan, device="meta", real_quant_device="cpu")

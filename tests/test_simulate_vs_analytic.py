@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from oomdoctor.plan import Plan, validate
-from oomdoctor.spec import spec_from_config
+from oomdoctor.model.load import spec_from_config
 
 TOL = 0.05
 
@@ -74,7 +74,7 @@ def _id(p):
 @pytest.mark.slow
 @pytest.mark.parametrize("model,plan", GRID, ids=_id)
 def test_analytic_within_5_percent_of_simulate(model, plan):
-    from oomdoctor.memory import estimate
+    from oomdoctor.engines import estimate
 
     spec = spec_from_config(MODELS[model], name=model)
     plan = validate(plan)

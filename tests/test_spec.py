@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from oomdoctor.errors import BadInput, ConfigErrors
-from oomdoctor.spec import bundled_ids, close_names, load_spec, registry_entry, spec_from_config
+from oomdoctor.model.load import bundled_ids, close_names, load_spec, registry_entry, spec_from_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -145,7 +145,7 @@ def test_unknown_id_with_nothing_close(monkeypatch):
 
 def test_spec_does_not_import_torch(tiny_config_path):
     code = (
-        "import sys, oomdoctor.spec as s\n"
+        "import sys, oomdoctor.model.load as s\n"
         "s.load_spec('meta-llama/Llama-2-7b-hf'); s.load_spec('t5-small'); s.load_spec('gpt2')\n"
         f"s.load_spec({tiny_config_path!r})\n"
         "heavy = [m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules]\n"
@@ -202,7 +202,7 @@ class _FakeHub(http.server.BaseHTTPRequestHandler):
 _HUB_CLIENT = """
 import json
 from oomdoctor.errors import BadInput
-from oomdoctor.spec import load_spec
+from oomdoctor.model.load import load_spec
 out = {}
 for m in ["org/tiny", "org/gated", "org/noconfig", "org/missing"]:
     try:
@@ -244,7 +244,7 @@ def test_unreachable_hub_answers_fast(monkeypatch):
     with socket.socket() as s:  # a port that was free a moment ago: connection refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = "from oomdoctor.spec import load_spec\ntry:\n    load_spec('org/some-7b')\nexcept Exception as e:\n    print(e)"
+    code = "from oomdoctor.model.load import load_spec\ntry:\n    load_spec('org/some-7b')\nexcept Exception as e:\n    print(e)"
     env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("OOMDOCTOR_OFFLINE", None)

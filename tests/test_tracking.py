@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from oomdoctor.tracking import LiveBytes, capped_memory, round_bytes
+from oomdoctor.execute.tracking import LiveBytes, capped_memory, round_bytes
 
 
 def test_round_bytes_like_cuda_allocator():

@@ -8,10 +8,10 @@ import pytest
 
 from oomdoctor.errors import BadInput, DoesNotFit
 from oomdoctor.gpu import GpuInfo
-from oomdoctor.memory import estimate
+from oomdoctor.engines import estimate
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
-from oomdoctor.tune import (
+from oomdoctor.tune.tuner import (
     ALLOC_CONF,
     Trial,
     default_output_path,
@@ -141,7 +141,7 @@ def test_simulated_verification_is_recorded(tiny_spec):
 def test_verify_steps_down_and_falls_back_with_a_real_engine_prober(tiny_spec):
     """A prober whose per-sample memory is 30% above the analytic model's: verification must step down to a
     divisor that really fits (by that measurement), recording every trial."""
-    from oomdoctor.search import search
+    from oomdoctor.tune.search import search
 
     plans = [Plan(method="full", precision="fp32", seq_len=128)]
     budget = estimate(tiny_spec, plans[0].with_(micro_batch=16, grad_accum=2), "analytic").peak_device
@@ -171,7 +171,7 @@ def test_verify_steps_down_and_falls_back_with_a_real_engine_prober(tiny_spec):
 
 def test_probe_child_process_on_cpu_with_cap(tiny_config_path):
     """The GPU probe's child-process path, run on CPU with the LiveBytes cap; failures become results, not raises."""
-    from oomdoctor.probe import probe_in_process, run_probe
+    from oomdoctor.engines.probe import probe_in_process, run_probe
 
     plan = Plan(method="full", precision="fp32", seq_len=64, micro_batch=2, grad_accum=2)
     ok = run_probe(tiny_config_path, plan, device="cpu", cap_bytes=10**9, timeout_s=300)
@@ -260,7 +260,7 @@ def _cli(args, monkeypatch, tmp_path):
     from oomdoctor.cli import app
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("oomdoctor.tune.detect_gpu", lambda: None)
+    monkeypatch.setattr("oomdoctor.tune.tuner.detect_gpu", lambda: None)
     return CliRunner().invoke(app, args)
 
 
@@ -282,7 +282,7 @@ def test_cli_errors_are_one_line_exit_codes(monkeypatch, tmp_path, capsys):
     from oomdoctor.cli import main
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("oomdoctor.tune.detect_gpu", lambda: None)
+    monkeypatch.setattr("oomdoctor.tune.tuner.detect_gpu", lambda: None)
     for argv, code in (
         (["tune", "meta-llama/Llama-2-7b-hf", "--seq-len", "1024"], 2),  # no --gpu-mem, no GPU
         (["tune", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "lots"], 2),

@@ -74,7 +74,7 @@ def diagnose(
     plot: Optional[str] = typer.Option(None, help="write a picture: FILE.png or FILE.html"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
-    from oomdoctor.diagnose import diagnose as run_diagnose
+    from oomdoctor.diagnose.report import diagnose as run_diagnose
     from oomdoctor.errors import BadInput
     from oomdoctor.units import parse_size
 
@@ -101,12 +101,12 @@ def diagnose(
 
 
 def _write_plot(report, path: str) -> None:
-    from oomdoctor import plot as plotting
+    from oomdoctor.diagnose import plot as plotting
 
     rows = [(r.plan.label(), r.memory) for r in report.results]
     timeline = None
     if report.engine == "simulate" and len(report.results) == 1:
-        from oomdoctor.simulate import simulate_plan
+        from oomdoctor.engines.simulate import simulate_plan
 
         timeline = simulate_plan(report.spec, report.results[0].plan, timeline=True).timeline
     if timeline is not None:

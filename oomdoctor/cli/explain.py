@@ -64,7 +64,7 @@ def _plan_and_spec(model, config, flags: dict):
         if model is None:
             model = cfg.model_ref
     if model is not None:
-        from oomdoctor.spec import load_spec
+        from oomdoctor.model.load import load_spec
 
         spec = load_spec(model)
         if plan is None:
@@ -96,7 +96,7 @@ def explain(
     ),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    from oomdoctor.explain import explain as run_explain
+    from oomdoctor.explain.core import explain as run_explain
     from oomdoctor.units import parse_size
 
     text, source = _read_input(file)

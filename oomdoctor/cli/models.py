@@ -27,7 +27,7 @@ def models(
     pattern: Optional[str] = typer.Argument(None, help="substring of id / alias / family / model_type, e.g. qwen"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
 ) -> None:
-    from oomdoctor.spec import bundled_models
+    from oomdoctor.model.load import bundled_models
 
     rows = bundled_models(pattern)
     if as_json:

@@ -1,4 +1,4 @@
-"""Rich rendering of diagnose reports (printing only; the numbers come from ``oomdoctor.diagnose``)."""
+"""Rich rendering of diagnose reports (printing only; the numbers come from ``oomdoctor.diagnose.report``)."""
 
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ def train(
     # before anything can initialize CUDA (the allocator reads it once); a user's own setting wins
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     from oomdoctor.errors import BadInput
-    from oomdoctor.memory import ENGINES
+    from oomdoctor.engines import ENGINES
     from oomdoctor.train.config import load_train_config
     from oomdoctor.units import parse_size
 

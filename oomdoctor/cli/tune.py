@@ -55,9 +55,9 @@ def tune(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
     from oomdoctor.errors import BadInput
-    from oomdoctor.search import PREFERS, parse_margin
-    from oomdoctor.tune import tune as run_tune
-    from oomdoctor.tune import write_config
+    from oomdoctor.tune.search import PREFERS, parse_margin
+    from oomdoctor.tune.tuner import tune as run_tune
+    from oomdoctor.tune.tuner import write_config
     from oomdoctor.units import parse_size
 
     if prefer not in PREFERS:

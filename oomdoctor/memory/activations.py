@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from oomdoctor.memory.context import HEAD_NAMES, Ctx
-from oomdoctor.spec import ModelSpec
+from oomdoctor.model.spec import ModelSpec
 
 #: Per-token fp32 statistics an RMSNorm saves (rsqrt of the variance).
 RMS_STATS_BYTES = 4

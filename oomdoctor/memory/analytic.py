@@ -30,7 +30,7 @@ from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 from oomdoctor.memory.context import Ctx, make_ctx
 from oomdoctor.memory.lora import adapter_bytes
 from oomdoctor.plan import Plan
-from oomdoctor.spec import ModelSpec
+from oomdoctor.model.spec import ModelSpec
 
 PHASES = ("forward", "backward", "optimizer-step")
 

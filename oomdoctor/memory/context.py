@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from oomdoctor.plan import Plan
-from oomdoctor.spec import ModelSpec, ParamGroup
+from oomdoctor.model.spec import ModelSpec, ParamGroup
 
 #: Bytes of one dropout mask element: torch's fused ``native_dropout`` (CUDA) keeps a bool mask; the CPU path
 #: (``_dropout_impl``: ``input * bernoulli_noise``) keeps the noise in the input dtype.

@@ -238,7 +238,7 @@ class TrainConfig:
 
     @property
     def model_ref(self) -> str:
-        """The model reference that ``oomdoctor.spec.load_spec`` understands (directory / config / id)."""
+        """The model reference that ``oomdoctor.model.load.load_spec`` understands (directory / config / id)."""
         return self.model.path if self.model.init == "pretrained" else self.model.config  # type: ignore[return-value]
 
     def to_plan(self, micro_batch: int | None = None) -> Plan:
@@ -587,7 +587,7 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
                 if res is not None:
                     model["config"] = res
                 else:
-                    from oomdoctor.spec import registry_entry
+                    from oomdoctor.model.load import registry_entry
 
                     if registry_entry(c) is None:
                         problems.append(f"model.config: {c!r} is neither a file/directory nor a bundled model id "

@@ -4,7 +4,7 @@ The plan is the config's :meth:`TrainConfig.to_plan`; the breakdown comes from `
 the chosen engine. Budget: ``--gpu-mem``, else the config's ``gpu_mem``, else the local GPU's free memory (NVML),
 else none (no verdict, exit 0). On a GPU the predicted ``peak_device`` (CUDA context, cuBLAS workspace and
 allocator slack included) must fit; with ``device: cpu`` the predicted ``peak_allocated`` must, because on the CPU
-``--gpu-mem`` caps live tensor bytes. When it does not fit, ``oomdoctor.advice.advise`` ranks the one-knob changes
+``--gpu-mem`` caps live tensor bytes. When it does not fit, ``oomdoctor.diagnose.advice.advise`` ranks the one-knob changes
 that would (exit 3).
 """
 
@@ -21,7 +21,7 @@ class DryRun:
     """Result of a dry run."""
 
     spec: Any
-    """The :class:`oomdoctor.spec.ModelSpec` priced."""
+    """The :class:`oomdoctor.model.spec.ModelSpec` priced."""
     plan: Any
     """The :class:`oomdoctor.plan.Plan` of the config."""
     memory: Any
@@ -34,7 +34,7 @@ class DryRun:
     """``peak_device`` (GPU) or ``peak_allocated`` (CPU run with a simulated cap)."""
     fits: bool | None
     advice: Any = None
-    """:class:`oomdoctor.advice.Advice` when it does not fit."""
+    """:class:`oomdoctor.diagnose.advice.Advice` when it does not fit."""
     engine: str = "analytic"
     notes: list[str] = field(default_factory=list)
 
@@ -63,8 +63,8 @@ class DryRun:
 
 
 def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "analytic") -> DryRun:
-    from oomdoctor.memory import estimate
-    from oomdoctor.spec import load_spec
+    from oomdoctor.engines import estimate
+    from oomdoctor.model.load import load_spec
 
     notes: list[str] = []
     on_cpu = cfg.device == "cpu"
@@ -102,7 +102,7 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
     advice = None
     if fits is False:
         try:
-            from oomdoctor.advice import advise
+            from oomdoctor.diagnose.advice import advise
 
             advice = advise(spec, plan, capacity)
         except Exception as exc:  # noqa: BLE001 - advice is a bonus; the verdict stands without it

@@ -7,7 +7,7 @@ step's gradient does not depend on how the samples were split. Then: GradScaler 
 optimizer step, scheduler step.
 
 Memory accounting: on CUDA ``torch.cuda.max_memory_allocated`` (``--gpu-mem`` also caps the process with
-``torch.cuda.set_per_process_memory_fraction``); on CPU a :class:`oomdoctor.tracking.LiveBytes` dispatch mode counts
+``torch.cuda.set_per_process_memory_fraction``); on CPU a :class:`oomdoctor.execute.tracking.LiveBytes` dispatch mode counts
 live tensor bytes (weights, gradients, optimizer state, activations) and, with ``--gpu-mem``, raises torch's
 ``OutOfMemoryError`` past the cap — the OOM guard is then exercised for real.
 """
@@ -86,8 +86,8 @@ Event = Callable[[dict], None]
 
 def predict_memory(cfg: TrainConfig, micro_batch: int, engine: str = "analytic"):
     """(spec, plan, MemoryBreakdown or None, note) for the config at ``micro_batch``."""
-    from oomdoctor.memory import estimate
-    from oomdoctor.spec import load_spec
+    from oomdoctor.engines import estimate
+    from oomdoctor.model.load import load_spec
 
     spec = load_spec(cfg.model_ref)
     plan = cfg.to_plan(micro_batch=micro_batch)
@@ -100,15 +100,15 @@ def predict_memory(cfg: TrainConfig, micro_batch: int, engine: str = "analytic")
 def auto_micro_batch(cfg: TrainConfig, capacity: int | None, engine: str = "analytic", *, on_cpu: bool = False,
                      margin: float = 0.10) -> int:
     """``micro_batch_size: auto``: the largest micro-batch whose predicted peak fits ``capacity`` minus ``margin``
-    (the tune search: :func:`oomdoctor.search.max_fitting` over ``oomdoctor.memory.estimate``; with a
+    (the tune search: :func:`oomdoctor.tune.search.max_fitting` over ``oomdoctor.memory.estimate``; with a
     ``global_batch_size`` the largest divisor of it, so the effective batch stays exact).
 
     On a GPU the predicted ``peak_device`` (context, workspace, allocator slack included) must fit; on the CPU,
     where ``--gpu-mem`` caps live tensor bytes, the predicted ``peak_allocated`` must."""
     from oomdoctor.errors import DoesNotFit
-    from oomdoctor.memory import estimate
-    from oomdoctor.search import DEFAULT_MICRO_LIMIT, budget_bytes, choose_micro_batch, max_fitting
-    from oomdoctor.spec import load_spec
+    from oomdoctor.engines import estimate
+    from oomdoctor.tune.search import DEFAULT_MICRO_LIMIT, budget_bytes, choose_micro_batch, max_fitting
+    from oomdoctor.model.load import load_spec
 
     if capacity is None:
         from oomdoctor.gpu import detect_gpu
@@ -255,7 +255,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
         torch.cuda.reset_peak_memory_stats(device)
         guard_ctx: Any = contextlib.nullcontext()
     else:
-        from oomdoctor.tracking import LiveBytes
+        from oomdoctor.execute.tracking import LiveBytes
 
         meter = LiveBytes(cap_bytes=cap)
         meter.track_module(model, optimizer if not isinstance(optimizer, CPUOffloadOptimizer) else None,

@@ -80,7 +80,7 @@ def hf_config(cfg: TrainConfig):
     """transformers config of the model (from the weights dir, a config.json, a directory or a bundled id)."""
     from transformers import AutoConfig
 
-    from oomdoctor.spec import load_config
+    from oomdoctor.model.load import load_config
 
     if cfg.model.init == "pretrained":
         return AutoConfig.from_pretrained(cfg.model.path)

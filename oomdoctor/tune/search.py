@@ -11,7 +11,7 @@ Pieces, each usable alone:
 * :func:`choose_micro_batch` — given that maximum and the global batch, the micro-batch that divides the global
   batch exactly (largest divisor <= max) and the gradient accumulation that keeps ``micro * accum == global``.
 * :func:`estimate_throughput` — a roofline-style tokens/s estimate used to rank plans (see ``docs/tune.md``).
-* :func:`search` — the whole thing: enumerate (``oomdoctor.matrix``), price, drop what does not fit the budget,
+* :func:`search` — the whole thing: enumerate (``oomdoctor.diagnose.matrix``), price, drop what does not fit the budget,
   size the micro-batch of every survivor, rank by fidelity then throughput (or throughput first).
 """
 
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Literal
 from oomdoctor.errors import BadInput
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
-from oomdoctor.spec import ModelSpec
+from oomdoctor.model.spec import ModelSpec
 
 Estimator = Callable[[ModelSpec, Plan], MemoryBreakdown]
 Prefer = Literal["quality", "speed"]
@@ -40,7 +40,7 @@ DEFAULT_MICRO_LIMIT = 1024
 
 def analytic_estimator(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     """The default estimator: the analytic memory model (instant, no torch)."""
-    from oomdoctor.memory import estimate
+    from oomdoctor.engines import estimate
 
     return estimate(spec, plan, "analytic")
 
@@ -590,9 +590,9 @@ class SearchResult:
 
 
 def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_supported: bool = True) -> list[Plan]:
-    """Plans tune considers: the technique matrix (``oomdoctor.matrix``) for the pins, minus optimizer swaps
+    """Plans tune considers: the technique matrix (``oomdoctor.diagnose.matrix``) for the pins, minus optimizer swaps
     (Adafactor/Lion/SGD) unless the optimizer is pinned; on GPUs without bf16 the bf16 plans become fp16-mixed."""
-    from oomdoctor.matrix import enumerate_plans
+    from oomdoctor.diagnose.matrix import enumerate_plans
 
     pins = dict(pins or {})
     plans = enumerate_plans(pins, base)

@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from oomdoctor.memory import MemoryBreakdown, estimate
+from oomdoctor.memory import MemoryBreakdown
+from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
-from oomdoctor.spec import ModelSpec
+from oomdoctor.model.spec import ModelSpec
 
 Estimator = Callable[[ModelSpec, Plan], MemoryBreakdown]
 
@@ -343,8 +344,8 @@ class SmallerModel:
 def smaller_model_that_fits(spec: ModelSpec, base: Plan, capacity: int, *, margin: float = 0.0,
                             estimator: Estimator | None = None) -> SmallerModel | None:
     """Largest bundled model of ``spec``'s family, smaller than it, for which some matrix plan fits."""
-    from oomdoctor.matrix import enumerate_plans
-    from oomdoctor.spec import bundled_ids, load_spec, registry_entry
+    from oomdoctor.diagnose.matrix import enumerate_plans
+    from oomdoctor.model.load import bundled_ids, load_spec, registry_entry
 
     est = estimator or _analytic
     if not spec.family:

@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomdoctor.advice import Advice, SmallerModel, advise, fits, smaller_model_that_fits
+from oomdoctor.diagnose.advice import Advice, SmallerModel, advise, fits, smaller_model_that_fits
 from oomdoctor.errors import BadInput
 from oomdoctor.gpu import GpuInfo, detect_gpu
-from oomdoctor.matrix import enumerate_plans
-from oomdoctor.memory import MemoryBreakdown, estimate
+from oomdoctor.diagnose.matrix import enumerate_plans
+from oomdoctor.memory import MemoryBreakdown
+from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
-from oomdoctor.spec import ModelSpec, load_spec
+from oomdoctor.model.spec import ModelSpec
+from oomdoctor.model.load import load_spec
 
 #: The simulate/measure engines run real steps (seconds each): refuse huge matrices, ask to pin more flags.
 MAX_PLANS_SLOW_ENGINE = 12
@@ -84,7 +86,7 @@ class DiagnoseReport:
 
 def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_mem: int | None = None,
              engine: str = "analytic", advice: bool = True) -> DiagnoseReport:
-    """Price the matrix of plans for ``model`` (pins fix dimensions; see ``oomdoctor.matrix``)."""
+    """Price the matrix of plans for ``model`` (pins fix dimensions; see ``oomdoctor.diagnose.matrix``)."""
     spec = load_spec(model) if isinstance(model, str) else model
     pins = dict(pins or {})
     if "seq_len" not in pins and spec.max_position_embeddings:

@@ -12,7 +12,7 @@ What :func:`build_model` applies, in the order a Hugging Face fine-tuning script
    attention implementation (``flash`` is built as ``sdpa``: on CPU the SDPA flash kernel stands in for
    flash-attn 2; both keep O(seq) state: the output and a log-sum-exp per head and row).
 2. QLoRA / int8: every linear but the output head is replaced by a bitsandbytes stand-in holding exactly the bytes bnb
-   stores (``oomdoctor.bnb_standin``); the model is flagged ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` so peft wraps
+   stores (``oomdoctor.execute.bnb_standin``); the model is flagged ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` so peft wraps
    the layers with its bnb LoRA classes. Base weights are frozen, as ``peft.prepare_model_for_kbit_training`` does.
 3. Gradient checkpointing with ``use_reentrant=False``; with adapters, input embeddings require grad
    (``enable_input_require_grads``, what peft/Trainer do so checkpointed blocks see a grad-requiring input).
@@ -30,7 +30,7 @@ from oomdoctor.errors import BadInput
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
-    from oomdoctor.spec import ModelSpec
+    from oomdoctor.model.spec import ModelSpec
 
 #: config.json keys that hold the number of transformer blocks, per convention.
 LAYER_KEYS: tuple[str, ...] = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -175,12 +175,12 @@ def build_model(
 
     if plan.quant is not None and real_quant_device is not None:
         # a real GPU run: real bnb layers quantized from random weights, the rest materialized there
-        from oomdoctor.bnb_standin import quantize_model_real
+        from oomdoctor.execute.bnb_standin import quantize_model_real
 
         quantize_model_real(model, plan, head_name=spec.head_name, device=real_quant_device)
         materialize_meta(model, real_quant_device)
     elif plan.quant is not None and quant_standin:
-        from oomdoctor.bnb_standin import quantize_model_standin
+        from oomdoctor.execute.bnb_standin import quantize_model_standin
 
         quantize_model_standin(model, plan, head_name=spec.head_name, device=device, decompose=bnb_decompose)
 

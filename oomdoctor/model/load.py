@@ -1,9 +1,8 @@
-"""Model spec: what oomdoctor knows about a model from its ``config.json`` alone (no weights, no torch import).
+"""Load a :class:`ModelSpec` from a model reference.
 
 ``load_spec(MODEL)`` accepts a Hugging Face id (resolved offline from the bundled registry ``configs/models/``;
 fetched from the hub, ``config.json`` only, when the hub is reachable), a local directory holding ``config.json``,
-or a path to a ``config.json``. The result is a frozen :class:`ModelSpec` with the structural numbers the memory
-model needs and the module inventory (:class:`ParamGroup` list) built by ``oomdoctor.architectures``.
+or a path to a ``config.json``.
 """
 
 from __future__ import annotations
@@ -11,151 +10,15 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
 
 from oomdoctor.errors import BadInput
+from oomdoctor.model.spec import ModelSpec
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 #: Bundled configs: ``configs/models/<org>__<name>.json`` (a verbatim HF config.json) + ``registry.json`` (metadata).
 MODELS_DIR = Path(os.environ.get("OOMDOCTOR_MODELS_DIR", REPO_ROOT / "configs" / "models"))
-
-ParamKind = Literal["linear", "embedding", "norm", "other"]
-ArchKind = Literal["decoder", "encoder", "encoder-decoder"]
-
-
-@dataclass(frozen=True)
-class ParamGroup:
-    """A set of identical modules, e.g. the ``q_proj`` of every layer (``count = num_layers``).
-
-    For ``linear``: weight is (out_features, in_features), plus ``out_features`` bias values if ``bias``.
-    For ``embedding``: (num_embeddings=in_features, dim=out_features). For ``norm``/``other``: ``numel`` elements.
-    """
-
-    name: str
-    """Module name suffix as in the HF model (``q_proj``, ``embed_tokens``, ``lm_head``...): LoRA targets match it."""
-    kind: ParamKind
-    in_features: int = 0
-    out_features: int = 0
-    bias: bool = False
-    count: int = 1
-    """Number of such modules in the whole model."""
-    per_layer: bool = True
-    """True when the module repeats in every transformer block."""
-    numel_each: int = 0
-    """Element count for ``norm``/``other`` groups (weights + biases of one module)."""
-    path: str = ""
-    """Dotted path in the HF model, ``{i}`` standing for the block index (``model.layers.{i}.self_attn.q_proj``).
-    For a raw ``nn.Parameter`` (Mixtral's fused experts) the parameter's own path. Several groups may share a leaf
-    ``name`` (BERT's four ``dense``, GPT-2's two ``c_proj``): a LoRA target ``dense`` then adapts all of them."""
-    module: str = ""
-    """Class of the HF module (``Linear``, ``Conv1D``, ``FalconLinear``, ``Embedding``, ``LayerNorm``, ``RMSNorm``,
-    ``Parameter``). GPT-2's ``Conv1D`` stores its weight as (in, out) but holds the same elements as a Linear."""
-    quantizable: bool = False
-    """True when bitsandbytes quantization through transformers (``replace_with_bnb_linear``, transformers 5.x)
-    replaces this module: exactly ``type(m) is nn.Linear`` or ``Conv1D``. Falcon's ``FalconLinear`` (a subclass)
-    and Mixtral's fused 3D expert tensors are NOT replaced and stay in the load dtype; neither are embeddings and
-    norms. The output head is excluded by transformers too (``lm_head`` is in ``modules_to_not_convert``); that
-    is the memory model's call, so the head's flag only says whether its class could be quantized."""
-
-    @property
-    def weight_numel(self) -> int:
-        if self.kind in ("linear", "embedding"):
-            return self.in_features * self.out_features
-        return self.numel_each
-
-    @property
-    def bias_numel(self) -> int:
-        return self.out_features if (self.kind == "linear" and self.bias) else 0
-
-    @property
-    def numel(self) -> int:
-        """Elements of one module (weight + bias)."""
-        return self.weight_numel + self.bias_numel
-
-    @property
-    def total_numel(self) -> int:
-        return self.numel * self.count
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Structural description of a model, enough to price its training memory."""
-
-    name: str
-    """What the user typed (id or path)."""
-    model_type: str
-    """HF ``model_type`` (llama, mistral, falcon, gpt2...)."""
-    arch_kind: ArchKind
-    hidden_size: int
-    num_layers: int
-    """Transformer blocks (for encoder-decoder: encoder + decoder blocks)."""
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    groups: tuple[ParamGroup, ...]
-    """Module inventory; sums to the model's parameter count (tied weights counted once)."""
-    mlp_kind: Literal["gated", "plain"] = "gated"
-    """``gated``: act(gate(x)) * up(x) (SwiGLU/GeGLU, 3 matrices); ``plain``: fc2(act(fc1(x)))."""
-    norm_kind: Literal["rms", "layer"] = "rms"
-    parallel_attn: bool = False
-    """Attention and MLP read the same normed input (Falcon, Phi-2, GPT-J)."""
-    num_experts: int = 0
-    """MoE experts per layer (0 = dense)."""
-    experts_per_token: int = 0
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 0
-    sliding_window: int | None = None
-    encoder_layers: int = 0
-    """Encoder-decoder only: blocks in the encoder (``num_layers - encoder_layers`` in the decoder)."""
-    num_labels: int = 0
-    """Encoder classifiers: output classes of the head (sequence classification)."""
-    source: str = "local"
-    """``bundled`` (configs/models), ``local`` (a path) or ``hub`` (fetched config.json)."""
-    family: str = ""
-    """Family in the bundled registry (for "a smaller model of the same family fits")."""
-    published_params: int | None = None
-    """Parameter count published by the model's authors (bundled registry), for cross-checks."""
-    config: dict = field(default_factory=dict, compare=False, repr=False)
-    """The raw config.json."""
-
-    @property
-    def num_params(self) -> int:
-        return sum(g.total_numel for g in self.groups)
-
-    @property
-    def layer_groups(self) -> tuple[ParamGroup, ...]:
-        return tuple(g for g in self.groups if g.per_layer)
-
-    @property
-    def linear_groups(self) -> tuple[ParamGroup, ...]:
-        return tuple(g for g in self.groups if g.kind == "linear")
-
-    @property
-    def head_group(self) -> ParamGroup | None:
-        """The output head's own group (None when it is tied to the input embedding and has no bias)."""
-        for g in self.groups:
-            if g.name == self.head_name and not g.per_layer:
-                return g
-        return None
-
-    @property
-    def head_name(self) -> str:
-        """Name of the output head module (``lm_head`` for causal LMs)."""
-        for g in self.groups:
-            if g.name in ("lm_head", "score", "classifier"):
-                return g.name
-        return "lm_head"
-
-    def group(self, name: str) -> ParamGroup:
-        for g in self.groups:
-            if g.name == name:
-                return g
-        raise KeyError(name)
 
 
 # ---------------------------------------------------------------------------------------------- registry
@@ -360,7 +223,7 @@ def load_config(model: str) -> tuple[dict, str, dict | None]:
 
 def spec_from_config(cfg: dict, name: str = "config", *, source: str = "local", entry: dict | None = None) -> ModelSpec:
     """Build a ModelSpec from a config dict (raises BadInput on missing/invalid fields)."""
-    from oomdoctor.architectures import build_spec
+    from oomdoctor.model.architectures import build_spec
 
     spec = build_spec(cfg, name=name)
     if entry is not None or source != "local":

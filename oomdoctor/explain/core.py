@@ -966,12 +966,12 @@ def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic",
                     capacity_label: str | None = None) -> tuple[int, str, list[Fix]]:
     """(device peak of ``plan``, its peak phase, single-knob fixes sorted by bytes saved, largest first).
 
-    The candidate changes and their prices come from ``oomdoctor.advice`` (one knob each, priced as
+    The candidate changes and their prices come from ``oomdoctor.diagnose.advice`` (one knob each, priced as
     ``estimate(plan).peak_device - estimate(plan.with_(change)).peak_device``); explain orders them by bytes saved,
     because after an OOM the user wants the biggest lever first.
     """
-    from oomdoctor.advice import advise
-    from oomdoctor.memory import estimate
+    from oomdoctor.diagnose.advice import advise
+    from oomdoctor.engines import estimate
 
     base = estimate(spec, plan, engine)
     advice = advise(spec, plan, capacity, estimator=lambda s, p: estimate(s, p, engine))
@@ -1221,7 +1221,7 @@ def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None
     )
 
 
-#: Generic fixes that are plan changes (replaced by the priced ``oomdoctor.advice`` changes when a plan is known).
+#: Generic fixes that are plan changes (replaced by the priced ``oomdoctor.diagnose.advice`` changes when a plan is known).
 PLAN_FIX_IDS = ("gradient-checkpointing", "micro-batch", "seq-len", "lora", "optimizer-8bit", "fused-optimizer")
 
 

@@ -1,10 +1,10 @@
 """The simulated engine: replay the real Hugging Face training step on tensors that hold no data.
 
-``simulate_plan(spec, plan)`` builds the model the plan trains (``oomdoctor.modelbuild``: meta device, plan dtype,
+``simulate_plan(spec, plan)`` builds the model the plan trains (``oomdoctor.execute.build``: meta device, plan dtype,
 bitsandbytes stand-ins, gradient checkpointing, peft LoRA, attention implementation), materializes it under
 ``FakeTensorMode`` on ``cpu`` (``to_empty``), and runs **two** full steps as ``transformers.Trainer`` does them —
 forward with labels under autocast (accelerate converts the outputs to fp32), loss, backward, gradient clipping,
-optimizer step, ``zero_grad(set_to_none=True)`` — while :class:`oomdoctor.tracking.LiveBytes` counts live storage
+optimizer step, ``zero_grad(set_to_none=True)`` — while :class:`oomdoctor.execute.tracking.LiveBytes` counts live storage
 bytes rounded as the CUDA caching allocator rounds. Two steps because optimizer state appears at the first step;
 the second is the steady state.
 
@@ -39,7 +39,7 @@ from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
-    from oomdoctor.spec import ModelSpec
+    from oomdoctor.model.spec import ModelSpec
 
 PHASE_NAMES = ("forward", "backward", "optimizer-step")
 #: Categories reported by the tracker, mapped to MemoryBreakdown fields.
@@ -68,7 +68,7 @@ class SimulationResult:
     breakdown: MemoryBreakdown
     """The typed breakdown (engine ``simulate``); tensor components are those at the peak moment."""
     timeline: list
-    """(event index, phase, {category: bytes}) samples of the simulated run, for plots (``oomdoctor.plot``).
+    """(event index, phase, {category: bytes}) samples of the simulated run, for plots (``oomdoctor.diagnose.plot``).
     With extrapolation this is the timeline of the largest simulated model (``timeline_layers`` blocks)."""
     phase_peaks: dict[str, int]
     """Peak allocated bytes per phase (forward, backward, optimizer-step), extrapolated to the full model."""
@@ -508,8 +508,8 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
     """One fake-tensor simulation of ``plan`` with ``num_layers`` blocks (None = the spec's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomdoctor.modelbuild import build_model, make_batch
-    from oomdoctor.tracking import LiveBytes
+    from oomdoctor.execute.build import build_model, make_batch
+    from oomdoctor.execute.tracking import LiveBytes
 
     if plan.offload_params:
         raise BadInput("the simulated engine does not model --offload-params yet", "use --engine analytic")
@@ -558,8 +558,8 @@ def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_
     same tracker: the reference the fake-tensor replay is checked against."""
     import torch
 
-    from oomdoctor.modelbuild import build_model, make_batch
-    from oomdoctor.tracking import LiveBytes
+    from oomdoctor.execute.build import build_model, make_batch
+    from oomdoctor.execute.tracking import LiveBytes
 
     torch.manual_seed(seed)
     if model is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from oomdoctor.errors import BadInput, ConfigErrors
-from oomdoctor.spec import ModelSpec, ParamGroup
+from oomdoctor.model.spec import ModelSpec, ParamGroup
 
 Builder = Callable[[dict, str], ModelSpec]
 BUILDERS: dict[str, Builder] = {}

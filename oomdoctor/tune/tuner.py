@@ -4,11 +4,11 @@ Computing only (``oomdoctor.cli.tune`` prints). Steps:
 
 1. capacity: ``--gpu-mem``, else the local GPU's *free* memory through NVML (other processes' usage already
    subtracted), else BadInput; the budget is the capacity minus the safety margin;
-2. search (``oomdoctor.search``): enumerate plans, drop those whose ``peak_device`` does not fit the budget at
+2. search (``oomdoctor.tune.search``): enumerate plans, drop those whose ``peak_device`` does not fit the budget at
    micro-batch 1, size every survivor's micro-batch (binary search over the memory model, then the largest
    divisor of the global batch), rank by fidelity then estimated throughput (or throughput first);
 3. verify the winner: on a real GPU a child process runs 2+ full steps at the longest sequence
-   (``oomdoctor.probe``); without a GPU the simulated engine replays the step on fake tensors. A failure steps
+   (``oomdoctor.engines.probe``); without a GPU the simulated engine replays the step on fake tensors. A failure steps
    the micro-batch down (next divisor, calibrated by the overshoot), then falls back to the next plan;
 4. the result carries everything ``--json`` prints; :func:`write_config` emits the ``oomdoctor train`` YAML
    through the train renderer (atomically, never overwriting an existing file unless asked).
@@ -29,7 +29,7 @@ from oomdoctor.errors import BadInput, DoesNotFit
 from oomdoctor.gpu import GpuInfo, detect_gpu
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
-from oomdoctor.search import (
+from oomdoctor.tune.search import (
     DEFAULT_MICRO_LIMIT,
     BatchChoice,
     Candidate,
@@ -46,7 +46,8 @@ from oomdoctor.search import (
     search,
     verify_and_refine,
 )
-from oomdoctor.spec import ModelSpec, load_spec
+from oomdoctor.model.spec import ModelSpec
+from oomdoctor.model.load import load_spec
 from oomdoctor.units import format_bytes
 
 #: Recommended caching-allocator setting: expandable segments map more memory into one growing segment instead of
@@ -217,7 +218,7 @@ def simulate_prober(spec: ModelSpec, budget: int, predicted: Callable[[Plan], in
     """Verification without a GPU: ``estimate(spec, plan, "simulate")`` (the real HF step on fake tensors)."""
 
     def run(plan: Plan, micro: int) -> Trial:
-        from oomdoctor.memory import estimate
+        from oomdoctor.engines import estimate
 
         p = plan.with_(micro_batch=micro)
         t0 = time.perf_counter()
@@ -241,11 +242,11 @@ def simulate_prober(spec: ModelSpec, budget: int, predicted: Callable[[Plan], in
 
 def gpu_prober(model_ref: str, spec: ModelSpec, capacity: int, predicted: Callable[[Plan], int], *,
                steps: int = 2, timeout_s: float = 900.0) -> Prober:
-    """Verification on the local GPU: a child process runs ``steps`` real steps (``oomdoctor.probe``), its
+    """Verification on the local GPU: a child process runs ``steps`` real steps (``oomdoctor.engines.probe``), its
     allocator capped at ``capacity`` so that an OOM means "does not fit the card you planned for"."""
 
     def run(plan: Plan, micro: int) -> Trial:
-        from oomdoctor.probe import run_probe
+        from oomdoctor.engines.probe import run_probe
 
         p = plan.with_(micro_batch=micro)
         res = run_probe(model_ref, p, device="cuda", steps=steps, cap_bytes=capacity, timeout_s=timeout_s)
@@ -290,7 +291,7 @@ def verify(
 ) -> tuple[Candidate | None, Plan | None, list[Trial]]:
     """Verify the best candidate at its micro-batch, refine once upwards when the measurement shows room, step
     down (calibrated by the overshoot) when it fails, and move to the next candidate when even micro-batch 1
-    fails (``oomdoctor.search.verify_and_refine``). Sizes stay divisors of the global batch.
+    fails (``oomdoctor.tune.search.verify_and_refine``). Sizes stay divisors of the global batch.
 
     Returns (candidate, verified plan, trials). The plan is None when every trial failed or the trial budget ran
     out; an ``error`` outcome (the probe could not run at all) stops verification with plan None."""

@@ -5,7 +5,7 @@ traceback, so a later, smaller trial in the same process can fail or pass for th
 #8028/#20231, OOM right after the batch-size finder). A fresh interpreter per trial starts from a clean device, and a
 probe that crashes or is killed cannot take the parent (``oomdoctor tune``) with it.
 
-What a probe runs (the parent calls :func:`run_probe`; the child is ``python -m oomdoctor.probe`` reading one JSON
+What a probe runs (the parent calls :func:`run_probe`; the child is ``python -m oomdoctor.engines.probe`` reading one JSON
 request on stdin and printing one ``OOMDOCTOR_PROBE {json}`` line):
 
 * the model exactly as ``oomdoctor train`` builds it (``oomdoctor.train.model.build_model``: quantization, gradient
@@ -18,7 +18,7 @@ request on stdin and printing one ``OOMDOCTOR_PROBE {json}`` line):
   ``micro_batch x seq_len`` block of random tokens (the worst case: padding/packing never exceeds it);
 * the cap: on CUDA ``torch.cuda.set_per_process_memory_fraction`` limits the caching allocator to the capacity being
   planned for, minus the CUDA context this process already holds, so an OOM means "does not fit that card" even on
-  a bigger one; on CPU (tests, the benchmark) :class:`oomdoctor.tracking.LiveBytes` enforces ``cap_bytes`` on live
+  a bigger one; on CPU (tests, the benchmark) :class:`oomdoctor.execute.tracking.LiveBytes` enforces ``cap_bytes`` on live
   tensor bytes and raises ``torch.OutOfMemoryError`` like the CUDA allocator.
 
 Measured: CUDA ``max_memory_allocated`` / ``max_memory_reserved`` and the device total (reserved + context, what
@@ -83,7 +83,7 @@ def _plan_from_json(d: dict) -> Plan:
 
 def run_probe(model_ref: str, plan: Plan, *, device: str = "cuda", steps: int = 2, cap_bytes: int | None = None,
               timeout_s: float = 900.0, python: str | None = None, seed: int = 0) -> ProbeResult:
-    """Run one probe in a fresh ``python -m oomdoctor.probe`` child and return what it saw.
+    """Run one probe in a fresh ``python -m oomdoctor.engines.probe`` child and return what it saw.
 
     Never raises for what happens in the child: a crash, a kill (host OOM killer: negative return code) or a
     timeout becomes ``outcome="error"`` with the reason."""
@@ -94,7 +94,7 @@ def run_probe(model_ref: str, plan: Plan, *, device: str = "cuda", steps: int = 
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([python or sys.executable, "-m", "oomdoctor.probe"], input=json.dumps(req),
+        proc = subprocess.run([python or sys.executable, "-m", "oomdoctor.engines.probe"], input=json.dumps(req),
                               capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return ProbeResult("error", plan.micro_batch, seconds=time.perf_counter() - t0, device=device,
@@ -150,7 +150,7 @@ def run_steps(cfg, built, plan: Plan, *, device: str = "cpu", steps: int = 2, ca
               ) -> tuple[str, int, int | None, str | None]:
     """Run ``steps`` full optimizer steps of ``plan`` on an already built model, with a fresh optimizer (its state
     is created at the first step, as in training). On CPU with ``cap_bytes`` the live tensor bytes are capped by
-    :class:`oomdoctor.tracking.LiveBytes`. Returns (outcome, steps done, LiveBytes peak or None, message)."""
+    :class:`oomdoctor.execute.tracking.LiveBytes`. Returns (outcome, steps done, LiveBytes peak or None, message)."""
     import contextlib
 
     import torch
@@ -170,7 +170,7 @@ def run_steps(cfg, built, plan: Plan, *, device: str = "cpu", steps: int = 2, ca
             opt = make_optimizer(cfg, built.trainable, dev)
         cap_ctx: Any = contextlib.nullcontext()
         if dev.type == "cpu" and cap_bytes is not None:
-            from oomdoctor.tracking import LiveBytes
+            from oomdoctor.execute.tracking import LiveBytes
 
             lb = LiveBytes(cap_bytes=cap_bytes, device_name="simulated device")
             lb.track_module(model, opt)

@@ -11,7 +11,7 @@ horizontal bar per plan, one segment per component (tensor components, then allo
 vertical line at the card's capacity.
 
 ``plot_timeline(timeline, path, capacity_bytes=None)``: ``timeline`` is a list of
-``(event_index, phase, {category: bytes})`` samples (what ``oomdoctor.tracking.LiveBytes.timeline`` returns);
+``(event_index, phase, {category: bytes})`` samples (what ``oomdoctor.execute.tracking.LiveBytes.timeline`` returns);
 a stacked area of live bytes by category with the phases shaded (forward / backward / optimizer-step, as in
 PyTorch's memory viewer) and the peak marked.
 """

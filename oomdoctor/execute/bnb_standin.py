@@ -246,7 +246,7 @@ def quantize_model_standin(model, plan, *, head_name: str = "lm_head", device: s
     """
     import torch
 
-    from oomdoctor.modelbuild import torch_dtype
+    from oomdoctor.execute.build import torch_dtype
 
     L4, L8 = standin_classes()
     compute = torch_dtype(plan.compute_dtype)
@@ -303,7 +303,7 @@ def quantized_storage_bytes(model: Any, granularity: int = 1) -> int:
     tensors of bnb ``quant_state``/``SCB`` attributes. ``granularity`` rounds each storage (512 = CUDA allocator)."""
     import torch
 
-    from oomdoctor.tracking import round_bytes
+    from oomdoctor.execute.tracking import round_bytes
 
     seen: dict[int, int] = {}
 
@@ -344,7 +344,7 @@ def quantize_model_real(model, plan, *, head_name: str = "lm_head", device: str 
     import torch
 
     bnb = _bnb()
-    from oomdoctor.modelbuild import torch_dtype
+    from oomdoctor.execute.build import torch_dtype
 
     compute = torch_dtype(plan.compute_dtype)
     replaced = 0

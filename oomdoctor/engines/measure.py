@@ -2,12 +2,12 @@
 
 ``estimate_measured(spec, plan)`` builds the model of the plan's real shape with random weights (memory does not
 depend on values; ``model_path`` loads local weights instead), runs the same two steps as the simulated engine
-(``oomdoctor.simulate.run_steps`` with ``target="gpu"``: real CUDA autocast, real bitsandbytes layers and optimizers)
+(``oomdoctor.engines.simulate.run_steps`` with ``target="gpu"``: real CUDA autocast, real bitsandbytes layers and optimizers)
 and reports:
 
 * ``peak_allocated`` = ``torch.cuda.max_memory_allocated()`` and ``peak_reserved`` = ``max_memory_reserved()``
   (allocator statistics reset after the model is built, so the peak includes the weights, as in training);
-* tensor components from :class:`oomdoctor.tracking.LiveBytes` (same classification as ``simulate``), scaled to the
+* tensor components from :class:`oomdoctor.execute.tracking.LiveBytes` (same classification as ``simulate``), scaled to the
   allocator: anything the allocator holds that no tracked tensor explains (cuBLAS workspace, kernel-internal buffers)
   is reported in ``temporaries``;
 * ``peak_device`` from NVML: this process's device memory after the steps (the caching allocator keeps its peak
@@ -27,7 +27,7 @@ from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
-    from oomdoctor.spec import ModelSpec
+    from oomdoctor.model.spec import ModelSpec
 
 NO_GPU_MESSAGE = "--engine measure needs a CUDA GPU; none found"
 NO_GPU_HINT = "use --engine simulate (exact tensor bytes, no GPU) or --engine analytic"
@@ -92,10 +92,10 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
     require_cuda()
     import torch
 
-    from oomdoctor.modelbuild import build_model, make_batch
+    from oomdoctor.execute.build import build_model, make_batch
     from oomdoctor.plan import validate
-    from oomdoctor.simulate import PHASE_NAMES, run_steps
-    from oomdoctor.tracking import LiveBytes
+    from oomdoctor.engines.simulate import PHASE_NAMES, run_steps
+    from oomdoctor.execute.tracking import LiveBytes
 
     plan = validate(plan)
     t0 = time.perf_counter()
@@ -115,7 +115,7 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
     torch.cuda.reset_peak_memory_stats()
     lb = LiveBytes(round_to=512, param_copy_category="master_weights", device_type="cuda")
     if plan.quant is not None:
-        from oomdoctor.bnb_standin import quant_state_tensors
+        from oomdoctor.execute.bnb_standin import quant_state_tensors
 
         lb.track_existing(quant_state_tensors(model), "parameters")
     step_max: list[int] = []
@@ -196,7 +196,7 @@ def _load_local(spec, plan, path: str):
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from oomdoctor.modelbuild import apply_plan_techniques, attn_implementation, torch_dtype
+    from oomdoctor.execute.build import apply_plan_techniques, attn_implementation, torch_dtype
 
     kw = {"device_map": "cuda", "attn_implementation": attn_implementation(plan)}
     dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32

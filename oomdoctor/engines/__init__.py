@@ -1,0 +1,33 @@
+"""Memory engines behind one entry point.
+
+``estimate(spec, plan, engine=...)``: ``analytic`` (formulas, instant, no torch), ``simulate`` (the real HF step
+replayed on fake tensors) and ``measure`` (the real step on the local CUDA GPU).
+"""
+
+from __future__ import annotations
+
+from oomdoctor.memory.breakdown import MemoryBreakdown
+
+ENGINES = ("analytic", "simulate", "measure")
+
+
+def estimate(spec, plan, engine: str = "analytic") -> MemoryBreakdown:
+    """Memory breakdown of training ``spec`` with ``plan`` according to ``engine``."""
+    if engine == "analytic":
+        from oomdoctor.memory.analytic import estimate_analytic
+
+        return estimate_analytic(spec, plan)
+    if engine == "simulate":
+        from oomdoctor.engines.simulate import estimate_simulated
+
+        return estimate_simulated(spec, plan)
+    if engine == "measure":
+        from oomdoctor.engines.measure import estimate_measured
+
+        return estimate_measured(spec, plan)
+    from oomdoctor.errors import BadInput
+
+    raise BadInput(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+
+
+__all__ = ["MemoryBreakdown", "estimate", "ENGINES"]

@@ -1,0 +1,6 @@
+"""The plan layer: one vocabulary for every memory knob of a fine-tuning run (the ground floor: imports nothing
+of oomdoctor but errors and units)."""
+
+from oomdoctor.plan.plan import DEFAULT_LORA_TARGETS, HF_OPTIM_NAMES, Plan, validate
+
+__all__ = ["DEFAULT_LORA_TARGETS", "HF_OPTIM_NAMES", "Plan", "validate"]

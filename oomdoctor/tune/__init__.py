@@ -1,0 +1,1 @@
+"""The ``tune`` verb: search the plan that fits (``search``), verify it, emit it (``tuner``)."""
