@@ -47,7 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from oomdoctor.plan import Plan  # noqa: E402
-from oomdoctor.tune.search import divisors, max_fitting  # noqa: E402
+from oomdoctor.plan.batch import divisors, max_fitting  # noqa: E402
 from oomdoctor.model.load import spec_from_config  # noqa: E402
 from oomdoctor.units import format_bytes  # noqa: E402
 
@@ -121,9 +121,9 @@ def true_max(dev: Device, limit: int = 512) -> int:
 
 def oomdoctor_finder(dev: Device, spec, engine: str, margin: float, limit: int = 1024) -> tuple[int, int]:
     """Predict with the memory model (bisection, no device work), verify once, refine once with the measured peak
-    (``oomdoctor.tune.search.verify_and_refine``, the same routine ``tune`` runs). Returns (verified max, evaluations)."""
+    (``oomdoctor.tune.batch_search.verify_and_refine``, the same routine ``tune`` runs). Returns (verified max, evaluations)."""
     from oomdoctor.engines import estimate
-    from oomdoctor.tune.search import verify_and_refine
+    from oomdoctor.tune.batch_search import verify_and_refine
 
     budget = int(dev.cap * (1 - margin))
     cache: dict[int, int] = {}

@@ -32,9 +32,11 @@ def model_line(report) -> str:
 def capacity_line(report) -> str:
     if report.capacity_bytes is None:
         return "card: none given and no GPU found (pass --gpu-mem 24GB for fit verdicts)"
-    cap = report.capacity_bytes
-    where = "--gpu-mem" if report.capacity_source == "--gpu-mem" else f"NVML: {report.gpu.name}"
-    return f"card: {format_bytes(cap, binary=False)} = {format_bytes(cap)} ({where})"
+    b = report.budget
+    cap = b.capacity_bytes
+    where = "--gpu-mem" if b.source == "--gpu-mem" else f"NVML: {report.gpu.name}, free memory"
+    return (f"card: {format_bytes(cap, binary=False)} = {format_bytes(cap)} ({where}); a plan fits when its resident "
+            f"peak (paged optimizer state excluded) is at most that minus the margin, {format_bytes(b.margin_bytes)}")
 
 
 def plan_table(report) -> Table:
@@ -138,7 +140,7 @@ def print_diagnose(report) -> None:
         best = fitting[0]
         idx = report.results.index(best) + 1
         console.print(f"Most faithful plan that fits: [bold]#{idx} {best.plan.label()}[/] "
-                      f"({format_bytes(best.memory.peak_device)} of {format_bytes(report.capacity_bytes)})")
+                      f"({format_bytes(report.budget.needed(best.memory))} of {format_bytes(report.budget.limit_bytes)})")
     shown = set()  # advice for the most faithful plan of each method (the rows with a full advice path)
     for i, r in enumerate(report.results, 1):
         if r.plan.method not in shown:

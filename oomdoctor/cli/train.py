@@ -102,8 +102,8 @@ def _print_dry(d) -> None:
         con.print(f"predicted {d.compared.replace('_', ' ')}: {_fmt(d.needed)}; no budget given: no verdict")
         return
     verdict = "[green]fits[/]" if d.fits else "[red]does not fit[/]"
-    con.print(f"{verdict}: {d.compared.replace('_', ' ')} {_fmt(d.needed)} vs {_fmt(d.capacity)} "
-              f"({d.capacity_source})")
+    con.print(f"{verdict}: {d.compared.replace('_', ' ')} {_fmt(d.needed)} vs {_fmt(d.budget.limit_bytes)} "
+              f"({d.capacity_source} {_fmt(d.capacity)} - margin {_fmt(d.budget.margin_bytes)})")
     if d.fits:
         return
     comps = {k: getattr(d.memory, k) for k in ("parameters", "master_weights", "gradients", "optimizer_states",

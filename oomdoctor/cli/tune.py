@@ -16,7 +16,9 @@ HELP = """Pick the training plan that fits, the largest micro-batch, and the gra
 --global-batch exact; verify it; write a commented `oomdoctor train` config and print the command to run it.
 
 Capacity: --gpu-mem (24GB = 10^9 bytes, 24GiB = 2^30), else the local GPU's free memory (NVML; other processes'
-usage is subtracted). Plans must fit the capacity minus --margin. Ranking: --prefer quality (default) keeps the
+usage is subtracted). A plan fits when its resident device peak (the memory model's peak, paged optimizer state
+excluded) is at most the capacity minus --margin (default 0: the model already prices context, workspace and
+fragmentation) - the rule diagnose and train --dry-run use. Ranking: --prefer quality (default) keeps the
 most faithful plan (full > LoRA > QLoRA, fp32 master weights > pure bf16, 32-bit > 8-bit optimizer states,
 no gradient checkpointing > checkpointing), then the fastest; --prefer speed ranks by estimated throughput first.
 Verification: on a GPU a child process runs 2 real steps at --seq-len (steps down on OOM); without one, the
@@ -35,7 +37,9 @@ def tune(
     ),
     method: Optional[str] = typer.Option(None, help="pin the method: full | lora | qlora (default: search all)"),
     prefer: str = typer.Option("quality", help="quality (fidelity first, then speed) | speed (throughput first)"),
-    margin: str = typer.Option("10%", help="safety margin kept free: a fraction (0.1), a percentage (10%) or a size (2GB)"),
+    margin: Optional[str] = typer.Option(
+        None, help="reserve kept free on top of the memory model: a fraction (0.1), a percentage (10%) or a size "
+                   "(2GB); default 0 B"),
     precision: Optional[str] = typer.Option(None, help="pin: fp32 | fp16-mixed | bf16-mixed | bf16"),
     optimizer: Optional[str] = typer.Option(
         None, help="pin: adamw | adamw-8bit | paged-adamw | paged-adamw-8bit | adafactor | sgd | lion "
@@ -55,7 +59,7 @@ def tune(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
     from oomdoctor.errors import BadInput
-    from oomdoctor.tune.search import PREFERS, parse_margin
+    from oomdoctor.tune.ranking import PREFERS
     from oomdoctor.tune.tuner import tune as run_tune
     from oomdoctor.tune.tuner import write_config
     from oomdoctor.units import parse_size
@@ -69,7 +73,6 @@ def tune(
     if global_batch is not None and global_batch < 1:
         raise BadInput(f"--global-batch must be a positive integer, got {global_batch}")
     cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
-    frac = parse_margin(margin, cap)
     pins: dict = {}
     for k, v in (("precision", precision), ("optimizer", optimizer), ("gradient_checkpointing", gradient_checkpointing),
                  ("quant", quant), ("lora_r", lora_r)):
@@ -83,7 +86,7 @@ def tune(
     if not as_json:
         typer.echo("searching plans with the analytic memory model...", err=True)
     result = run_tune(model, gpu_mem=cap, seq_len=seq_len, global_batch=global_batch, method=method, prefer=prefer,
-                      margin=frac, pins=pins, verify_mode=verify)
+                      margin=margin, pins=pins, verify_mode=verify)
     path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2))
@@ -110,14 +113,15 @@ def _print(r) -> None:
     n = r.spec.num_params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
     con.print(f"[bold]{r.spec.name}[/]  {size} params  seq_len {r.seq_len}  "
-              f"capacity {format_bytes(r.capacity_bytes)} ({r.capacity_source}), margin {r.margin:.0%} -> budget "
-              f"{format_bytes(r.budget_bytes)}")
+              f"capacity {format_bytes(r.capacity_bytes)} ({r.capacity_source}), margin "
+              f"{format_bytes(r.budget.margin_bytes)} -> budget {format_bytes(r.budget_bytes)}")
     con.print(f"\n[bold green]plan[/]  {p.label()}")
     eff = f"effective batch {p.effective_batch}" + (" (exact)" if r.batch.exact and r.global_batch else "")
     con.print(f"      micro-batch {p.micro_batch} x gradient accumulation {p.grad_accum} = {eff}; "
               f"largest micro-batch that fits: {r.batch.max_micro_batch}")
-    con.print(f"      predicted peak {format_bytes(m.peak_device)} ({m.peak_phase}) of {format_bytes(r.budget_bytes)} "
-              f"budget; engine {m.engine}")
+    evictable = f" (+ {format_bytes(m.paged_optimizer)} paged optimizer state, evictable)" if m.paged_optimizer else ""
+    con.print(f"      predicted resident peak {format_bytes(r.budget.needed(m))}{evictable} ({m.peak_phase}) of "
+              f"{format_bytes(r.budget_bytes)} budget; engine {m.engine}")
     if r.throughput:
         con.print(f"      est. throughput ~{r.throughput.tokens_per_s:,.0f} tokens/s ({r.throughput.profile}; "
                   "rough, for ranking)")

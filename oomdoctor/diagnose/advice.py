@@ -1,7 +1,7 @@
 """Advice: for a plan that does not fit, the smallest changes that make it fit, with the bytes each saves.
 
-Every candidate is a one-knob change of the plan, priced with the memory model (bytes saved = the plan's
-``peak_device`` minus the changed plan's). Candidates are ranked by what they cost the user — first changes that
+Every candidate is a one-knob change of the plan, priced with the memory model (bytes saved = what ``Budget.fits``
+counts, before minus after). Candidates are ranked by what they cost the user — first changes that
 keep the same math (micro-batch split with more accumulation, memory-efficient attention, fused optimizer), then
 compute for memory (gradient checkpointing, offload), then numerics (bf16, 8-bit states), then what is trained
 (LoRA, QLoRA), and last the data (shorter sequences). If no single change fits, the cheapest combination of changes is
@@ -20,6 +20,7 @@ from typing import Callable
 from oomdoctor.memory import MemoryBreakdown
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
+from oomdoctor.plan.budget import Budget
 from oomdoctor.model.spec import ModelSpec
 
 Estimator = Callable[[ModelSpec, Plan], MemoryBreakdown]
@@ -27,13 +28,6 @@ Estimator = Callable[[ModelSpec, Plan], MemoryBreakdown]
 
 def _analytic(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
     return estimate(spec, plan, "analytic")
-
-
-def fits(memory: MemoryBreakdown, capacity: int | None, margin: float = 0.0) -> bool | None:
-    """Does the plan's device peak fit ``capacity`` minus a safety ``margin`` (fraction)? None without capacity."""
-    if capacity is None:
-        return None
-    return memory.peak_device <= capacity * (1.0 - margin)
 
 
 @dataclass(frozen=True)
@@ -51,7 +45,7 @@ class Change:
     plan: Plan
     """The plan after the change."""
     saves_bytes: int = 0
-    """peak_device before minus after."""
+    """What the fits rule counts (``Budget.needed``: the resident device peak on a GPU), before minus after."""
     fits: bool | None = None
 
     def to_dict(self) -> dict:
@@ -233,8 +227,13 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
     return c
 
 
-def _priced(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, capacity: int | None, estimator: Estimator,
-            margin: float) -> list[Change]:
+def _counted(budget: Budget | None, memory: MemoryBreakdown) -> int:
+    """The bytes the fits rule counts (``Budget.needed``; without a budget the resident device peak)."""
+    return budget.needed(memory) if budget is not None else memory.resident_device
+
+
+def _priced(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, budget: Budget | None,
+            estimator: Estimator) -> list[Change]:
     out: list[Change] = []
     for cid, desc, how, cost, changes in candidate_changes(spec, plan):
         try:
@@ -242,10 +241,10 @@ def _priced(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, capacity: int 
         except Exception:  # noqa: BLE001 - a change that is invalid for this plan is simply not offered
             continue
         after = estimator(spec, new_plan)
-        saved = before.peak_device - after.peak_device
+        saved = _counted(budget, before) - _counted(budget, after)
         if saved <= 0:
             continue
-        out.append(Change(cid, desc, how, cost, new_plan, saved, fits(after, capacity, margin)))
+        out.append(Change(cid, desc, how, cost, new_plan, saved, budget.fits(after) if budget is not None else None))
     return out
 
 
@@ -267,30 +266,31 @@ class Advice:
         }
 
 
-def advise(spec: ModelSpec, plan: Plan, capacity: int | None, *, margin: float = 0.0,
-           estimator: Estimator | None = None, max_depth: int = 3, with_path: bool = True) -> Advice:
-    """Ranked changes that make ``plan`` fit ``capacity`` (bytes); ``with_path=False`` skips the combination search."""
+def advise(spec: ModelSpec, plan: Plan, budget: Budget | None, *, estimator: Estimator | None = None,
+           max_depth: int = 3, with_path: bool = True) -> Advice:
+    """Ranked changes that make ``plan`` fit ``budget`` (``Budget.fits``; None: savings only, no verdicts);
+    ``with_path=False`` skips the combination search."""
     est = estimator or _analytic
     before = est(spec, plan)
-    single = _priced(spec, plan, before, capacity, est, margin)
+    single = _priced(spec, plan, before, budget, est)
     single.sort(key=lambda ch: (not ch.fits, ch.cost, -ch.saves_bytes))
     advice = Advice(single=single)
-    if capacity is None or fits(before, capacity, margin) or any(ch.fits for ch in single) or not with_path:
-        advice.path_fits = bool(capacity is not None and (fits(before, capacity, margin) or single and single[0].fits))
+    if budget is None or budget.fits(before) or any(ch.fits for ch in single) or not with_path:
+        advice.path_fits = bool(budget is not None and (budget.fits(before) or single and single[0].fits))
         return advice
-    advice.path, advice.path_fits = _cheapest_combination(spec, plan, before, capacity, est, margin, max_depth)
+    advice.path, advice.path_fits = _cheapest_combination(spec, plan, before, budget, est, max_depth)
     return advice
 
 
-def _cheapest_combination(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, capacity: int, est: Estimator,
-                          margin: float, max_depth: int, beam: int = 48) -> tuple[list[Change], bool]:
+def _cheapest_combination(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, budget: Budget, est: Estimator,
+                          max_depth: int, beam: int = 48) -> tuple[list[Change], bool]:
     """Breadth-first over combinations of changes (depth <= ``max_depth``): the fitting combination with the
     lowest total cost (then fewest changes, then most saved). Intermediate steps may save nothing on their own
     (LoRA without gradient checkpointing can need more than full fine-tuning with offload; together they fit),
     which is why this is not a greedy walk. Without a fitting combination, the path to the smallest peak found."""
     frontier: list[tuple[Plan, MemoryBreakdown, list[Change]]] = [(plan, before, [])]
     seen = {plan}
-    best: tuple[int, list[Change]] = (before.peak_device, [])
+    best: tuple[int, list[Change]] = (budget.needed(before), [])
     for _ in range(max_depth):
         fitting: list[list[Change]] = []
         nxt: list[tuple[Plan, MemoryBreakdown, list[Change]]] = []
@@ -307,18 +307,18 @@ def _cheapest_combination(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, 
                     continue
                 seen.add(new_plan)
                 after = est(spec, new_plan)
-                ok = bool(fits(after, capacity, margin))
-                step = Change(cid, desc, how, cost, new_plan, mem.peak_device - after.peak_device, ok)
+                ok = budget.fits(after)
+                step = Change(cid, desc, how, cost, new_plan, budget.needed(mem) - budget.needed(after), ok)
                 new_path = path + [step]
                 if ok:
                     fitting.append(new_path)
                 else:
                     nxt.append((new_plan, after, new_path))
-                    if after.peak_device < best[0]:
-                        best = (after.peak_device, new_path)
+                    if budget.needed(after) < best[0]:
+                        best = (budget.needed(after), new_path)
         if fitting:
             return min(fitting, key=lambda p: (sum(c.cost for c in p), len(p), -sum(c.saves_bytes for c in p))), True
-        nxt.sort(key=lambda t: (t[1].peak_device, sum(c.cost for c in t[2])))
+        nxt.sort(key=lambda t: (budget.needed(t[1]), sum(c.cost for c in t[2])))
         frontier = nxt[:beam]
     return best[1], False
 
@@ -341,7 +341,7 @@ class SmallerModel:
         }
 
 
-def smaller_model_that_fits(spec: ModelSpec, base: Plan, capacity: int, *, margin: float = 0.0,
+def smaller_model_that_fits(spec: ModelSpec, base: Plan, budget: Budget, *,
                             estimator: Estimator | None = None) -> SmallerModel | None:
     """Largest bundled model of ``spec``'s family, smaller than it, for which some matrix plan fits."""
     from oomdoctor.diagnose.matrix import enumerate_plans
@@ -362,6 +362,6 @@ def smaller_model_that_fits(spec: ModelSpec, base: Plan, capacity: int, *, margi
     for params, mid, other in sorted(candidates, key=lambda t: (-t[0], t[1])):
         for plan in enumerate_plans(pins, base):
             mem = est(other, plan)
-            if fits(mem, capacity, margin):
+            if budget.fits(mem):
                 return SmallerModel(mid, params, plan, mem)
     return None

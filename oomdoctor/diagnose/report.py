@@ -1,7 +1,7 @@
 """``diagnose``: price every plan of the technique matrix for one model, give a fit verdict and advice.
 
-Computing only (the CLI module prints). The capacity is ``--gpu-mem`` when given, else the local GPU's total
-memory through NVML, else None (no verdict).
+Computing only (the CLI module prints). Verdicts use the one budget rule (``oomdoctor.plan.budget``): ``--gpu-mem``
+when given, else the local GPU's free memory through NVML, else no budget (no verdict).
 """
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomdoctor.diagnose.advice import Advice, SmallerModel, advise, fits, smaller_model_that_fits
+from oomdoctor.diagnose.advice import Advice, SmallerModel, advise, smaller_model_that_fits
 from oomdoctor.errors import BadInput
 from oomdoctor.gpu import GpuInfo, detect_gpu
 from oomdoctor.diagnose.matrix import enumerate_plans
 from oomdoctor.memory import MemoryBreakdown
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
+from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.model.load import load_spec
 
@@ -50,14 +51,20 @@ class DiagnoseReport:
 
     spec: ModelSpec
     engine: str
-    capacity_bytes: int | None
-    """Card size the verdicts use (None: no --gpu-mem and no GPU found)."""
-    capacity_source: str | None
-    """``--gpu-mem``, ``nvml`` or None."""
+    budget: Budget | None
+    """What the verdicts use (None: no --gpu-mem and no GPU found)."""
     gpu: GpuInfo | None
     results: list[PlanResult] = field(default_factory=list)
     smaller_model: SmallerModel | None = None
     """Set when no plan fits and a smaller bundled model of the same family does."""
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.budget.capacity_bytes if self.budget else None
+
+    @property
+    def capacity_source(self) -> str | None:
+        return self.budget.source if self.budget else None
 
     @property
     def fitting(self) -> list[PlanResult]:
@@ -78,6 +85,7 @@ class DiagnoseReport:
             "engine": self.engine,
             "capacity_bytes": self.capacity_bytes,
             "capacity_source": self.capacity_source,
+            "budget": self.budget.to_dict() if self.budget else None,
             "gpu": self.gpu.to_dict() if self.gpu else None,
             "plans": [r.to_dict() for r in self.results],
             "smaller_model": self.smaller_model.to_dict() if self.smaller_model else None,
@@ -98,22 +106,18 @@ def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_
             "pin more techniques (e.g. --method lora --precision bf16-mixed --optimizer adamw "
             "--gradient-checkpointing), or use --engine analytic for the whole matrix",
         )
-    gpu = None
-    if gpu_mem is not None:
-        capacity, source = gpu_mem, "--gpu-mem"
-    else:
-        gpu = detect_gpu()
-        capacity, source = (gpu.total_bytes, "nvml") if gpu else (None, None)
-    report = DiagnoseReport(spec=spec, engine=engine, capacity_bytes=capacity, capacity_source=source, gpu=gpu)
+    gpu = None if gpu_mem is not None else detect_gpu()
+    budget = resolve_budget(gpu_mem, None, gpu)
+    report = DiagnoseReport(spec=spec, engine=engine, budget=budget, gpu=gpu)
     headline = {p.method: p for p in reversed(plans)}  # most faithful plan of each method: full advice path
     for plan in plans:
         mem = estimate(spec, plan, engine)
-        ok = fits(mem, capacity)
+        ok = budget.fits(mem) if budget is not None else None
         adv = None
         if advice and ok is False:
-            adv = advise(spec, plan, capacity, with_path=headline.get(plan.method) == plan or len(plans) == 1)
+            adv = advise(spec, plan, budget, with_path=headline.get(plan.method) == plan or len(plans) == 1)
         report.results.append(PlanResult(plan, mem, ok, adv))
-    if capacity is not None and not report.fitting and advice:
+    if budget is not None and not report.fitting and advice:
         base = plans[0]
-        report.smaller_model = smaller_model_that_fits(spec, base, capacity)
+        report.smaller_model = smaller_model_that_fits(spec, base, budget)
     return report

@@ -972,9 +972,11 @@ def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic",
     """
     from oomdoctor.diagnose.advice import advise
     from oomdoctor.engines import estimate
+    from oomdoctor.plan.budget import resolve_budget
 
     base = estimate(spec, plan, engine)
-    advice = advise(spec, plan, capacity, estimator=lambda s, p: estimate(s, p, engine))
+    budget = resolve_budget(capacity, None, None, gpu_mem_source="explain") if capacity else None
+    advice = advise(spec, plan, budget, estimator=lambda s, p: estimate(s, p, engine))
     fixes = [
         Fix(ch.id, ch.description, ch.how, saves_bytes=int(ch.saves_bytes),
             peak_after_bytes=int(base.peak_device - ch.saves_bytes), fits=ch.fits)

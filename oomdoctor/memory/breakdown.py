@@ -73,7 +73,9 @@ class MemoryBreakdown:
     cublas_workspace: int
     """cuBLAS/cuBLASLt workspace buffers."""
     paged_optimizer: int = 0
-    """bitsandbytes paged optimizer state: unified memory outside PyTorch's allocator (in ``peak_device`` only)."""
+    """bitsandbytes paged optimizer state: CUDA unified memory outside PyTorch's allocator, in ``peak_device`` but
+    evictable — the driver pages it out to host RAM when the device runs short, so it is not in
+    :attr:`resident_device`."""
     cpu_offloaded: int = 0
     """Bytes moved to host RAM by offloading (not on the device)."""
     peak_allocated: int = 0
@@ -90,6 +92,12 @@ class MemoryBreakdown:
     notes: tuple[str, ...] = ()
     """Caveats specific to this estimate (known limits of the formulas that apply)."""
 
+    @property
+    def resident_device(self) -> int:
+        """Device memory the plan cannot give back under pressure: ``peak_device`` minus the evictable paged optimizer
+        state. What ``oomdoctor.plan.budget.Budget.fits`` compares with the capacity on a GPU."""
+        return self.peak_device - self.paged_optimizer
+
     def tensor_sum(self) -> int:
         return sum(getattr(self, c) for c in TENSOR_COMPONENTS)
 
@@ -102,4 +110,5 @@ class MemoryBreakdown:
                 out[k] = list(v) if k == "notes" else v
             else:
                 out[f"{k}_bytes"] = int(v)
+        out["resident_device_bytes"] = self.resident_device
         return out

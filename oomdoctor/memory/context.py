@@ -25,6 +25,8 @@ from oomdoctor.model.spec import ModelSpec, ParamGroup
 #: Bytes of one dropout mask element: torch's fused ``native_dropout`` (CUDA) keeps a bool mask; the CPU path
 #: (``_dropout_impl``: ``input * bernoulli_noise``) keeps the noise in the input dtype.
 CUDA_DROPOUT_MASK_BYTES = 1
+#: The CPU path's noise element for LoRA dropout: the adapter input dtype, fp32 (peft upcasts adapters to fp32).
+CPU_LORA_DROPOUT_NOISE_BYTES = 4
 
 #: HEAD module names (never quantized by bitsandbytes, never in peft's ``all-linear``).
 HEAD_NAMES = ("lm_head", "score", "classifier")
@@ -83,10 +85,7 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
         max_t = max(max_t, g.weight_numel)
         if g.per_layer:
             per_layer += g.total_numel
-    if spec.arch_kind == "encoder-decoder":
-        per_layer_numel = per_layer // L
-    else:
-        per_layer_numel = per_layer // L
+    per_layer_numel = per_layer // L
     return SpecSums(
         linear_numel=lin,
         head_numel=head,
@@ -178,11 +177,6 @@ def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:
         full=plan.method == "full",
         lora_groups=lora_groups,
         lora_numel=lora_numel,
-        mask_b=CUDA_DROPOUT_MASK_BYTES if device == "cuda" else ab_or_fp32(plan),
+        mask_b=CUDA_DROPOUT_MASK_BYTES if device == "cuda" else CPU_LORA_DROPOUT_NOISE_BYTES,
         quant=plan.quant if plan.method == "qlora" else None,
     )
-
-
-def ab_or_fp32(plan: Plan) -> int:
-    """CPU dropout noise dtype for LoRA dropout: the adapter input dtype, fp32 (adapters are upcast to fp32)."""
-    return 4

@@ -1,10 +1,11 @@
 """``oomdoctor train CONFIG --dry-run``: validate the config and price it without training (CI gate).
 
 The plan is the config's :meth:`TrainConfig.to_plan`; the breakdown comes from ``oomdoctor.memory.estimate`` with
-the chosen engine. Budget: ``--gpu-mem``, else the config's ``gpu_mem``, else the local GPU's free memory (NVML),
-else none (no verdict, exit 0). On a GPU the predicted ``peak_device`` (CUDA context, cuBLAS workspace and
-allocator slack included) must fit; with ``device: cpu`` the predicted ``peak_allocated`` must, because on the CPU
-``--gpu-mem`` caps live tensor bytes. When it does not fit, ``oomdoctor.diagnose.advice.advise`` ranks the one-knob changes
+the chosen engine. Budget (``oomdoctor.train.loop.run_budget``, the rule every verb uses): ``--gpu-mem``, else the
+config's ``gpu_mem``, else the local GPU's free memory (NVML), else none (no verdict, exit 0). On a GPU the predicted
+resident device peak (CUDA context, cuBLAS workspace and allocator slack included, evictable paged optimizer state
+not) must fit; with ``device: cpu`` the predicted ``peak_allocated`` must, because on the CPU ``--gpu-mem`` caps live
+tensor bytes. When it does not fit, ``oomdoctor.diagnose.advice.advise`` ranks the one-knob changes
 that would (exit 3).
 """
 
@@ -26,17 +27,30 @@ class DryRun:
     """The :class:`oomdoctor.plan.Plan` of the config."""
     memory: Any
     """The predicted :class:`oomdoctor.memory.MemoryBreakdown`."""
-    capacity: int | None
-    """Budget in bytes (None: unknown, no verdict)."""
-    capacity_source: str
-    """``--gpu-mem``, ``config gpu_mem``, ``GPU <name> free`` or ``none``."""
-    compared: str
-    """``peak_device`` (GPU) or ``peak_allocated`` (CPU run with a simulated cap)."""
+    budget: Any
+    """The :class:`oomdoctor.plan.budget.Budget` (None: unknown, no verdict)."""
     fits: bool | None
     advice: Any = None
     """:class:`oomdoctor.diagnose.advice.Advice` when it does not fit."""
     engine: str = "analytic"
     notes: list[str] = field(default_factory=list)
+    plan_on_cpu: bool = False
+    """``device: cpu`` (what is compared when there is no budget)."""
+
+    @property
+    def capacity(self) -> int | None:
+        return self.budget.capacity_bytes if self.budget is not None else None
+
+    @property
+    def capacity_source(self) -> str:
+        return self.budget.source if self.budget is not None else "none"
+
+    @property
+    def compared(self) -> str:
+        """``resident_device`` (GPU) or ``peak_allocated`` (CPU run with a simulated cap)."""
+        if self.budget is not None:
+            return self.budget.counted
+        return "peak_allocated" if self.plan_on_cpu else "resident_device"
 
     @property
     def needed(self) -> int:
@@ -47,6 +61,7 @@ class DryRun:
             "fits": self.fits,
             "capacity_bytes": self.capacity,
             "capacity_source": self.capacity_source,
+            "budget": self.budget.to_dict() if self.budget is not None else None,
             "compared": self.compared,
             "needed_bytes": self.needed,
             "engine": self.engine,
@@ -68,25 +83,16 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
 
     notes: list[str] = []
     on_cpu = cfg.device == "cpu"
-    if gpu_mem is not None:
-        capacity, source = gpu_mem, "--gpu-mem"
-    elif cfg.gpu_mem is not None:
-        capacity, source = cfg.gpu_mem, "config gpu_mem"
-    else:
-        capacity, source = None, "none"
-        if not on_cpu:
-            from oomdoctor.gpu import detect_gpu
+    from oomdoctor.train.loop import auto_micro_batch, run_budget
 
-            gpu = detect_gpu()
-            if gpu is not None:
-                capacity, source = gpu.free_bytes, f"{gpu.name} free"
-        if capacity is None:
-            notes.append("no memory budget: pass --gpu-mem SIZE (or gpu_mem: in the config) for a fit verdict")
+    budget = run_budget(cfg, gpu_mem, on_cpu=on_cpu)
+    if budget is None:
+        notes.append("no memory budget: pass --gpu-mem SIZE (or gpu_mem: in the config) for a fit verdict")
+    else:
+        notes.extend(budget.notes)
     micro = cfg.micro_batch_size
     if micro == "auto":
-        from oomdoctor.train.loop import auto_micro_batch
-
-        micro = auto_micro_batch(cfg, capacity, engine, on_cpu=on_cpu)
+        micro = auto_micro_batch(cfg, budget, engine)
         notes.append(f"micro_batch_size auto -> {micro}")
     spec = load_spec(cfg.model_ref)
     plan = cfg.to_plan(micro_batch=int(micro))
@@ -97,18 +103,17 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
 
         raise BadInput(f"--engine {engine}: the memory engine is not available in this build ({exc})",
                        "try --engine analytic") from None
-    compared = "peak_allocated" if on_cpu else "peak_device"
-    fits = None if capacity is None else getattr(memory, compared) <= capacity
+    fits = None if budget is None else budget.fits(memory)
     advice = None
     if fits is False:
         try:
             from oomdoctor.diagnose.advice import advise
 
-            advice = advise(spec, plan, capacity)
+            advice = advise(spec, plan, budget)
         except Exception as exc:  # noqa: BLE001 - advice is a bonus; the verdict stands without it
             notes.append(f"advice unavailable: {type(exc).__name__}: {exc}")
-    return DryRun(spec=spec, plan=plan, memory=memory, capacity=capacity, capacity_source=source,
-                  compared=compared, fits=fits, advice=advice, engine=engine, notes=notes)
+    return DryRun(spec=spec, plan=plan, memory=memory, budget=budget, fits=fits, advice=advice, engine=engine,
+                  notes=notes, plan_on_cpu=on_cpu)
 
 
 __all__ = ["dry_run", "DryRun"]

@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomdoctor.errors import BadInput, UnrecoverableOOM
+from oomdoctor.gpu import detect_gpu
 from oomdoctor.noise import quiet_third_party
+from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, choose_micro_batch, max_fitting
+from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.train.config import TrainConfig
 from oomdoctor.units import format_bytes
 
@@ -97,47 +100,46 @@ def predict_memory(cfg: TrainConfig, micro_batch: int, engine: str = "analytic")
         return spec, plan, None, f"memory engine {engine!r} unavailable: {exc}"
 
 
-def auto_micro_batch(cfg: TrainConfig, capacity: int | None, engine: str = "analytic", *, on_cpu: bool = False,
-                     margin: float = 0.10) -> int:
-    """``micro_batch_size: auto``: the largest micro-batch whose predicted peak fits ``capacity`` minus ``margin``
-    (the tune search: :func:`oomdoctor.tune.search.max_fitting` over ``oomdoctor.memory.estimate``; with a
-    ``global_batch_size`` the largest divisor of it, so the effective batch stays exact).
+def run_budget(cfg: TrainConfig, gpu_mem: int | None, *, on_cpu: bool) -> Budget | None:
+    """The budget of a run and of its dry run (``oomdoctor.plan.budget``, the rule every verb uses): ``--gpu-mem``,
+    else the config's ``gpu_mem``, else the GPU's free memory (NVML; not for a CPU run), else None. On the CPU the
+    capacity caps live tensor bytes, so the rule counts ``peak_allocated``."""
+    if gpu_mem is not None:
+        return resolve_budget(gpu_mem, None, None, on_cpu=on_cpu)
+    if cfg.gpu_mem is not None:
+        return resolve_budget(cfg.gpu_mem, None, None, gpu_mem_source="config gpu_mem", on_cpu=on_cpu)
+    return None if on_cpu else resolve_budget(None, None, detect_gpu())
 
-    On a GPU the predicted ``peak_device`` (context, workspace, allocator slack included) must fit; on the CPU,
-    where ``--gpu-mem`` caps live tensor bytes, the predicted ``peak_allocated`` must."""
+
+def auto_micro_batch(cfg: TrainConfig, budget: Budget | None, engine: str = "analytic") -> int:
+    """``micro_batch_size: auto``: the largest micro-batch whose predicted memory fits ``budget`` (``Budget.fits``,
+    priced as the dry run prices the config: ``cfg.to_plan(micro_batch=b)``, accumulation included), by
+    :func:`oomdoctor.plan.batch.max_fitting`; with a ``global_batch_size`` the largest divisor of it, so the effective
+    batch stays exact."""
     from oomdoctor.errors import DoesNotFit
     from oomdoctor.engines import estimate
-    from oomdoctor.tune.search import DEFAULT_MICRO_LIMIT, budget_bytes, choose_micro_batch, max_fitting
     from oomdoctor.model.load import load_spec
 
-    if capacity is None:
-        from oomdoctor.gpu import detect_gpu
-
-        gpu = None if on_cpu else detect_gpu()
-        if gpu is None:
-            raise BadInput("micro_batch_size: auto needs a memory budget",
-                           "pass --gpu-mem SIZE (or gpu_mem: in the config), or run on a GPU")
-        capacity = gpu.free_bytes
+    if budget is None:
+        raise BadInput("micro_batch_size: auto needs a memory budget",
+                       "pass --gpu-mem SIZE (or gpu_mem: in the config), or run on a GPU")
     spec = load_spec(cfg.model_ref)
-    base = cfg.to_plan(micro_batch=1)
-    budget = budget_bytes(capacity, margin)
     gbs = cfg.global_batch_size
     cache: dict[int, int] = {}
 
-    def peak(b: int) -> int:
+    def needed(b: int) -> int:
         if b not in cache:
-            m = estimate(spec, base.with_(micro_batch=b, grad_accum=1), engine)
-            cache[b] = m.peak_allocated if on_cpu else m.peak_device
+            cache[b] = budget.needed(estimate(spec, cfg.to_plan(micro_batch=b), engine))
         return cache[b]
 
     upper = min(DEFAULT_MICRO_LIMIT, gbs) if gbs else DEFAULT_MICRO_LIMIT
-    best = max_fitting(lambda b: peak(b) <= budget, upper)
+    best = max_fitting(lambda b: needed(b) <= budget.limit_bytes, upper)
     if best < 1:
+        cap = format_bytes(budget.capacity_bytes, binary=False).replace(" ", "")
         raise DoesNotFit(
-            f"micro_batch_size: auto: not even micro-batch 1 fits {format_bytes(capacity)} minus the "
-            f"{margin:.0%} margin (predicted {format_bytes(peak(1))})",
-            f"run `oomdoctor train CONFIG --dry-run --gpu-mem {format_bytes(capacity, binary=False).replace(' ', '')}`"
-            " for the changes that fit",
+            f"micro_batch_size: auto: not even micro-batch 1 fits {budget.describe()} (predicted "
+            f"{format_bytes(needed(1))})",
+            f"run `oomdoctor train CONFIG --dry-run --gpu-mem {cap}` for the changes that fit",
         )
     return choose_micro_batch(best, gbs).micro_batch
 
@@ -170,8 +172,10 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     quiet_hf()
     if max_steps is not None:
         cfg = replace(cfg, max_steps=max_steps, warmup_steps=min(cfg.warmup_steps, max_steps))
-    cap = gpu_mem if gpu_mem is not None else cfg.gpu_mem
     device = resolve_device(cfg)
+    budget = run_budget(cfg, gpu_mem, on_cpu=device.type == "cpu")
+    # the run cap enforces a capacity the user named (--gpu-mem / gpu_mem); NVML free memory needs no cap
+    cap = budget.capacity_bytes if budget is not None and budget.source != "nvml free" else None
     notes: list[str] = []
     if device.type == "cpu" and cfg.precision == "fp16-mixed":
         notes.append("fp16 autocast on CPU: GradScaler runs but CPU fp16 matmuls are slow")
@@ -183,7 +187,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
         notes.append(f"{data.truncated} samples truncated to seq_len {cfg.seq_len}")
     micro = cfg.micro_batch_size
     if micro == "auto":
-        micro = auto_micro_batch(cfg, cap, engine, on_cpu=device.type == "cpu")
+        micro = auto_micro_batch(cfg, budget, engine)
         emit({"type": "info", "message": f"micro_batch_size auto -> {micro}"})
     eff = cfg.global_batch_size or micro * cfg.gradient_accumulation_steps
     if cfg.global_batch_size is None and cfg.micro_batch_size == "auto":
@@ -443,4 +447,4 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     return res
 
 
-__all__ = ["train", "TrainResult", "predict_memory", "auto_micro_batch", "set_allocator_env", "STEP_DELAY_ENV"]
+__all__ = ["train", "TrainResult", "predict_memory", "run_budget", "auto_micro_batch", "set_allocator_env", "STEP_DELAY_ENV"]

@@ -2,9 +2,9 @@
 
 Computing only (``oomdoctor.cli.tune`` prints). Steps:
 
-1. capacity: ``--gpu-mem``, else the local GPU's *free* memory through NVML (other processes' usage already
-   subtracted), else BadInput; the budget is the capacity minus the safety margin;
-2. search (``oomdoctor.tune.search``): enumerate plans, drop those whose ``peak_device`` does not fit the budget at
+1. budget (``oomdoctor.plan.budget.resolve_budget``, the rule every verb uses): ``--gpu-mem``, else the local GPU's
+   *free* memory through NVML (other processes' usage already subtracted), else BadInput; minus ``--margin``;
+2. search (``oomdoctor.tune.search``): enumerate plans, drop those that do not fit the budget at
    micro-batch 1, size every survivor's micro-batch (binary search over the memory model, then the largest
    divisor of the global batch), rank by fidelity then estimated throughput (or throughput first);
 3. verify the winner: on a real GPU a child process runs 2+ full steps at the longest sequence
@@ -29,25 +29,14 @@ from oomdoctor.errors import BadInput, DoesNotFit
 from oomdoctor.gpu import GpuInfo, detect_gpu
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
-from oomdoctor.tune.search import (
-    DEFAULT_MICRO_LIMIT,
-    BatchChoice,
-    Candidate,
-    Estimator,
-    SearchResult,
-    Throughput,
-    analytic_estimator,
-    budget_bytes,
-    choose_micro_batch,
-    divisors,
-    enumerate_candidates,
-    estimate_throughput,
-    profile_for,
-    search,
-    verify_and_refine,
-)
-from oomdoctor.model.spec import ModelSpec
 from oomdoctor.model.load import load_spec
+from oomdoctor.model.spec import ModelSpec
+from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, choose_micro_batch, divisors
+from oomdoctor.plan.budget import Budget, resolve_budget
+from oomdoctor.tune.batch_search import Estimator, analytic_estimator, verify_and_refine
+from oomdoctor.tune.ranking import Candidate
+from oomdoctor.tune.search import SearchResult, enumerate_candidates, search
+from oomdoctor.tune.throughput import Throughput, estimate_throughput, profile_for
 from oomdoctor.units import format_bytes
 
 #: Recommended caching-allocator setting: expandable segments map more memory into one growing segment instead of
@@ -80,7 +69,8 @@ class Trial:
     predicted_peak_bytes: int
     """The search's (analytic) ``peak_device`` for this micro-batch."""
     measured_peak_bytes: int | None = None
-    """GPU: peak device memory used by the probe (reserved + context); simulate: its ``peak_device``."""
+    """GPU: peak device memory used by the probe (reserved + context); simulate: what the budget counts of its
+    breakdown (``resident_device``)."""
     measured_peak_allocated_bytes: int | None = None
     """GPU: ``torch.cuda.max_memory_allocated``; simulate: its ``peak_allocated``."""
     steps: int = 0
@@ -113,14 +103,8 @@ class TuneResult:
     """Everything ``oomdoctor tune`` reports (``--json`` prints :meth:`to_dict`)."""
 
     spec: ModelSpec
-    capacity_bytes: int
-    """Memory the plan may use before the margin: ``--gpu-mem``, or the GPU's free memory."""
-    capacity_source: str
-    """``--gpu-mem`` or ``nvml (free memory)``."""
-    margin: float
-    """Safety margin, fraction of the capacity."""
-    budget_bytes: int
-    """``capacity * (1 - margin)``: the most ``peak_device`` may be."""
+    budget: Budget
+    """Capacity, where it came from, margin, and the fits rule every plan was checked with."""
     gpu: GpuInfo | None
     prefer: str
     seq_len: int
@@ -141,6 +125,19 @@ class TuneResult:
     """Where the YAML was written (set by :func:`write_config`)."""
 
     @property
+    def capacity_bytes(self) -> int:
+        return self.budget.capacity_bytes
+
+    @property
+    def capacity_source(self) -> str:
+        return self.budget.source
+
+    @property
+    def budget_bytes(self) -> int:
+        """``capacity - margin``: the most a plan may keep resident."""
+        return self.budget.limit_bytes
+
+    @property
     def command(self) -> str:
         """The exact command that runs the emitted config."""
         path = self.config_path or DEFAULT_OUTPUT
@@ -159,8 +156,9 @@ class TuneResult:
             "model": {"name": s.name, "model_type": s.model_type, "params": s.num_params, "source": s.source},
             "capacity_bytes": self.capacity_bytes,
             "capacity_source": self.capacity_source,
-            "margin": self.margin,
+            "margin_bytes": self.budget.margin_bytes,
             "budget_bytes": self.budget_bytes,
+            "budget": self.budget.to_dict(),
             "gpu": self.gpu.to_dict() if self.gpu else None,
             "prefer": self.prefer,
             "seq_len": self.seq_len,
@@ -183,39 +181,12 @@ class TuneResult:
         }
 
 
-# ---------------------------------------------------------------------------------------------- capacity
-
-
-def resolve_capacity(gpu_mem: int | None, gpu: GpuInfo | None) -> tuple[int, str, list[str]]:
-    """(capacity bytes, source, notes). ``--gpu-mem`` wins; else the GPU's free memory; else BadInput."""
-    notes: list[str] = []
-    if gpu_mem is not None:
-        if gpu_mem <= 0:
-            raise BadInput("--gpu-mem must be a positive size, e.g. 24GB")
-        if gpu is not None and gpu_mem > gpu.free_bytes:
-            notes.append(
-                f"--gpu-mem {format_bytes(gpu_mem)} is more than the {format_bytes(gpu.free_bytes)} free on "
-                f"{gpu.name} now: the plan is for the card you named, not this one"
-            )
-        return gpu_mem, "--gpu-mem", notes
-    if gpu is None:
-        raise BadInput(
-            "no --gpu-mem given and no NVIDIA GPU found (NVML): tune needs to know how much memory to plan for",
-            "pass the card's memory, e.g. `oomdoctor tune MODEL --gpu-mem 24GB`",
-        )
-    if gpu.used_by_others_bytes:
-        notes.append(
-            f"{gpu.name}: {format_bytes(gpu.total_bytes)} total, {format_bytes(gpu.used_by_others_bytes)} held by "
-            f"{len(gpu.other_processes)} other process(es); planning for the {format_bytes(gpu.free_bytes)} free"
-        )
-    return gpu.free_bytes, "nvml (free memory)", notes
-
-
 # ---------------------------------------------------------------------------------------------- verification
 
 
-def simulate_prober(spec: ModelSpec, budget: int, predicted: Callable[[Plan], int]) -> Prober:
-    """Verification without a GPU: ``estimate(spec, plan, "simulate")`` (the real HF step on fake tensors)."""
+def simulate_prober(spec: ModelSpec, budget: Budget, predicted: Callable[[Plan], int]) -> Prober:
+    """Verification without a GPU: ``estimate(spec, plan, "simulate")`` (the real HF step on fake tensors), judged by
+    ``budget.fits``."""
 
     def run(plan: Plan, micro: int) -> Trial:
         from oomdoctor.engines import estimate
@@ -229,12 +200,13 @@ def simulate_prober(spec: ModelSpec, budget: int, predicted: Callable[[Plan], in
         except Exception as exc:  # noqa: BLE001 - any simulator failure is reported, not fatal
             return Trial(micro, p.grad_accum, "error", "simulate", p.label(), predicted(p),
                          seconds=time.perf_counter() - t0, message=f"{type(exc).__name__}: {exc}"[:500])
-        ok = mem.peak_device <= budget
+        ok = budget.fits(mem)
         return Trial(
             micro, p.grad_accum, "fits" if ok else "oom", "simulate", p.label(), predicted(p),
-            measured_peak_bytes=mem.peak_device, measured_peak_allocated_bytes=mem.peak_allocated,
+            measured_peak_bytes=budget.needed(mem), measured_peak_allocated_bytes=mem.peak_allocated,
             steps=2, seconds=time.perf_counter() - t0,
-            message=None if ok else f"simulated peak {format_bytes(mem.peak_device)} > budget {format_bytes(budget)}",
+            message=None if ok else (f"simulated {budget.counted.replace('_', ' ')} {format_bytes(budget.needed(mem))}"
+                                     f" > budget {format_bytes(budget.limit_bytes)}"),
         )
 
     return run
@@ -259,20 +231,6 @@ def gpu_prober(model_ref: str, spec: ModelSpec, capacity: int, predicted: Callab
     return run
 
 
-def step_down(failed: int, global_batch: int | None, predicted: Callable[[int], int], budget: int,
-              overshoot: float) -> int:
-    """Next micro-batch after a failure at ``failed``: the largest allowed size (a divisor of the global batch,
-    or any integer) below ``failed`` whose prediction, scaled by the observed ``overshoot`` (measured/predicted,
-    > 1), fits the budget; at least one step down. 0 when ``failed`` is 1."""
-    if failed <= 1:
-        return 0
-    allowed = [d for d in (divisors(global_batch) if global_batch else range(1, failed)) if d < failed]
-    for d in sorted(allowed, reverse=True):
-        if predicted(d) * overshoot <= budget:
-            return d
-    return max(allowed) if allowed else 0
-
-
 class _ProbeFailed(Exception):
     pass
 
@@ -282,7 +240,7 @@ def verify(
     prober: Prober,
     *,
     global_batch: int | None,
-    budget: int,
+    limit: int,
     capacity: int,
     predicted_peak: Callable[[Plan], int],
     max_trials: int = 6,
@@ -291,7 +249,8 @@ def verify(
 ) -> tuple[Candidate | None, Plan | None, list[Trial]]:
     """Verify the best candidate at its micro-batch, refine once upwards when the measurement shows room, step
     down (calibrated by the overshoot) when it fails, and move to the next candidate when even micro-batch 1
-    fails (``oomdoctor.tune.search.verify_and_refine``). Sizes stay divisors of the global batch.
+    fails (``oomdoctor.tune.batch_search.verify_and_refine``; ``limit`` is the budget's ``capacity - margin``,
+    ``predicted_peak`` what it counts). Sizes stay divisors of the global batch.
 
     Returns (candidate, verified plan, trials). The plan is None when every trial failed or the trial budget ran
     out; an ``error`` outcome (the probe could not run at all) stops verification with plan None."""
@@ -313,7 +272,7 @@ def verify(
 
         try:
             best, _ = verify_and_refine(cand.plan.micro_batch, allowed, lambda b: predicted_peak(sized(b)), trial,
-                                        budget, capacity, max_trials=max_trials - len(trials), refine=refine)
+                                        limit, capacity, max_trials=max_trials - len(trials), refine=refine)
         except _ProbeFailed:
             return cand, None, trials
         if best:
@@ -332,7 +291,7 @@ def tune(
     global_batch: int | None = None,
     method: str | None = None,
     prefer: str = "quality",
-    margin: float = 0.10,
+    margin: str | float | int | None = None,
     pins: dict[str, Any] | None = None,
     verify_mode: str = "auto",
     estimator: Estimator = analytic_estimator,
@@ -341,20 +300,25 @@ def tune(
     gpu: GpuInfo | None | bool = True,
     micro_limit: int = DEFAULT_MICRO_LIMIT,
 ) -> TuneResult:
-    """Find the plan for ``model`` (see the module docstring). ``gpu=True`` queries NVML, ``None``/``False``
-    means "no GPU" (tests), a :class:`GpuInfo` is used as given."""
+    """Find the plan for ``model`` (see the module docstring). ``margin``: what ``oomdoctor.plan.budget.parse_margin``
+    reads (None: the default margin). ``gpu=True`` queries NVML, ``None``/``False`` means "no GPU" (tests), a
+    :class:`GpuInfo` is used as given."""
     if verify_mode not in VERIFY_MODES:
         raise BadInput(f"--verify {verify_mode!r}: use one of {', '.join(VERIFY_MODES)}")
     if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
                                      or global_batch < 1):
         raise BadInput(f"--global-batch must be a positive integer, got {global_batch!r}")
-    if not 0 <= margin <= 0.9:
-        raise BadInput(f"--margin {margin}: must be between 0 and 0.9")
     spec = load_spec(model) if isinstance(model, str) else model
     model_ref = model if isinstance(model, str) else spec.name
     gpu_info: GpuInfo | None = detect_gpu() if gpu is True else (gpu or None)
-    capacity, source, notes = resolve_capacity(gpu_mem, gpu_info)
-    budget = budget_bytes(capacity, margin)
+    budget = resolve_budget(gpu_mem, margin, gpu_info)
+    if budget is None:
+        raise BadInput(
+            "no --gpu-mem given and no NVIDIA GPU found (NVML): tune needs to know how much memory to plan for",
+            "pass the card's memory, e.g. `oomdoctor tune MODEL --gpu-mem 24GB`",
+        )
+    capacity = budget.capacity_bytes
+    notes = list(budget.notes)
 
     if seq_len is None:
         seq_len = min(Plan().seq_len, spec.max_position_embeddings or Plan().seq_len)
@@ -376,9 +340,8 @@ def tune(
     if result.best is None:
         low = result.smallest
         raise DoesNotFit(
-            f"no plan fits {format_bytes(capacity)} minus the {margin:.0%} margin ({format_bytes(budget)}) at "
-            f"seq_len {seq_len}: the leanest, {low.plan.label()}, needs {format_bytes(low.memory.peak_device)} "
-            "at micro-batch 1",
+            f"no plan fits {budget.describe()} at seq_len {seq_len}: the leanest, {low.plan.label()}, needs "
+            f"{format_bytes(budget.needed(low.memory))} at micro-batch 1",
             f"try a shorter --seq-len, a smaller --margin, a bigger GPU, or see "
             f"`oomdoctor diagnose {model_ref} --gpu-mem {format_bytes(capacity, binary=False).replace(' ', '')} "
             f"--seq-len {seq_len}`",
@@ -389,7 +352,7 @@ def tune(
     def predicted_peak(p: Plan) -> int:
         key = p.with_(grad_accum=min(p.grad_accum, 2))  # memory only sees accumulation 1 vs >= 2
         if key not in pred_cache:
-            pred_cache[key] = estimator(spec, key).peak_device
+            pred_cache[key] = budget.needed(estimator(spec, key))
         return pred_cache[key]
 
     mode = verify_mode
@@ -404,7 +367,7 @@ def tune(
     if mode != "none":
         prober = (gpu_prober(model_ref, spec, capacity, predicted_peak, steps=probe_steps) if mode == "gpu"
                   else simulate_prober(spec, budget, predicted_peak))
-        cand, vplan, trials = verify(result.fitting, prober, global_batch=global_batch, budget=budget,
+        cand, vplan, trials = verify(result.fitting, prober, global_batch=global_batch, limit=budget.limit_bytes,
                                      capacity=capacity, predicted_peak=predicted_peak, max_trials=max_trials,
                                      micro_limit=micro_limit)
         verification = mode
@@ -442,8 +405,7 @@ def tune(
     if profile is not None and gpu_info is None:
         notes.append(f"throughput ranks use the {profile.name} profile (no GPU detected)")
     return TuneResult(
-        spec=spec, capacity_bytes=capacity, capacity_source=source, margin=margin, budget_bytes=budget,
-        gpu=gpu_info, prefer=prefer, seq_len=seq_len, global_batch=global_batch, plan=plan, memory=memory,
+        spec=spec, budget=budget, gpu=gpu_info, prefer=prefer, seq_len=seq_len, global_batch=global_batch, plan=plan, memory=memory,
         batch=batch, throughput=throughput, search=result, trials=trials, verification=verification, notes=notes,
     )
 
@@ -494,10 +456,11 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
     m = result.memory
     lines = [
         f"Written by `oomdoctor tune` for {result.spec.name} on {format_bytes(result.capacity_bytes)} "
-        f"({result.capacity_source}), margin {result.margin:.0%}, seq_len {result.seq_len}.",
+        f"({result.capacity_source}), margin {format_bytes(result.budget.margin_bytes)}, seq_len {result.seq_len}.",
         f"Plan: {result.plan.label()}; micro-batch {result.plan.micro_batch} x {result.plan.grad_accum} accumulation "
         f"= effective batch {result.plan.effective_batch}.",
-        f"Predicted peak {format_bytes(m.peak_device)} of {format_bytes(result.budget_bytes)} budget "
+        f"Predicted {result.budget.counted.replace('_', ' ')} {format_bytes(result.budget.needed(m))} of "
+        f"{format_bytes(result.budget_bytes)} budget "
         f"(verification: {result.verification}"
         + (f", measured {format_bytes(result.measured_peak_bytes)}" if result.measured_peak_bytes else "") + ").",
         f"Run: PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} oomdoctor train THIS.yaml",
@@ -542,4 +505,4 @@ def write_config(result: TuneResult, model_ref: str, path: str | os.PathLike | N
 
 
 __all__ = ["tune", "TuneResult", "Trial", "write_config", "render_config", "default_output_path", "verify",
-           "step_down", "resolve_capacity", "ALLOC_CONF", "DEFAULT_OUTPUT", "VERIFY_MODES"]
+           "ALLOC_CONF", "DEFAULT_OUTPUT", "VERIFY_MODES"]
