@@ -121,7 +121,8 @@ def true_max(dev: Device, limit: int = 512) -> int:
 
 def oomdoctor_finder(dev: Device, spec, engine: str, margin: float, limit: int = 1024) -> tuple[int, int]:
     """Predict with the memory model (bisection, no device work), verify once, refine once with the measured peak
-    (``oomdoctor.tune.batch_search.verify_and_refine``, the same routine ``tune`` runs). Returns (verified max, evaluations)."""
+    (``oomdoctor.tune.batch_search.verify_and_refine``, the same routine ``tune`` runs). Returns (verified max,
+    evaluations)."""
     from oomdoctor.engines import estimate
     from oomdoctor.tune.batch_search import verify_and_refine
 

@@ -1,4 +1,5 @@
-"""Plan search: micro-batch bisection, exact divisors, margins, ranking, verify-and-refine (oomdoctor.tune.search)."""
+"""Plan search: micro-batch bisection and exact divisors (oomdoctor.plan.batch), the batch search against a budget,
+ranking, throughput, verify-and-refine (oomdoctor.tune.*)."""
 
 from __future__ import annotations
 
@@ -7,28 +8,21 @@ import pytest
 from oomdoctor.errors import BadInput
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
-from oomdoctor.tune.search import (
-    REFERENCE_PROFILE,
-    SearchTrace,
-    budget_bytes,
-    choose_micro_batch,
-    divisors,
-    enumerate_candidates,
-    estimate_throughput,
-    fidelity_key,
-    max_fitting,
-    micro_batch_search,
-    parse_margin,
-    profile_for,
-    search,
-    trainable_params,
-    verify_and_refine,
-)
 from oomdoctor.model.load import load_spec
+from oomdoctor.plan.batch import SearchTrace, choose_micro_batch, divisors, max_fitting
+from oomdoctor.plan.budget import Budget, resolve_budget
+from oomdoctor.tune.batch_search import micro_batch_search, verify_and_refine
+from oomdoctor.tune.ranking import fidelity_key
+from oomdoctor.tune.search import enumerate_candidates, search
+from oomdoctor.tune.throughput import REFERENCE_PROFILE, estimate_throughput, profile_for, trainable_params
 
 
 def analytic(spec, plan):
     return estimate(spec, plan, "analytic")
+
+
+def card(capacity: int, margin=None) -> Budget:
+    return resolve_budget(capacity, margin, None)
 
 
 # ------------------------------------------------------------------------------------------- bisection
@@ -96,25 +90,11 @@ def test_choose_micro_batch_without_global_and_bad_inputs():
 # ------------------------------------------------------------------------------------------- margins
 
 
-@pytest.mark.parametrize("text,expect", [("0.1", 0.1), ("10%", 0.1), (0.05, 0.05), ("0", 0.0), ("2.5%", 0.025)])
-def test_parse_margin_fractions(text, expect):
-    assert parse_margin(text) == pytest.approx(expect)
-
-
-def test_parse_margin_absolute_size_needs_capacity():
-    assert parse_margin("2GB", 20 * 10**9) == pytest.approx(0.1)
-    with pytest.raises(BadInput):
-        parse_margin("2GB")
-    for bad in ("95%", "-1", "abc%", "1.5"):
-        with pytest.raises(BadInput):
-            parse_margin(bad, 10**9)
-
-
 def test_margin_changes_what_fits(tiny_spec):
     plan = Plan(method="full", precision="fp32", seq_len=128)
     cap = analytic(tiny_spec, plan.with_(micro_batch=16)).peak_device + 1
-    no_margin, _ = micro_batch_search(tiny_spec, plan, budget_bytes(cap, 0.0), analytic)
-    big_margin, _ = micro_batch_search(tiny_spec, plan, budget_bytes(cap, 0.3), analytic)
+    no_margin, _ = micro_batch_search(tiny_spec, plan, card(cap), analytic)
+    big_margin, _ = micro_batch_search(tiny_spec, plan, card(cap, "30%"), analytic)
     assert no_margin.max_micro_batch >= 16
     assert big_margin is None or big_margin.max_micro_batch < no_margin.max_micro_batch
 
@@ -125,38 +105,38 @@ def test_margin_changes_what_fits(tiny_spec):
 def test_micro_batch_search_is_the_exact_boundary_of_the_memory_model(tiny_spec):
     plan = Plan(method="lora", precision="bf16-mixed", seq_len=256)
     target = analytic(tiny_spec, plan.with_(micro_batch=11)).peak_device
-    choice, mem = micro_batch_search(tiny_spec, plan, target, analytic, global_batch=None)
+    choice, mem = micro_batch_search(tiny_spec, plan, card(target), analytic, global_batch=None)
     assert choice.max_micro_batch == 11
     assert mem.peak_device <= target
     assert analytic(tiny_spec, plan.with_(micro_batch=12)).peak_device > target
     # with a global batch of 24 the micro-batch must divide it: 8 x 3
-    choice, _ = micro_batch_search(tiny_spec, plan, target, analytic, global_batch=24)
+    choice, _ = micro_batch_search(tiny_spec, plan, card(target), analytic, global_batch=24)
     assert (choice.micro_batch, choice.grad_accum) == (8, 3)
 
 
 def test_search_llama7b_24gb_prefers_fidelity_and_keeps_global_exact():
     spec = load_spec("meta-llama/Llama-2-7b-hf")
     plans = enumerate_candidates({}, Plan(seq_len=1024))
-    res = search(spec, plans, budget_bytes(24 * 10**9, 0.1), global_batch=32, estimator=analytic)
+    res = search(spec, plans, card(24 * 10**9, 0.1), global_batch=32, estimator=analytic)
     best = res.best
     assert best is not None
     # full fine-tuning of 6.7B parameters cannot fit 24 GB with AdamW: the best plan is an adapter method
     assert best.plan.method in ("lora", "qlora")
     assert best.plan.micro_batch * best.plan.grad_accum == 32
     assert 32 % best.plan.micro_batch == 0
-    assert best.memory.peak_device <= res.budget
+    assert res.budget.fits(best.memory) and best.memory.resident_device <= res.budget.limit_bytes
     # ranks are fidelity-ordered: no fitting plan ranked below the best is more faithful
     for c in res.fitting[1:]:
         assert fidelity_key(c.plan) >= fidelity_key(best.plan)
     # every plan that does not fit really exceeds the budget at micro-batch 1
     for c in res.candidates:
         if not c.fits:
-            assert c.memory.peak_device > res.budget
+            assert c.memory.resident_device > res.budget.limit_bytes
 
 
 def test_prefer_speed_ranks_by_throughput(tiny_spec):
     plans = enumerate_candidates({}, Plan(seq_len=128))
-    cap = 10 * 2**30
+    cap = card(10 * 2**30)
     q = search(tiny_spec, plans, cap, global_batch=16, estimator=analytic, prefer="quality")
     s = search(tiny_spec, plans, cap, global_batch=16, estimator=analytic, prefer="speed")
     assert q.best.plan.method == "full"  # everything fits a tiny model: the most faithful wins

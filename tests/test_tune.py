@@ -11,11 +11,11 @@ from oomdoctor.gpu import GpuInfo
 from oomdoctor.engines import estimate
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
+from oomdoctor.plan.budget import resolve_budget
 from oomdoctor.tune.tuner import (
     ALLOC_CONF,
     Trial,
     default_output_path,
-    resolve_capacity,
     tune,
     verify,
     write_config,
@@ -31,25 +31,18 @@ def _gpu(free: int, total: int = 24 * 10**9, others: int = 0) -> GpuInfo:
 # ------------------------------------------------------------------------------------------- capacity
 
 
-def test_capacity_needs_gpu_mem_or_a_gpu():
-    with pytest.raises(BadInput) as e:
-        resolve_capacity(None, None)
-    assert "--gpu-mem" in e.value.message + (e.value.hint or "")
-    assert resolve_capacity(24 * 10**9, None)[:2] == (24 * 10**9, "--gpu-mem")
-    cap, src, notes = resolve_capacity(None, _gpu(free=20 * 10**9, others=3 * 10**9))
-    assert cap == 20 * 10**9 and "nvml" in src and "other process" in notes[0]
-    cap, _, notes = resolve_capacity(80 * 10**9, _gpu(free=20 * 10**9))
-    assert cap == 80 * 10**9 and "more than" in notes[0]
-
-
 def test_tune_without_capacity_is_bad_input(tiny_spec):
-    with pytest.raises(BadInput):
+    with pytest.raises(BadInput) as e:
         tune(tiny_spec, gpu=None, verify_mode="none")
+    assert "--gpu-mem" in e.value.message + (e.value.hint or "")
 
 
 def test_tune_uses_free_memory_of_the_detected_gpu(tiny_spec):
-    r = tune(tiny_spec, gpu=_gpu(free=2 * 10**9), seq_len=128, global_batch=8, verify_mode="none")
-    assert r.capacity_bytes == 2 * 10**9 and r.capacity_source.startswith("nvml")
+    r = tune(tiny_spec, gpu=_gpu(free=2 * 10**9, others=3 * 10**9), seq_len=128, global_batch=8, verify_mode="none")
+    assert r.capacity_bytes == 2 * 10**9 and r.capacity_source == "nvml free"
+    assert any("other process" in n for n in r.notes)
+    r = tune(tiny_spec, gpu_mem=80 * 10**9, gpu=_gpu(free=2 * 10**9), seq_len=128, global_batch=8, verify_mode="none")
+    assert r.capacity_bytes == 80 * 10**9 and any("more than" in n for n in r.notes)
 
 
 # ------------------------------------------------------------------------------------------- search + divisibility
@@ -60,13 +53,13 @@ def test_tune_tiny_exact_global_batch_and_budget(tiny_spec):
     r = tune(tiny_spec, gpu_mem=cap, seq_len=256, global_batch=24, margin=0.0, gpu=None, verify_mode="none")
     assert r.plan.micro_batch * r.plan.grad_accum == 24
     assert 24 % r.plan.micro_batch == 0
-    assert r.memory.peak_device <= r.budget_bytes == cap
+    assert r.memory.resident_device <= r.budget_bytes == cap
     assert r.batch.max_micro_batch >= r.plan.micro_batch
     # the memory model agrees: one more divisor up would not fit (or the micro-batch is the whole global batch)
     bigger = [d for d in (1, 2, 3, 4, 6, 8, 12, 24) if d > r.plan.micro_batch]
     if bigger:
         nxt = estimate(tiny_spec, r.plan.with_(micro_batch=bigger[0], grad_accum=24 // bigger[0]), "analytic")
-        assert nxt.peak_device > r.budget_bytes or r.batch.max_micro_batch < bigger[0]
+        assert nxt.resident_device > r.budget_bytes or r.batch.max_micro_batch < bigger[0]
 
 
 def test_tune_says_when_divisibility_costs_size(tiny_spec):
@@ -101,11 +94,18 @@ def test_margin_shrinks_the_plan(tiny_spec):
     cap = estimate(tiny_spec, plan, "analytic").peak_device
     kw = dict(gpu_mem=cap, seq_len=256, global_batch=64, gpu=None, verify_mode="none",
               pins={"method": "full", "precision": "fp32", "gradient_checkpointing": False, "optimizer": "adamw"})
-    small = tune(tiny_spec, margin=0.0, **kw)
+    small = tune(tiny_spec, **kw)  # the default margin: 0 bytes
     large = tune(tiny_spec, margin=0.03, **kw)
+    assert small.budget.margin_bytes == 0 and small.budget_bytes == cap
     assert small.batch.max_micro_batch == 32
-    assert large.budget_bytes < small.budget_bytes
+    assert large.budget.margin_bytes == round(0.03 * cap) and large.budget_bytes == cap - round(0.03 * cap)
     assert large.batch.max_micro_batch < small.batch.max_micro_batch
+    # the same margin as a percentage or a size: the same bytes, the same plan
+    pct = tune(tiny_spec, margin="3%", **kw)
+    size = tune(tiny_spec, margin=f"{round(0.03 * cap)}B", **kw)
+    assert pct.budget_bytes == size.budget_bytes == large.budget_bytes
+    assert (pct.budget.margin_form, size.budget.margin_form) == ("percent", "size")
+    assert pct.plan == size.plan == large.plan
     with pytest.raises(BadInput):
         tune(tiny_spec, margin=0.95, **kw)
 
@@ -145,7 +145,8 @@ def test_verify_steps_down_and_falls_back_with_a_real_engine_prober(tiny_spec):
 
     plans = [Plan(method="full", precision="fp32", seq_len=128)]
     budget = estimate(tiny_spec, plans[0].with_(micro_batch=16, grad_accum=2), "analytic").peak_device
-    res = search(tiny_spec, plans, budget, global_batch=32, estimator=lambda s, p: estimate(s, p, "analytic"))
+    res = search(tiny_spec, plans, resolve_budget(budget, None, None), global_batch=32,
+                 estimator=lambda s, p: estimate(s, p, "analytic"))
 
     def pred(p):
         return estimate(tiny_spec, p.with_(grad_accum=min(p.grad_accum, 2)), "analytic").peak_device
@@ -160,7 +161,7 @@ def test_verify_steps_down_and_falls_back_with_a_real_engine_prober(tiny_spec):
         return Trial(micro, plan.grad_accum, "fits" if ok else "oom", "test", plan.label(), pred(plan),
                      measured_peak_bytes=real if ok else None)
 
-    cand, plan, trials = verify(res.fitting, prober, global_batch=32, budget=budget, capacity=budget,
+    cand, plan, trials = verify(res.fitting, prober, global_batch=32, limit=budget, capacity=budget,
                                 predicted_peak=pred)
     assert trials[0].outcome == "oom" and trials[-1].outcome == "fits"
     assert plan.micro_batch < res.best.plan.micro_batch and 32 % plan.micro_batch == 0
@@ -210,6 +211,9 @@ def test_json_contract(tiny_spec, tmp_path):
     write_config(r, "data/tiny/model/config.json", tmp_path / "plan.yaml")
     d = json.loads(json.dumps(r.to_dict()))
     assert {"plan", "memory", "trials", "config_path"} <= set(d)
+    assert d["budget"] == {"capacity_bytes": 10**9, "source": "--gpu-mem", "margin_bytes": 0, "margin_form": "default",
+                           "limit_bytes": 10**9, "counted": "resident_device"}
+    assert d["margin_bytes"] == 0 and d["budget_bytes"] == 10**9
     assert d["plan"]["micro_batch_size"] * d["plan"]["gradient_accumulation_steps"] == 16
     assert d["plan"]["effective_batch_size"] == 16
     dummy = MemoryBreakdown(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0).to_dict()
@@ -271,7 +275,7 @@ def test_cli_llama7b_24gb_json_and_train_dry_run(monkeypatch, tmp_path):
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     assert d["plan"]["micro_batch_size"] * d["plan"]["gradient_accumulation_steps"] == 32
-    assert d["memory"]["peak_device_bytes"] <= d["budget_bytes"]
+    assert d["memory"]["resident_device_bytes"] <= d["budget_bytes"]
     path = tmp_path / "oomdoctor-plan.yaml"
     assert d["config_path"] == "oomdoctor-plan.yaml" and path.exists()
     dry = _cli(["train", str(path), "--dry-run"], monkeypatch, tmp_path)

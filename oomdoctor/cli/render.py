@@ -139,8 +139,9 @@ def print_diagnose(report) -> None:
     if fitting:
         best = fitting[0]
         idx = report.results.index(best) + 1
+        b = report.budget
         console.print(f"Most faithful plan that fits: [bold]#{idx} {best.plan.label()}[/] "
-                      f"({format_bytes(report.budget.needed(best.memory))} of {format_bytes(report.budget.limit_bytes)})")
+                      f"({format_bytes(b.needed(best.memory))} of {format_bytes(b.limit_bytes)})")
     shown = set()  # advice for the most faithful plan of each method (the rows with a full advice path)
     for i, r in enumerate(report.results, 1):
         if r.plan.method not in shown:

@@ -24,9 +24,10 @@ transient bytes (activations, logits, temporaries, casts). The NVML source alrea
 driver's reservation. A flat extra 10 % counted that allowance a second time — and over the whole card, weights
 included, which never fragment: on an 80 GB card it held back 8 GB, more than the activations of most LoRA plans. The
 analytic engine matches real CPU steps and the replayed Hugging Face step within about 1.2 % (README, "How memory
-is priced"); a miss on a real GPU is caught by ``tune``'s verification on the device and by ``train``'s OOM guard. What the tool cannot know — a job that
-starts on the card later, a display server on the card ``--gpu-mem`` names — is the user's reserve: ``--margin``,
-as a fraction (``0.1``), a percentage (``10%``) or a size (``2GB``), always held and reported in bytes.
+is priced"); a miss on a real GPU is caught by ``tune``'s verification on the device and by ``train``'s OOM guard.
+What the tool cannot know — a job that starts on the card later, a display server on the card ``--gpu-mem`` names —
+is the user's reserve: ``--margin``, as a fraction (``0.1``), a percentage (``10%``) or a size (``2GB``), always held
+and reported in bytes.
 """
 
 from __future__ import annotations

@@ -447,4 +447,5 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     return res
 
 
-__all__ = ["train", "TrainResult", "predict_memory", "run_budget", "auto_micro_batch", "set_allocator_env", "STEP_DELAY_ENV"]
+__all__ = ["train", "TrainResult", "predict_memory", "run_budget", "auto_micro_batch", "set_allocator_env",
+           "STEP_DELAY_ENV"]
