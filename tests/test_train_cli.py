@@ -70,12 +70,14 @@ def test_bundled_tiny_run_json_summary(tmp_path):
 
 
 def test_micro_batch_auto_uses_the_tune_search(tmp_path):
-    """micro_batch_size: auto picks the largest micro-batch whose predicted peak fits the budget (minus the 10%
-    margin), keeps the global batch exact, and the run then fits without an OOM."""
+    """micro_batch_size: auto picks the largest micro-batch whose predicted live bytes fit the budget (the one rule,
+    default margin 0 B), keeps the global batch exact, and the run then fits without an OOM."""
+    from oomdoctor.plan.budget import resolve_budget
     from oomdoctor.train.loop import auto_micro_batch, train
 
     cfg = tiny_cfg(tmp_path, micro_batch_size="auto", global_batch_size=16)
-    picks = [auto_micro_batch(cfg, cap, on_cpu=True) for cap in (6_000_000, 8_000_000, 12_000_000, 10**9)]
+    picks = [auto_micro_batch(cfg, resolve_budget(cap, None, None, on_cpu=True))
+             for cap in (6_000_000, 8_000_000, 12_000_000, 10**9)]
     assert picks == sorted(picks) and picks[-1] == 16 and all(16 % m == 0 for m in picks)
     res = train(cfg, gpu_mem=8_000_000)
     assert res.micro_batch_size == picks[1] and res.effective_batch_size == 16
