@@ -31,13 +31,13 @@ def _mem(peak_device: int, paged: int = 0, peak_allocated: int = 0) -> MemoryBre
 
 def test_sources_flag_config_nvml_free_and_none():
     b = resolve_budget(24 * GB, None, None)
-    assert (b.capacity_bytes, b.source, b.gpu, b.notes) == (24 * GB, "--gpu-mem", None, ())
+    assert (b.capacity_bytes, b.source, b.notes) == (24 * GB, "--gpu-mem", ())
     b = resolve_budget(16 * GB, None, None, gpu_mem_source="config gpu_mem")
     assert b.source == "config gpu_mem"
     # NVML: the free memory (other processes' usage subtracted), never the total
     gpu = _gpu(free=20 * GB, total=48 * GB, others=27 * GB)
     b = resolve_budget(None, None, gpu)
-    assert (b.capacity_bytes, b.source, b.gpu) == (20 * GB, "nvml free", gpu)
+    assert (b.capacity_bytes, b.source) == (20 * GB, "nvml free")
     assert "other process" in b.notes[0]
     # the flag wins over the GPU, with a note when it names more than is free
     b = resolve_budget(80 * GB, None, gpu)

@@ -69,8 +69,6 @@ class Budget:
     """How the margin was given (a fraction or percentage is converted to bytes of the capacity once)."""
     counted: Counted = "resident_device"
     """Breakdown quantity compared: ``resident_device`` on a GPU, ``peak_allocated`` under a CPU run's live-byte cap."""
-    gpu: GpuInfo | None = None
-    """The GPU NVML reported (None with ``--gpu-mem`` and no GPU, or on a CPU run)."""
     notes: tuple[str, ...] = ()
     """What the user should know about the capacity (other processes on the card, a flag bigger than the card)."""
 
@@ -92,7 +90,7 @@ class Budget:
         return self.headroom(memory) >= 0
 
     def describe(self) -> str:
-        """One line: ``22.35 GiB (--gpu-mem) - margin 0 B = 22.35 GiB, resident device peak``."""
+        """One line: ``22.35 GiB (--gpu-mem) - margin 0 B = 22.35 GiB for the resident device peak``."""
         what = "resident device peak" if self.counted == "resident_device" else "live tensor bytes"
         return (f"{format_bytes(self.capacity_bytes)} ({self.source}) - margin {format_bytes(self.margin_bytes)} = "
                 f"{format_bytes(self.limit_bytes)} for the {what}")
@@ -157,7 +155,7 @@ def resolve_budget(gpu_mem: int | None, margin: str | float | int | None, gpu_in
         return None
     margin_bytes, form = parse_margin(margin, capacity)
     return Budget(capacity_bytes=capacity, source=source, margin_bytes=margin_bytes, margin_form=form,
-                  counted="peak_allocated" if on_cpu else "resident_device", gpu=gpu, notes=tuple(notes))
+                  counted="peak_allocated" if on_cpu else "resident_device", notes=tuple(notes))
 
 
 __all__ = ["Budget", "resolve_budget", "parse_margin", "DEFAULT_MARGIN_BYTES", "MAX_MARGIN_FRACTION",
