@@ -6,7 +6,7 @@ Compared (issue 4, item 5):
 1. **oomdoctor** — predict the largest micro-batch with the memory model (bisection over ``estimate(...)``, no
    device work), verify it with one real trial; when that trial fits, calibrate the model by the measured peak and
    try the largest size the calibrated model allows once (refine); when it fails, step down (calibrated by the
-   overshoot) — ``oomdoctor.tune.search.verify_and_refine``, the routine ``tune`` uses;
+   overshoot) — ``oomdoctor.tune.batch_search.verify_and_refine``, the routine ``tune`` uses;
    the micro-batch for ``--global-batch`` is then the largest divisor <= the verified maximum (monotone memory:
    any smaller micro-batch fits too), with ``gradient_accumulation_steps = G / micro``.
 2. **Lightning** ``scale_batch_size(mode="binsearch")`` — re-implemented faithfully (Lightning is not installed) from
