@@ -73,8 +73,7 @@ MODELS = {
 class Device:
     """The capped CPU device: counts trials and steps of whichever finder uses it."""
 
-    cfg: object
-    built: object
+    loaded: object
     plan: Plan
     cap: int
     steps: int
@@ -89,7 +88,7 @@ class Device:
         self.trials += 1
         if VERBOSE:
             print(f"    trial micro={micro} steps={n}", file=sys.stderr, flush=True)
-        outcome, done, peak, msg = run_steps(self.cfg, self.built, self.plan.with_(micro_batch=micro),
+        outcome, done, peak, msg = run_steps(self.loaded, self.plan.with_(micro_batch=micro),
                                              device="cpu", steps=n, cap_bytes=self.cap)
         self.steps_run += done + (1 if outcome == "oom" else 0)  # the failing step counts as attempted
         if outcome == "error":
@@ -236,13 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_from_config(MODELS[name], name=name)
         plan = Plan(method=method, precision=precision, optimizer="adamw", seq_len=seq, micro_batch=1, lora_dropout=0.0)
         torch.manual_seed(0)
-        cfg, built = build_for_probe(str(cfg_path), plan, "cpu")
+        loaded = build_for_probe(str(cfg_path), plan, "cpu")
         # cap: halfway between the measured peaks at target and target+1 (measured once, not counted)
-        probe_dev = Device(cfg, built, plan, cap=10**12, steps=args.steps)
+        probe_dev = Device(loaded, plan, cap=10**12, steps=args.steps)
         _, p_t, _ = probe_dev.run(target)
         _, p_t1, _ = probe_dev.run(target + 1)
         cap = (p_t + p_t1) // 2
-        dev = Device(cfg, built, plan, cap=cap, steps=args.steps)
+        dev = Device(loaded, plan, cap=cap, steps=args.steps)
         t0 = time.perf_counter()
         tmax = true_max(dev)
         t_true = time.perf_counter() - t0
@@ -262,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             dt = time.perf_counter() - t0
             micro_g = max(d for d in divisors(g) if d <= chosen) if label == "oomdoctor" and chosen else chosen
             # every chosen size must really fit (Lightning's result is not always re-checked by Lightning)
-            fits_check = Device(cfg, built, plan, cap=cap, steps=args.steps).run(chosen)[0] if chosen else False
+            fits_check = Device(loaded, plan, cap=cap, steps=args.steps).run(chosen)[0] if chosen else False
             row[label] = {
                 "trials": dev.trials, "steps": dev.steps_run, "chosen": chosen,
                 "pct_true_max": round(100.0 * chosen / tmax, 1) if tmax else None,

@@ -68,10 +68,9 @@ def test_qlora_real_bitsandbytes_model_step_matches_standin(tiny_config, tmp_pat
     """A real bnb 4-bit model (loaded on CPU) trained one LoRA step counts the same bytes as the stand-in replay
     (with bnb's fused op, as on CPU)."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from oomdoctor.execute.build import hf_config, lora_target_modules
+    from oomdoctor.execute.build import apply_plan_techniques, hf_config, lora_targets_of_model
     from oomdoctor.engines.simulate import real_cpu_run, simulate_run
 
     spec = _spec(tiny_config)
@@ -92,13 +91,7 @@ def test_qlora_real_bitsandbytes_model_step_matches_standin(tiny_config, tmp_pat
         w = getattr(m, "weight", None)
         if getattr(w, "quant_state", None) is not None:
             w.quant_state.dtype = torch.bfloat16
-    for p in q.parameters():
-        p.requires_grad_(False)
-    model = get_peft_model(
-        q, LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha, lora_dropout=0.0,
-                      target_modules=lora_target_modules(spec, plan), task_type="CAUSAL_LM")
-    )
-    model.train()
+    model = apply_plan_techniques(q, plan, lora_targets_of_model(q, plan))
     # the real model's quant_state tensors are not module buffers: register them like parameters
     extra = []
     for m in model.modules():

@@ -15,9 +15,9 @@ from oomdoctor.train.data import IGNORE, SampleOrder, collate, count_targets, lo
 
 @pytest.fixture(scope="module")
 def tok():
-    from oomdoctor.train.model import load_tokenizer
+    from oomdoctor.execute.load import load_tokenizer
 
-    return load_tokenizer(tiny_cfg("/tmp/unused"))
+    return load_tokenizer(tiny_cfg("/tmp/unused").model)
 
 
 def test_formats_agree(tmp_path, tok):
@@ -67,14 +67,14 @@ def test_pretrained_weights_directory(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from oomdoctor.train.loop import train
-    from oomdoctor.train.model import hf_config, load_tokenizer
+    from oomdoctor.execute.load import hf_config, load_tokenizer
 
     cfg = tiny_cfg(tmp_path / "random", max_steps=2)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(hf_config(cfg))
+    model = AutoModelForCausalLM.from_config(hf_config(cfg.model))
     wdir = tmp_path / "weights"
     model.save_pretrained(wdir)
-    load_tokenizer(cfg).save_pretrained(wdir)
+    load_tokenizer(cfg.model).save_pretrained(wdir)
     r1 = train(cfg)
     r2 = train(tiny_cfg(tmp_path / "pre", max_steps=2,
                         model=ModelConfig(path=str(wdir), init="pretrained")))

@@ -12,7 +12,7 @@ from train_util import cli, load_weights, max_abs_diff, tiny_cfg, write_yaml
 
 from oomdoctor.errors import UnrecoverableOOM
 from oomdoctor.train.loop import train
-from oomdoctor.train.oom import GradTouch, OOMAtMicroBatchOne, OOMGuard
+from oomdoctor.execute.oom import GradTouch, OOMAtMicroBatchOne, OOMGuard
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 ``estimate_measured(spec, plan)`` builds the model of the plan's real shape with random weights (memory does not
 depend on values; ``model_path`` loads local weights instead), runs the same two steps as the simulated engine
-(``oomdoctor.engines.simulate.run_steps`` with ``target="gpu"``: real CUDA autocast, real bitsandbytes layers and optimizers)
+(``oomdoctor.engines.replay.run_steps`` with ``target="gpu"``: real CUDA autocast, real bitsandbytes layers and optimizers)
 and reports:
 
 * ``peak_allocated`` = ``torch.cuda.max_memory_allocated()`` and ``peak_reserved`` = ``max_memory_reserved()``
@@ -94,7 +94,8 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
 
     from oomdoctor.execute.build import build_model, make_batch
     from oomdoctor.plan import validate
-    from oomdoctor.engines.simulate import PHASE_NAMES, run_steps
+    from oomdoctor.engines.replay import run_steps
+    from oomdoctor.execute.step import PHASES
     from oomdoctor.execute.tracking import LiveBytes
 
     plan = validate(plan)
@@ -103,7 +104,7 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
     torch.manual_seed(seed)
     torch.cuda.init()
     if model_path is not None:
-        model, head = _load_local(spec, plan, model_path)
+        model, head = _load_local(plan, model_path)
     else:
         if plan.quant is not None:
             built = build_model(spec, plan, device="meta", real_quant_device="cuda", seed=seed)
@@ -155,7 +156,7 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
         peak_reserved=max_res,
         peak_device=max(nvml_used or 0, max_res),
         peak_phase=stats.peak_phase,
-        phases={ph: int(stats.phase_peaks.get(ph, 0)) for ph in PHASE_NAMES},
+        phases={ph: int(stats.phase_peaks.get(ph, 0)) for ph in PHASES},
         engine="measure",
         notes=tuple(notes),
     )
@@ -190,24 +191,13 @@ def _rebalance(bd: MemoryBreakdown, total: int) -> MemoryBreakdown:
     return replace(bd, **changes)
 
 
-def _load_local(spec, plan, path: str):
-    """Local weights: transformers from_pretrained on the GPU (bnb quantization for QLoRA), then the plan's
-    LoRA/GC as build_model applies them."""
+def _load_local(plan, path: str):
+    """Local weights, loaded and prepared as ``oomdoctor train`` loads them (``oomdoctor.execute.load``)."""
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from oomdoctor.execute.build import apply_plan_techniques, attn_implementation, torch_dtype
+    from oomdoctor.execute.load import ModelSource, load_model
 
-    kw = {"device_map": "cuda", "attn_implementation": attn_implementation(plan)}
-    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
-    if plan.quant == "int8":
-        kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-    elif plan.quant is not None:
-        kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=plan.quant, bnb_4bit_use_double_quant=plan.double_quant,
-            bnb_4bit_compute_dtype=torch_dtype(plan.compute_dtype))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
-    model = apply_plan_techniques(model, spec, plan)
+    model = load_model(ModelSource(path=path), plan, torch.device("cuda")).model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return model, base.get_output_embeddings()
 

@@ -8,10 +8,11 @@ probe that crashes or is killed cannot take the parent (``oomdoctor tune``) with
 What a probe runs (the parent calls :func:`run_probe`; the child is ``python -m oomdoctor.engines.probe`` reading one JSON
 request on stdin and printing one ``OOMDOCTOR_PROBE {json}`` line):
 
-* the model exactly as ``oomdoctor train`` builds it (``oomdoctor.train.model.build_model``: quantization, gradient
+* the model exactly as ``oomdoctor train`` loads it (``oomdoctor.execute.load.load_model``: quantization, gradient
   checkpointing, LoRA) — from the weights when MODEL is a weights directory, else randomly initialised from the config
   (memory does not depend on the values);
-* the optimizer as ``train`` makes it (``oomdoctor.train.optim``; CPU offload and activation offload included);
+* the optimizer and the step as ``train`` runs them (``oomdoctor.execute.optim``, ``oomdoctor.execute.step``; CPU
+  offload and activation offload included);
 * ``steps`` optimizer steps (default 2: optimizer state is created lazily at the first ``step()``, so only the
   second step shows the steady state), each of ``min(grad_accum, 2)`` micro-batches (with accumulation, the second
   micro-batch's backward runs with the full gradients already allocated), every micro-batch a full
@@ -114,60 +115,50 @@ def run_probe(model_ref: str, plan: Plan, *, device: str = "cuda", steps: int = 
 # ---------------------------------------------------------------------------------------------- child side
 
 
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-
-
-def _train_config(model_ref: str, plan: Plan):
-    """The TrainConfig ``oomdoctor train`` would run for this plan (weights when MODEL is a weights dir)."""
+def _source(model_ref: str):
+    """What ``oomdoctor train`` would load for MODEL: the weights when it is a weights directory, else random
+    weights of the config's shape (memory does not depend on values)."""
     from pathlib import Path
 
-    from oomdoctor.train.config import config_from_plan
+    from oomdoctor.execute.load import ModelSource
 
     p = Path(model_ref).expanduser()
-    weights = p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin")))
-    if weights:
-        return config_from_plan(str(p), plan)
-    return config_from_plan(model_ref, plan, init="random", tokenizer="unused")
+    if p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin"))):
+        return ModelSource(path=str(p))
+    return ModelSource(config=model_ref, init="random")
 
 
 def build_for_probe(model_ref: str, plan: Plan, device: str = "cuda"):
-    """(TrainConfig, BuiltModel) exactly as ``oomdoctor train`` builds them for ``plan``."""
+    """The model exactly as ``oomdoctor train`` loads it for ``plan`` (``oomdoctor.execute.load.LoadedModel``)."""
     import torch
 
-    from oomdoctor.train.model import build_model, quiet_hf
+    from oomdoctor.execute.load import load_model, quiet_hf
 
     quiet_hf()
-    cfg = _train_config(model_ref, plan)
-    return cfg, build_model(cfg, torch.device(device), 0)
+    return load_model(_source(model_ref), plan, torch.device(device))
 
 
-def run_steps(cfg, built, plan: Plan, *, device: str = "cpu", steps: int = 2, cap_bytes: int | None = None,
+def run_steps(loaded, plan: Plan, *, device: str = "cpu", steps: int = 2, cap_bytes: int | None = None,
               ) -> tuple[str, int, int | None, str | None]:
-    """Run ``steps`` full optimizer steps of ``plan`` on an already built model, with a fresh optimizer (its state
-    is created at the first step, as in training). On CPU with ``cap_bytes`` the live tensor bytes are capped by
+    """Run ``steps`` full optimizer steps of ``plan`` on an already loaded model (the executor's
+    :class:`~oomdoctor.execute.step.TrainStep`) with a fresh optimizer (its state is created at the first step, as
+    in training). On CPU with ``cap_bytes`` the live tensor bytes are capped by
     :class:`oomdoctor.execute.tracking.LiveBytes`. Returns (outcome, steps done, LiveBytes peak or None, message)."""
     import contextlib
 
     import torch
 
-    from oomdoctor.train.model import autocast_dtype
-    from oomdoctor.train.optim import CPUOffloadOptimizer, activation_offload, make_optimizer
+    from oomdoctor.execute.oom import is_oom
+    from oomdoctor.execute.optim import make_plan_optimizer
+    from oomdoctor.execute.step import TrainStep
 
     dev = torch.device(device)
-    model = built.model
-    done = 0
-    lb = None
-    opt = None
+    model = loaded.model
+    done, lb, step = 0, None, None
+    micro_per_step = min(plan.grad_accum, 2)
     try:
-        if cfg.offload_optimizer:
-            opt = CPUOffloadOptimizer(cfg, built.trainable)
-        else:
-            opt = make_optimizer(cfg, built.trainable, dev)
+        opt = make_plan_optimizer(loaded.trainable, plan, target="gpu" if dev.type == "cuda" else "cpu")
+        step = TrainStep(model, opt, plan, device_type=dev.type)
         cap_ctx: Any = contextlib.nullcontext()
         if dev.type == "cpu" and cap_bytes is not None:
             from oomdoctor.execute.tracking import LiveBytes
@@ -175,41 +166,25 @@ def run_steps(cfg, built, plan: Plan, *, device: str = "cpu", steps: int = 2, ca
             lb = LiveBytes(cap_bytes=cap_bytes, device_name="simulated device")
             lb.track_module(model, opt)
             cap_ctx = lb
-        amp = autocast_dtype(cfg)
-        scaler = torch.amp.GradScaler(dev.type) if cfg.precision == "fp16-mixed" else None
         vocab = model.get_input_embeddings().weight.shape[0]
-        micro_per_step = min(plan.grad_accum, 2)
         with cap_ctx:
             for _ in range(steps):
                 for _m in range(micro_per_step):
                     ids = torch.randint(0, vocab, (plan.micro_batch, plan.seq_len), device=dev)
-                    ac = torch.autocast(dev.type, dtype=amp) if amp is not None else contextlib.nullcontext()
-                    with ac, activation_offload(cfg.offload_activations, dev):
-                        loss = model(input_ids=ids, labels=ids).loss / micro_per_step
-                    (scaler.scale(loss) if scaler else loss).backward()
-                    del loss, ids
-                if scaler:
-                    scaler.unscale_(opt)
-                if cfg.max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(built.trainable, cfg.max_grad_norm)
-                if scaler:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
+                    step.forward_backward({"input_ids": ids, "labels": ids}, loss_divisor=micro_per_step)
+                    del ids
+                step.optimizer_step()
                 done += 1
         outcome, msg = "fits", None
     except Exception as exc:  # noqa: BLE001 - classify: OOM vs anything else
-        if _is_oom(exc):
+        if is_oom(exc):
             outcome, msg = "oom", str(exc).splitlines()[0][:300]
         else:
             outcome, msg = "error", f"{type(exc).__name__}: {exc}"[:500]
     finally:
-        for p in built.trainable:
+        for p in loaded.trainable:
             p.grad = None
-        if opt is not None:
-            del opt
+        del step
     return outcome, done, (int(lb.peak) if lb is not None else None), msg
 
 
@@ -236,13 +211,15 @@ def probe_in_process(model_ref: str, plan: Plan, *, device: str = "cuda", steps:
             torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total), dev)
         torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(seed)
+    from oomdoctor.execute.oom import is_oom
+
     try:
-        cfg, built = build_for_probe(model_ref, plan, device)
+        loaded = build_for_probe(model_ref, plan, device)
     except Exception as exc:  # noqa: BLE001
-        outcome = "oom" if _is_oom(exc) else "error"
+        outcome = "oom" if is_oom(exc) else "error"
         return ProbeResult(outcome, plan.micro_batch, 0, device=device, seconds=time.perf_counter() - t0,
                            context_bytes=ctx_bytes, message=f"building the model: {type(exc).__name__}: {exc}"[:500])
-    outcome, done, lb_peak, msg = run_steps(cfg, built, plan, device=device, steps=steps,
+    outcome, done, lb_peak, msg = run_steps(loaded, plan, device=device, steps=steps,
                                             cap_bytes=cap_bytes if dev.type == "cpu" else None)
     if dev.type == "cuda":
         alloc = int(torch.cuda.max_memory_allocated(dev))

@@ -246,7 +246,7 @@ def quantize_model_standin(model, plan, *, head_name: str = "lm_head", device: s
     """
     import torch
 
-    from oomdoctor.execute.build import torch_dtype
+    from oomdoctor.execute.dtypes import torch_dtype
 
     L4, L8 = standin_classes()
     compute = torch_dtype(plan.compute_dtype)
@@ -344,7 +344,7 @@ def quantize_model_real(model, plan, *, head_name: str = "lm_head", device: str 
     import torch
 
     bnb = _bnb()
-    from oomdoctor.execute.build import torch_dtype
+    from oomdoctor.execute.dtypes import torch_dtype
 
     compute = torch_dtype(plan.compute_dtype)
     replaced = 0

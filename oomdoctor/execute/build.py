@@ -12,13 +12,10 @@ What :func:`build_model` applies, in the order a Hugging Face fine-tuning script
    attention implementation (``flash`` is built as ``sdpa``: on CPU the SDPA flash kernel stands in for
    flash-attn 2; both keep O(seq) state: the output and a log-sum-exp per head and row).
 2. QLoRA / int8: every linear but the output head is replaced by a bitsandbytes stand-in holding exactly the bytes bnb
-   stores (``oomdoctor.execute.bnb_standin``); the model is flagged ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` so peft wraps
-   the layers with its bnb LoRA classes. Base weights are frozen, as ``peft.prepare_model_for_kbit_training`` does.
-3. Gradient checkpointing with ``use_reentrant=False``; with adapters, input embeddings require grad
-   (``enable_input_require_grads``, what peft/Trainer do so checkpointed blocks see a grad-requiring input).
-4. peft LoRA (``get_peft_model``) with the plan's rank, alpha, dropout and targets (``all-linear`` or names; the head
-   with ``lora_on_head``). peft's default ``autocast_adapter_dtype=True`` keeps adapters in fp32.
-5. ``model.train()`` (dropout active, as in training).
+   stores (``oomdoctor.execute.bnb_standin``); the model is flagged ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` so
+   peft wraps the layers with its bnb LoRA classes.
+3. :func:`apply_plan_techniques`, shared with real loads (``oomdoctor.execute.load``): k-bit preparation, gradient
+   checkpointing (non-reentrant), peft LoRA, ``model.train()``.
 """
 
 from __future__ import annotations
@@ -54,12 +51,6 @@ class BuiltModel:
     """The transformer block modules, in order."""
     attn_implementation: str = "sdpa"
     """Attention implementation actually built (``eager`` when the architecture has no SDPA path)."""
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def config_with_layers(cfg: dict, num_layers: int | None) -> dict:
@@ -104,18 +95,82 @@ def attn_implementation(plan: "Plan") -> str:
     return {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[plan.attn]
 
 
-def lora_target_modules(spec: "ModelSpec", plan: "Plan", model=None) -> list[str] | str:
-    """peft ``target_modules`` for the plan: explicit names, or every per-layer linear for ``all-linear``
-    (peft's ``all-linear`` excludes the output head); plus the head with ``lora_on_head``."""
-    targets = list(plan.lora_targets)
-    if targets == ["all-linear"]:
-        names = [g.name for g in spec.linear_groups if g.per_layer]
-        if spec.num_experts:
-            names = [n for n in names if n != "gate"]  # peft's all-linear skips the MoE router only by shape; keep it simple
-        targets = names
-    if plan.lora_on_head and spec.head_name not in targets:
-        targets.append(spec.head_name)
-    return targets
+#: Leaf class names of the linear layers LoRA can adapt (torch, bitsandbytes, the bnb stand-ins subclass these).
+_LINEAR_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
+
+
+def _is_linear(mod) -> bool:
+    import torch
+
+    return isinstance(mod, torch.nn.Linear) or any(c.__name__ in _LINEAR_CLASSES[1:] for c in type(mod).__mro__)
+
+
+def lora_targets_of_model(model, plan: "Plan") -> list[str]:
+    """peft ``target_modules`` for the plan on this model: explicit names, or for ``all-linear`` the leaf name of
+    every linear layer but the output head (peft's ``all-linear``) and the MoE router (``gate`` with one output per
+    expert: routers stay frozen, as in the analytic formulas); plus the head with ``lora_on_head``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_names = {n.split(".")[-1] for n, m in model.named_modules() if head is not None and m is head}
+    experts = _num_experts(getattr(model, "config", None))
+    targets = [t for t in plan.lora_targets if t != "all-linear"]
+    if "all-linear" in plan.lora_targets:
+        for name, mod in model.named_modules():
+            leaf = name.split(".")[-1]
+            if not name or leaf in head_names or not _is_linear(mod):
+                continue
+            if experts and getattr(mod, "out_features", None) == experts:
+                continue  # the MoE router
+            targets.append(leaf)
+    if plan.lora_on_head:
+        targets += sorted(head_names) or ["lm_head"]
+    return sorted(set(targets))
+
+
+def _num_experts(config) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        v = getattr(config, key, None)
+        if isinstance(v, int) and v > 1:
+            return v
+    return 0
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """transformers' non-reentrant activation checkpointing (it also makes the input embeddings' output require
+    grad, so checkpointed blocks of a frozen base see a grad-requiring input)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers < 5
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def apply_plan_techniques(model, plan: "Plan", lora_targets: list[str]):
+    """What a Hugging Face fine-tuning script does after loading, for every engine and ``train`` alike:
+
+    * a quantized base: ``peft.prepare_model_for_kbit_training`` — freezes every weight, upcasts the non-quantized
+      fp16/bf16 parameters (norms, embeddings, head, biases) to fp32, enables non-reentrant checkpointing with GC;
+    * otherwise LoRA freezes the base, and GC is enabled (non-reentrant);
+    * LoRA: peft ``get_peft_model`` with the plan's rank, alpha, dropout and ``lora_targets`` (peft's default
+      ``autocast_adapter_dtype=True`` keeps the adapters in fp32 under every precision).
+
+    Returns the (possibly peft-wrapped) model in train mode."""
+    if plan.quant is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False, auto_clear_cache=False)
+    elif plan.uses_lora:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    if plan.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if plan.uses_lora:
+        from peft import LoraConfig, get_peft_model
+
+        lcfg = LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
+                          target_modules=lora_targets, bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lcfg)
+    model.train()
+    return model
 
 
 def build_model(
@@ -142,13 +197,15 @@ def build_model(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from oomdoctor.execute.dtypes import torch_dtype, weight_dtype
+
     if spec.arch_kind != "decoder":
         raise BadInput(
             f"{spec.name}: building {spec.arch_kind} models for a real/simulated step is not supported yet",
             "use --engine analytic for this model",
         )
     config = hf_config(spec, plan, num_layers)
-    dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float32
+    dtype = weight_dtype(plan)
     compute = torch_dtype(plan.compute_dtype)
     if seed is not None:
         torch.manual_seed(seed)
@@ -184,7 +241,7 @@ def build_model(
 
         quantize_model_standin(model, plan, head_name=spec.head_name, device=device, decompose=bnb_decompose)
 
-    model = apply_plan_techniques(model, spec, plan)
+    model = apply_plan_techniques(model, plan, lora_targets_of_model(model, plan))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = getattr(base, spec.head_name, None) or (base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None)
     layers = _find_layers(base)
@@ -197,34 +254,6 @@ def build_model(
         head_module=head,
         layer_modules=tuple(layers),
     )
-
-
-def apply_plan_techniques(model, spec: "ModelSpec", plan: "Plan"):
-    """Freeze the base for LoRA, enable gradient checkpointing (``use_reentrant=False``, input grads for adapters)
-    and wrap with peft LoRA as the plan says; returns the (possibly peft-wrapped) model in train mode."""
-    if plan.uses_lora:
-        for p in model.parameters():
-            p.requires_grad_(False)
-
-    if plan.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if plan.uses_lora:
-            model.enable_input_require_grads()
-
-    if plan.uses_lora:
-        from peft import LoraConfig, get_peft_model
-
-        lcfg = LoraConfig(
-            r=plan.lora_r,
-            lora_alpha=plan.lora_alpha,
-            lora_dropout=plan.lora_dropout,
-            target_modules=lora_target_modules(spec, plan, model),
-            bias="none",
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lcfg)
-    model.train()
-    return model
 
 
 def materialize_meta(model, device: str, std: float = 0.02) -> None:
@@ -282,4 +311,5 @@ def make_batch(spec: "ModelSpec", plan: "Plan", device: str = "cpu", *, fake_ok:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-__all__ = ["BuiltModel", "build_model", "materialize_meta", "make_batch", "config_with_layers", "hf_config", "lora_target_modules", "torch_dtype"]
+__all__ = ["BuiltModel", "build_model", "materialize_meta", "make_batch", "config_with_layers", "hf_config", "lora_targets_of_model", "apply_plan_techniques",
+           "enable_gradient_checkpointing"]

@@ -238,8 +238,8 @@ def _notes(c: Ctx) -> list[str]:
         )
     if c.quant is not None and plan.precision == "bf16":
         notes.append(
-            "QLoRA in pure bf16 assumes prepare_model_for_kbit_training is not applied (it would upcast "
-            "embeddings, norms and the head to fp32)"
+            "QLoRA in pure bf16: prepare_model_for_kbit_training upcasts embeddings, norms and the head to fp32, "
+            "so activations run in fp32 (priced like fp32 QLoRA)"
         )
     if spec.num_experts:
         notes.append("MoE: experts_per_token dense MLPs per token with perfect load balance (real routing varies)")

@@ -147,6 +147,12 @@ def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:
     wb = plan.weight_dtype_bytes
     ab = 4 if plan.precision == "fp32" else 2
     rb = 4 if plan.precision in ("fp32", "fp16-mixed", "bf16-mixed") else 2
+    if plan.quant is not None and plan.precision == "bf16":
+        # peft's prepare_model_for_kbit_training (which the executor applies, as QLoRA recipes do) upcasts every
+        # non-quantized fp16/bf16 parameter to fp32 (peft utils/other.py): embeddings, norms, head and biases are
+        # fp32, so the residual stream and every activation after them are fp32 too; only the 4-bit matmuls
+        # compute in bf16 internally. Measured on CPU: the same bytes as the fp32 QLoRA plan.
+        wb = ab = rb = 4
     lora_groups: tuple[ParamGroup, ...] = ()
     lora_numel = 0
     if plan.uses_lora:

@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomdoctor.errors import BadInput, UnrecoverableOOM
+from oomdoctor.execute.step import StepHooks
 from oomdoctor.gpu import detect_gpu
 from oomdoctor.noise import quiet_third_party
+from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, choose_micro_batch, max_fitting
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.train.config import TrainConfig
@@ -154,6 +156,291 @@ def _fingerprint(cfg: TrainConfig) -> dict:
     }
 
 
+@dataclass
+class RunState:
+    """What a run has done so far: the part of a checkpoint that is not tensors (``trainer_state.json``)."""
+
+    fingerprint: dict
+    """Config keys that must match for a resume to continue the same run (:func:`_fingerprint`)."""
+    configured_micro_batch: int
+    """The micro-batch the run started with (a changed config value wins over what the OOM guard learned)."""
+    micro_batch: int
+    """The micro-batch now (smaller after an OOM recovery)."""
+    step: int = 0
+    """Optimizer steps completed."""
+    samples_seen: int = 0
+    """Samples consumed (the data position)."""
+    oom_recoveries: int = 0
+    """OOMs recovered by splitting a micro-batch."""
+    losses: list[float] = field(default_factory=list)
+    """Loss of every optimizer step."""
+    recoveries: list[dict] = field(default_factory=list)
+    """Each recovery (``oomdoctor.execute.oom.Recovery.to_dict``)."""
+
+    def to_json(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    def resumed(self, saved: dict) -> "RunState":
+        """This state continued from a checkpoint's ``trainer_state.json`` (``saved``)."""
+        micro = self.micro_batch
+        if saved.get("configured_micro_batch") == self.configured_micro_batch:
+            micro = int(saved.get("micro_batch", micro))  # keep what the OOM guard learned
+        return replace(self, step=int(saved["step"]), micro_batch=micro,
+                       samples_seen=int(saved.get("samples_seen", 0)),
+                       oom_recoveries=int(saved.get("oom_recoveries", 0)),
+                       losses=[float(x) for x in saved.get("losses", [])],
+                       recoveries=list(saved.get("recoveries", [])))
+
+
+@dataclass
+class Run:
+    """Everything a run set up before its first step."""
+
+    cfg: TrainConfig
+    device: Any
+    """torch device the run trains on."""
+    cap: int | None
+    """Capacity enforced on the process (``--gpu-mem`` / ``gpu_mem``), None when uncapped."""
+    data: Any
+    """Tokenized samples (``oomdoctor.train.data.TokenizedData``)."""
+    effective_batch: int
+    """Samples per optimizer step."""
+    plan: Plan
+    """The plan priced and run."""
+    memory: dict | None
+    """Predicted breakdown (diagnose's keys), None when it could not be priced."""
+    loaded: Any
+    """``oomdoctor.execute.load.LoadedModel``."""
+    step: Any
+    """``oomdoctor.execute.step.TrainStep`` (model, optimizer, scaler)."""
+    scheduler: Any
+    """LR scheduler."""
+    order: Any
+    """``oomdoctor.train.data.SampleOrder``: seeded, a function of the data position (a resume continues it)."""
+    meter: Any = None
+    """CPU: the LiveBytes meter (and cap); CUDA: None (the allocator's statistics)."""
+    notes: list[str] = field(default_factory=list)
+
+    def peak_bytes(self) -> int:
+        import torch
+
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(self.meter.peak) if self.meter is not None else 0
+
+
+class _GuardHooks(StepHooks):
+    """The step's hooks for the OOM guard (did backward start?) and the CPU meter (optimizer state)."""
+
+    def __init__(self, touch, meter):
+        self.touch, self.meter = touch, meter
+
+    def backward_start(self) -> None:
+        self.touch.in_backward = True
+
+    def optimizer_stepped(self, optimizer, step_index: int) -> None:
+        from oomdoctor.execute.optim import CPUOffloadOptimizer
+
+        if self.meter is not None and step_index == 0 and not isinstance(optimizer, CPUOffloadOptimizer):
+            self.meter.track_optimizer(optimizer)
+
+
+def _predict(cfg: TrainConfig, micro: int, engine: str, notes: list[str]) -> tuple[Plan, dict | None]:
+    """The plan at ``micro`` and its predicted breakdown (never stops a run: failures become notes)."""
+    plan = cfg.to_plan(micro_batch=micro)
+    try:
+        _, _, mem, note = predict_memory(cfg, micro, engine)
+        if note:
+            notes.append(note)
+        return plan, (mem.to_dict() if mem is not None else None)
+    except Exception as exc:  # noqa: BLE001 - the prediction must never stop a training run
+        notes.append(f"memory prediction failed: {type(exc).__name__}: {exc}")
+        return plan, None
+
+
+def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> Run:
+    """Budget, data, micro-batch, prediction, model, optimizer, schedule, step and meter of a run."""
+    import torch
+
+    from oomdoctor.execute.load import ModelSource, load_model, load_tokenizer, resolve_device
+    from oomdoctor.execute.optim import CPUOffloadOptimizer, OptimizerArgs, make_plan_optimizer, make_scheduler
+    from oomdoctor.execute.step import TrainStep
+    from oomdoctor.train.data import SampleOrder, tokenize
+
+    device = resolve_device(cfg.device)
+    budget = run_budget(cfg, gpu_mem, on_cpu=device.type == "cpu")
+    # the run cap enforces a capacity the user named (--gpu-mem / gpu_mem); NVML free memory needs no cap
+    cap = budget.capacity_bytes if budget is not None and budget.source != "nvml free" else None
+    notes: list[str] = []
+    if device.type == "cpu" and cfg.precision == "fp16-mixed":
+        notes.append("fp16 autocast on CPU: GradScaler runs but CPU fp16 matmuls are slow")
+    source = ModelSource(path=cfg.model.path, config=cfg.model.config, init=cfg.model.init,
+                         tokenizer=cfg.model.tokenizer)
+    tok = load_tokenizer(source)
+    data = tokenize(cfg.dataset, tok, cfg.seq_len)
+    if data.truncated:
+        notes.append(f"{data.truncated} samples truncated to seq_len {cfg.seq_len}")
+    micro = cfg.micro_batch_size
+    if micro == "auto":
+        micro = auto_micro_batch(cfg, budget, engine)
+        emit({"type": "info", "message": f"micro_batch_size auto -> {micro}"})
+    eff = cfg.global_batch_size or int(micro) * cfg.gradient_accumulation_steps
+    plan, memory = _predict(cfg, int(micro), engine, notes)
+
+    torch.manual_seed(cfg.seed)
+    loaded = load_model(source, plan, device, vocab_size=len(tok), seed=cfg.seed,
+                        compute_dtype=cfg.bnb_4bit_compute_dtype)
+    args = OptimizerArgs(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+                         adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
+    optimizer = make_plan_optimizer(loaded.trainable, plan, args, target="gpu" if device.type == "cuda" else "cpu")
+    scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=cfg.warmup_steps,
+                               total_steps=cfg.max_steps)
+    meter = None
+    if device.type == "cuda":
+        if cap is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        from oomdoctor.execute.tracking import LiveBytes
+
+        meter = LiveBytes(cap_bytes=cap)
+        meter.track_module(loaded.model, None if isinstance(optimizer, CPUOffloadOptimizer) else optimizer,
+                           grad_hooks=True)
+    step = TrainStep(loaded.model, optimizer, plan, device_type=device.type, max_grad_norm=cfg.max_grad_norm)
+    return Run(cfg=cfg, device=device, cap=cap, data=data, effective_batch=eff, plan=plan, memory=memory,
+               loaded=loaded, step=step, scheduler=scheduler, meter=meter, notes=notes,
+               order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle))
+
+
+def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | None]:
+    """A fresh state (old checkpoints removed), or the state of the latest checkpoint (weights, optimizer,
+    scheduler, scaler and RNG restored). Returns (state, checkpoint resumed from)."""
+    from oomdoctor.train import checkpoint as ckpt
+
+    cfg, micro = run.cfg, run.plan.micro_batch
+    state = RunState(fingerprint=_fingerprint(cfg), configured_micro_batch=micro, micro_batch=micro)
+    out_dir = Path(cfg.output_dir)
+    if not resume:
+        old = ckpt.list_checkpoints(out_dir)
+        for _, p in old:
+            shutil.rmtree(p, ignore_errors=True)
+        if old:
+            emit({"type": "info", "message": f"fresh run: removed {len(old)} old checkpoint(s) in {out_dir} "
+                                             "(use --resume to continue a run)"})
+        return state, None
+    last = ckpt.latest_checkpoint(out_dir)
+    if last is None:
+        raise BadInput(f"--resume: no checkpoint in {out_dir}", "run without --resume to start fresh")
+    saved = ckpt.load_checkpoint(last, model=run.step.model, is_peft=run.loaded.is_peft,
+                                 optimizer=run.step.optimizer, scheduler=run.scheduler, scaler=run.step.scaler)
+    if saved.get("fingerprint") != state.fingerprint:
+        diff = [k for k in state.fingerprint if saved.get("fingerprint", {}).get(k) != state.fingerprint[k]]
+        raise BadInput(f"--resume: {last} was written by a different run (differs in: {', '.join(diff)})",
+                       "resume with the same config, or choose another output_dir")
+    resumed = state.resumed(saved)
+    if saved.get("configured_micro_batch") != micro:  # the user changed micro_batch_size (e.g. to fix an OOM)
+        emit({"type": "info", "message": f"micro_batch_size changed since the checkpoint: using {micro}"})
+    emit({"type": "info", "message": f"resumed from {last} at step {resumed.step}"})
+    return resumed, str(last)
+
+
+def _save(run: Run, state: RunState, guard, emit: Event) -> str:
+    from oomdoctor.train import checkpoint as ckpt
+
+    state.micro_batch = guard.micro_batch
+    path = ckpt.save_checkpoint(run.cfg.output_dir, state.step, model=run.step.model, is_peft=run.loaded.is_peft,
+                                optimizer=run.step.optimizer, scheduler=run.scheduler, scaler=run.step.scaler,
+                                state=state.to_json(), save_total_limit=run.cfg.save_total_limit)
+    emit({"type": "checkpoint", "step": state.step, "path": str(path)})
+    return str(path)
+
+
+def _diagnosis(run: Run, state: RunState, phase: str, reason: str, message: str) -> str:
+    """What an unrecoverable OOM at micro-batch 1 says: where, the budget, what the prediction holds."""
+    lines = [f"out of memory at step {state.step + 1} in {phase} with micro-batch 1 x seq_len {run.cfg.seq_len} "
+             f"({reason})"]
+    if run.cap is not None:
+        held = format_bytes(run.meter.current) if run.meter else "?"
+        lines.append(f"budget {format_bytes(run.cap)}; held outside the failed micro-batch (weights, gradients, "
+                     f"optimizer state): {held}: too little is left for one sample's activations")
+    if run.memory:
+        comps = {k[:-6]: v for k, v in run.memory.items() if k.endswith("_bytes") and not k.startswith("peak") and v}
+        top = sorted(comps.items(), key=lambda kv: -kv[1])[:4]
+        lines.append("predicted (micro-batch %d): " % run.plan.micro_batch
+                     + ", ".join(f"{k} {format_bytes(v)}" for k, v in top))
+    lines.append(f"OOM message: {message.splitlines()[0][:200]}")
+    return "\n".join(lines)
+
+
+def _warn_if_nothing_trains(run: Run, emit: Event) -> None:
+    """Field notes 1.4: with GC + PEFT a missing input-grad hook trains nothing, silently."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch.no_grad(), _disable_current_modes():  # a check, not part of the budget
+        live = any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in run.loaded.trainable)
+    if not live:
+        msg = "no gradient reached the trainable parameters in the first step: nothing trains"
+        run.notes.append(msg)
+        emit({"type": "info", "message": "warning: " + msg})
+
+
+def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: str | None,
+              check_grads: bool) -> tuple[float, int]:
+    """One optimizer step over ``effective_batch`` samples through the OOM guard; returns (loss, tokens)."""
+    import torch
+
+    from oomdoctor.execute.oom import OOMAtMicroBatchOne, free_memory, is_oom
+    from oomdoctor.train.data import collate, count_targets
+
+    cfg, data = run.cfg, run.data
+    idx = run.order.take(state.samples_seen, run.effective_batch)
+    samples = [data.samples[i] for i in idx]
+    n_targets = max(1, count_targets(samples))
+    tokens = [0]
+
+    def run_chunk(chunk: list) -> float:
+        batch = collate(chunk, data.pad_id, cfg.dataset.pad_to_multiple_of)
+        batch = {k: v.to(run.device) for k, v in batch.items()}
+        tokens[0] += int(batch["input_ids"].numel())
+        return float(run.step.forward_backward(batch, num_items_in_batch=n_targets))
+
+    def zero_grads() -> None:
+        run.step.optimizer.zero_grad(set_to_none=True)
+
+    try:
+        loss, _ = guard.run_step(state.step + 1, samples, run_chunk, zero_grads, touch)
+    except OOMAtMicroBatchOne as exc:
+        zero_grads()
+        free_memory()
+        where = _save(run, state, guard, emit)  # as of the start of this step: weights untouched, data not consumed
+        raise UnrecoverableOOM(
+            _diagnosis(run, state, exc.phase, exc.reason, exc.message) + f"\ncheckpoint saved: {where}",
+            "fix the plan (`oomdoctor train CONFIG --dry-run --gpu-mem SIZE` lists changes that fit), "
+            "then `oomdoctor train CONFIG --resume`",
+        ) from None
+    if check_grads:
+        _warn_if_nothing_trains(run, emit)
+    try:
+        applied = run.step.optimizer_step()
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not is_oom(exc):
+            raise
+        raise UnrecoverableOOM(
+            f"out of memory in the optimizer step {state.step + 1} (the optimizer state is allocated at the "
+            f"first step; a smaller micro-batch does not shrink it). The in-memory state may be "
+            f"partially updated, so no checkpoint was written; last checkpoint: {last_ckpt or 'none'}",
+            "use a leaner optimizer (optim: adamw_bnb_8bit / adafactor), offload_optimizer: true or "
+            "LoRA; check with `oomdoctor train CONFIG --dry-run --gpu-mem SIZE`",
+        ) from None
+    if applied:  # fp16: a step the scaler skipped (inf/NaN gradients) does not advance the schedule
+        run.scheduler.step()
+    return loss, tokens[0]
+
+
 def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None = None, resume: bool = False,
           engine: str = "analytic", on_event: Event | None = None) -> TrainResult:
     """Run the training described by ``cfg``. Raises UnrecoverableOOM (exit 4) after saving a checkpoint when even
@@ -162,284 +449,92 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     quiet_third_party()
     import torch
 
-    from oomdoctor.train import checkpoint as ckpt
-    from oomdoctor.train.data import SampleOrder, collate, count_targets, tokenize
-    from oomdoctor.train.model import autocast_dtype, build_model, load_tokenizer, quiet_hf, resolve_device
-    from oomdoctor.train.oom import GradTouch, OOMAtMicroBatchOne, OOMGuard, free_memory, is_oom
-    from oomdoctor.train.optim import CPUOffloadOptimizer, activation_offload, make_optimizer, make_scheduler
+    from oomdoctor.execute.load import quiet_hf
+    from oomdoctor.execute.oom import GradTouch, OOMGuard
 
     emit = on_event or (lambda e: None)
     quiet_hf()
     if max_steps is not None:
         cfg = replace(cfg, max_steps=max_steps, warmup_steps=min(cfg.warmup_steps, max_steps))
-    device = resolve_device(cfg)
-    budget = run_budget(cfg, gpu_mem, on_cpu=device.type == "cpu")
-    # the run cap enforces a capacity the user named (--gpu-mem / gpu_mem); NVML free memory needs no cap
-    cap = budget.capacity_bytes if budget is not None and budget.source != "nvml free" else None
-    notes: list[str] = []
-    if device.type == "cpu" and cfg.precision == "fp16-mixed":
-        notes.append("fp16 autocast on CPU: GradScaler runs but CPU fp16 matmuls are slow")
-
-    # ---------------------------------------------------------------- data
-    tok = load_tokenizer(cfg)
-    data = tokenize(cfg.dataset, tok, cfg.seq_len)
-    if data.truncated:
-        notes.append(f"{data.truncated} samples truncated to seq_len {cfg.seq_len}")
-    micro = cfg.micro_batch_size
-    if micro == "auto":
-        micro = auto_micro_batch(cfg, budget, engine)
-        emit({"type": "info", "message": f"micro_batch_size auto -> {micro}"})
-    eff = cfg.global_batch_size or micro * cfg.gradient_accumulation_steps
-    if cfg.global_batch_size is None and cfg.micro_batch_size == "auto":
-        eff = micro * cfg.gradient_accumulation_steps
-
-    # ---------------------------------------------------------------- prediction (same keys as diagnose)
-    memory_dict, plan_label = None, ""
-    try:
-        _, plan, mem, note = predict_memory(cfg, int(micro), engine)
-        plan_label = plan.label()
-        if mem is not None:
-            memory_dict = mem.to_dict()
-        if note:
-            notes.append(note)
-    except Exception as exc:  # noqa: BLE001 - the prediction must never stop a training run
-        notes.append(f"memory prediction failed: {type(exc).__name__}: {exc}")
-
-    # ---------------------------------------------------------------- model, optimizer, schedule
-    torch.manual_seed(cfg.seed)
-    built = build_model(cfg, device, len(tok))
-    model = built.model
-    trainable = built.trainable
-    if cfg.offload_optimizer:
-        optimizer = CPUOffloadOptimizer(cfg, trainable)
-    else:
-        optimizer = make_optimizer(cfg, trainable, device)
-    scheduler = make_scheduler(cfg, optimizer)
-    scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16-mixed" else None
-    amp_dtype = autocast_dtype(cfg)
-
-    state: dict[str, Any] = {"samples_seen": 0, "micro_batch": int(micro), "configured_micro_batch": int(micro),
-                             "oom_recoveries": 0, "losses": [], "fingerprint": _fingerprint(cfg), "recoveries": []}
-    step = 0
-    resumed_from = None
-    saved: dict = {}
-    out_dir = Path(cfg.output_dir)
-    if resume:
-        last = ckpt.latest_checkpoint(out_dir)
-        if last is None:
-            raise BadInput(f"--resume: no checkpoint in {out_dir}", "run without --resume to start fresh")
-        saved = ckpt.load_checkpoint(last, model=model, is_peft=built.is_peft, optimizer=optimizer,
-                                     scheduler=scheduler, scaler=scaler)
-        if saved.get("fingerprint") != state["fingerprint"]:
-            diff = [k for k in state["fingerprint"] if saved.get("fingerprint", {}).get(k) != state["fingerprint"][k]]
-            raise BadInput(f"--resume: {last} was written by a different run (differs in: {', '.join(diff)})",
-                           "resume with the same config, or choose another output_dir")
-        step = int(saved["step"])
-        state.update({k: saved[k] for k in ("samples_seen", "oom_recoveries", "losses", "recoveries") if k in saved})
-        if saved.get("configured_micro_batch") == int(micro):
-            state["micro_batch"] = int(saved.get("micro_batch", micro))  # keep what the OOM guard learned
-        else:  # the user changed micro_batch_size (e.g. to fix an OOM): the new value wins
-            emit({"type": "info", "message": f"micro_batch_size changed since the checkpoint: using {micro}"})
-        resumed_from = str(last)
-        emit({"type": "info", "message": f"resumed from {last} at step {step}"})
-    else:
-        old = ckpt.list_checkpoints(out_dir)
-        if old:
-            for _, p in old:
-                shutil.rmtree(p, ignore_errors=True)
-            emit({"type": "info", "message": f"fresh run: removed {len(old)} old checkpoint(s) in {out_dir} "
-                                             "(use --resume to continue a run)"})
-
-    # ---------------------------------------------------------------- memory meter / cap
-    meter = None
-    if device.type == "cuda":
-        if cap is not None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-        torch.cuda.reset_peak_memory_stats(device)
-        guard_ctx: Any = contextlib.nullcontext()
-    else:
-        from oomdoctor.execute.tracking import LiveBytes
-
-        meter = LiveBytes(cap_bytes=cap)
-        meter.track_module(model, optimizer if not isinstance(optimizer, CPUOffloadOptimizer) else None,
-                           grad_hooks=True)
-        guard_ctx = meter
-
+    run = _setup(cfg, gpu_mem, engine, emit)
+    state, resumed_from = _start_state(run, resume, emit)
+    first_step = state.step
     touch = GradTouch()
-    hooks = []
-    for p in trainable:
-        def _hook(_p, touch=touch):
-            touch.touched = True
-        hooks.append(p.register_post_accumulate_grad_hook(_hook))
-
-    def zero_grads() -> None:
-        optimizer.zero_grad(set_to_none=True)
-
-    order = SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle)
-    guard = OOMGuard(micro_batch=int(state["micro_batch"]), max_retries=max(0, cfg.max_oom_retries -
-                                                                              int(state["oom_recoveries"])))
+    run.step.hooks = _GuardHooks(touch, run.meter)  # type: ignore[assignment]
+    hooks = [p.register_post_accumulate_grad_hook(lambda _p: setattr(touch, "touched", True))
+             for p in run.loaded.trainable]
+    guard = OOMGuard(micro_batch=state.micro_batch, max_retries=max(0, cfg.max_oom_retries - state.oom_recoveries))
 
     def on_recovery(rec) -> None:
-        state["oom_recoveries"] = int(state["oom_recoveries"]) + 1
-        state["recoveries"].append(rec.to_dict())
-        emit({"type": "oom", **rec.to_dict(), "grad_accum": math.ceil(eff / rec.new_micro_batch)})
+        state.oom_recoveries += 1
+        state.recoveries.append(rec.to_dict())
+        emit({"type": "oom", **rec.to_dict(), "grad_accum": math.ceil(run.effective_batch / rec.new_micro_batch)})
 
     guard.on_recovery = on_recovery
     delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
     last_ckpt: str | None = resumed_from
-    tokens_total = 0
+    tokens_total, last_loss = 0, None
     t0 = time.perf_counter()
-    last_loss: float | None = None
-
-    def save(at_step: int) -> str:
-        st = {**state, "micro_batch": guard.micro_batch}
-        path = ckpt.save_checkpoint(out_dir, at_step, model=model, is_peft=built.is_peft, optimizer=optimizer,
-                                    scheduler=scheduler, scaler=scaler, state=st,
-                                    save_total_limit=cfg.save_total_limit)
-        emit({"type": "checkpoint", "step": at_step, "path": str(path)})
-        return str(path)
-
-    def peak_bytes() -> int:
-        if device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(device))
-        return int(meter.peak) if meter is not None else 0
-
-    def diagnosis(phase: str, reason: str, message: str) -> str:
-        lines = [f"out of memory at step {step + 1} in {phase} with micro-batch 1 x seq_len {cfg.seq_len} "
-                 f"({reason})"]
-        if cap is not None:
-            held = format_bytes(meter.current) if meter else "?"
-            lines.append(f"budget {format_bytes(cap)}; held outside the failed micro-batch (weights, gradients, "
-                         f"optimizer state): {held}: too little is left for one sample's activations")
-        if memory_dict:
-            comps = {k[:-6]: v for k, v in memory_dict.items()
-                     if k.endswith("_bytes") and not k.startswith("peak") and v}
-            top = sorted(comps.items(), key=lambda kv: -kv[1])[:4]
-            lines.append("predicted (micro-batch %d): " % int(micro)
-                         + ", ".join(f"{k} {format_bytes(v)}" for k, v in top))
-        lines.append(f"OOM message: {message.splitlines()[0][:200]}")
-        return "\n".join(lines)
-
     threads_before = torch.get_num_threads()
-    if device.type == "cpu" and built.num_params < 5_000_000 and "OMP_NUM_THREADS" not in os.environ:
+    if run.device.type == "cpu" and run.loaded.num_params < 5_000_000 and "OMP_NUM_THREADS" not in os.environ:
         # tiny models: thread fan-out costs more than the ops (measured 0.5 s vs 8 s for 4 steps on a loaded
         # 2-core box); real models keep torch's default. Restored when the run ends.
         torch.set_num_threads(1)
-    emit({"type": "start", "max_steps": cfg.max_steps, "step": step, "micro_batch": guard.micro_batch,
-          "effective_batch": eff, "device": str(device), "cap": cap, "samples": len(data),
-          "trainable": built.num_trainable, "params": built.num_params, "plan": plan_label})
+    emit({"type": "start", "max_steps": cfg.max_steps, "step": state.step, "micro_batch": guard.micro_batch,
+          "effective_batch": run.effective_batch, "device": str(run.device), "cap": run.cap,
+          "samples": len(run.data), "trainable": run.loaded.num_trainable, "params": run.loaded.num_params,
+          "plan": run.plan.label()})
     try:
-        with guard_ctx:
-            while step < cfg.max_steps:
-                idx = order.take(int(state["samples_seen"]), eff)
-                samples = [data.samples[i] for i in idx]
-                n_targets = max(1, count_targets(samples))
-                step_tokens = [0]
-
-                def run_chunk(chunk: list) -> float:
-                    batch = collate(chunk, data.pad_id, cfg.dataset.pad_to_multiple_of)
-                    batch = {k: v.to(device) for k, v in batch.items()}
-                    step_tokens[0] += int(batch["input_ids"].numel())
-                    amp = (torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None
-                           else contextlib.nullcontext())
-                    with amp, activation_offload(cfg.offload_activations, device):
-                        loss = model(**batch, num_items_in_batch=n_targets).loss
-                    touch.in_backward = True
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                    return float(loss.detach())
-
-                try:
-                    step_loss, _ = guard.run_step(step + 1, samples, run_chunk, zero_grads, touch)
-                except OOMAtMicroBatchOne as exc:
-                    zero_grads()
-                    free_memory()
-                    where = save(step)  # state as of the start of this step: weights untouched, data not consumed
-                    raise UnrecoverableOOM(
-                        diagnosis(exc.phase, exc.reason, exc.message) + f"\ncheckpoint saved: {where}",
-                        "fix the plan (`oomdoctor train CONFIG --dry-run --gpu-mem SIZE` lists changes that fit), "
-                        "then `oomdoctor train CONFIG --resume`",
-                    ) from None
-                if step == 0 or (resumed_from and step == int(saved["step"])):
-                    # field notes 1.4: with GC + PEFT a missing input-grad hook trains nothing, silently
-                    from torch.utils._python_dispatch import _disable_current_modes
-
-                    with torch.no_grad(), _disable_current_modes():  # a check, not part of the budget
-                        live = any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in trainable)
-                    if not live:
-                        msg = "no gradient reached the trainable parameters in the first step: nothing trains"
-                        notes.append(msg)
-                        emit({"type": "info", "message": "warning: " + msg})
-                try:
-                    if scaler is not None:
-                        scaler.unscale_(optimizer)
-                    if cfg.max_grad_norm:
-                        torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
-                    if scaler is not None:
-                        scaler.step(optimizer)
-                        scaler.update()
-                    else:
-                        optimizer.step()
-                except (torch.OutOfMemoryError, RuntimeError) as exc:
-                    if not is_oom(exc):
-                        raise
-                    raise UnrecoverableOOM(
-                        f"out of memory in the optimizer step {step + 1} (the optimizer state is allocated at the "
-                        f"first step; a smaller micro-batch does not shrink it). The in-memory state may be "
-                        f"partially updated, so no checkpoint was written; last checkpoint: {last_ckpt or 'none'}",
-                        "use a leaner optimizer (optim: adamw_bnb_8bit / adafactor), offload_optimizer: true or "
-                        "LoRA; check with `oomdoctor train CONFIG --dry-run --gpu-mem SIZE`",
-                    ) from None
-                scheduler.step()
-                zero_grads()
-                if meter is not None and step == 0:
-                    meter.track_optimizer(optimizer)
-                step += 1
-                state["samples_seen"] = int(state["samples_seen"]) + eff
-                state["micro_batch"] = guard.micro_batch
-                state["losses"].append(step_loss)
-                last_loss = step_loss
-                tokens_total += step_tokens[0]
+        with run.meter if run.meter is not None else contextlib.nullcontext():
+            while state.step < cfg.max_steps:
+                loss, tokens = _one_step(run, state, guard, touch, emit, last_ckpt,
+                                         check_grads=state.step == first_step)
+                state.step += 1
+                state.samples_seen += run.effective_batch
+                state.micro_batch = guard.micro_batch
+                state.losses.append(loss)
+                last_loss = loss
+                tokens_total += tokens
                 el = time.perf_counter() - t0
-                if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-                    emit({"type": "step", "step": step, "max_steps": cfg.max_steps, "loss": step_loss,
-                          "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_total / el if el else 0.0,
-                          "peak_bytes": peak_bytes(), "micro_batch": guard.micro_batch,
-                          "grad_accum": math.ceil(eff / guard.micro_batch)})
-                if step == cfg.max_steps or (cfg.save_steps and step % cfg.save_steps == 0):
-                    last_ckpt = save(step)
+                if state.step % cfg.logging_steps == 0 or state.step == cfg.max_steps:
+                    emit({"type": "step", "step": state.step, "max_steps": cfg.max_steps, "loss": loss,
+                          "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_total / el if el else 0.0,
+                          "peak_bytes": run.peak_bytes(), "micro_batch": guard.micro_batch,
+                          "grad_accum": math.ceil(run.effective_batch / guard.micro_batch)})
+                if state.step == cfg.max_steps or (cfg.save_steps and state.step % cfg.save_steps == 0):
+                    last_ckpt = _save(run, state, guard, emit)
                 if delay:
                     time.sleep(delay)
     finally:
         for h in hooks:
             h.remove()
         torch.set_num_threads(threads_before)
-
     wall = time.perf_counter() - t0
     res = TrainResult(
-        optimizer_steps=step,
-        effective_batch_size=eff,
+        optimizer_steps=state.step,
+        effective_batch_size=run.effective_batch,
         micro_batch_size=guard.micro_batch,
-        gradient_accumulation_steps=math.ceil(eff / guard.micro_batch),
-        oom_recoveries=int(state["oom_recoveries"]),
-        measured_peak_bytes=peak_bytes(),
-        memory=memory_dict,
-        final_loss=last_loss if last_loss is not None else (state["losses"][-1] if state["losses"] else None),
+        gradient_accumulation_steps=math.ceil(run.effective_batch / guard.micro_batch),
+        oom_recoveries=state.oom_recoveries,
+        measured_peak_bytes=run.peak_bytes(),
+        memory=run.memory,
+        final_loss=last_loss if last_loss is not None else (state.losses[-1] if state.losses else None),
         checkpoint=last_ckpt,
-        first_loss=state["losses"][0] if state["losses"] else None,
-        losses=[float(x) for x in state["losses"]],
+        first_loss=state.losses[0] if state.losses else None,
+        losses=[float(x) for x in state.losses],
         tokens=tokens_total,
         tokens_per_second=tokens_total / wall if wall else 0.0,
         wall_seconds=wall,
-        device=str(device),
-        cap_bytes=cap,
+        device=str(run.device),
+        cap_bytes=run.cap,
         resumed_from=resumed_from,
-        recoveries=list(state["recoveries"]),
-        num_params=built.num_params,
-        num_trainable_params=built.num_trainable,
-        plan=plan_label,
-        notes=notes,
+        recoveries=list(state.recoveries),
+        num_params=run.loaded.num_params,
+        num_trainable_params=run.loaded.num_trainable,
+        plan=run.plan.label(),
+        notes=run.notes,
     )
+    out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     import json
 
@@ -447,5 +542,5 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     return res
 
 
-__all__ = ["train", "TrainResult", "predict_memory", "run_budget", "auto_micro_batch", "set_allocator_env",
+__all__ = ["train", "TrainResult", "RunState", "Run", "predict_memory", "run_budget", "auto_micro_batch", "set_allocator_env",
            "STEP_DELAY_ENV"]

@@ -1,0 +1,369 @@
+"""Instrumented replay of the executor's training step: the steps of :class:`oomdoctor.execute.step.TrainStep`
+run under :class:`oomdoctor.execute.tracking.LiveBytes`, which counts live tensor bytes per category and phase
+through the step's hooks. Used by the simulated engine (fake tensors on ``cpu`` replaying a CUDA run), its real-CPU
+reference run, and the measured engine (a real CUDA device).
+
+The target is a CUDA GPU, so where the CPU code path would allocate differently the replay follows CUDA
+(:class:`CudaPolicy`, documented in docs/simulate.md):
+
+* autocast: CPU autocast casts the same ops to lower precision (linear, matmul, bmm, baddbmm, addmm, SDPA) and
+  caches weight casts the same way (leaf fp32 tensors requiring grad), but CUDA's fp32 list is longer (softmax,
+  log_softmax, layer_norm, pow, rsqrt, exp, log, sum, cumsum, ...): those ops are upcast here as on CUDA;
+  ``torch.is_autocast_enabled()`` (no argument = CUDA) answers for the CPU autocast, so peft takes its CUDA path;
+* dropout: CUDA's fused ``native_dropout`` keeps a 1-byte bool mask, the CPU path a mask in the input dtype;
+* bitsandbytes paged optimizer state (tensors of >= 1e5 elements) is unified memory outside PyTorch's allocator:
+  reported as ``paged_optimizer``, not in the allocator peak (``oomdoctor.execute.optim``);
+* torch optimizers keep the ``step`` counter on the host unless ``fused`` (not counted then);
+* fp16 loss scaling with a constant scale (:class:`oomdoctor.execute.step.StaticLossScale`: fake tensors hold no
+  values to check for inf).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from oomdoctor.execute.step import PHASES, StaticLossScale, StepHooks
+
+if TYPE_CHECKING:  # pragma: no cover
+    from oomdoctor.plan import Plan
+
+
+#: CUDA autocast "fp32" policy (aten/src/ATen/autocast_mode.cpp, KERNEL_CUDA(..., fp32)): inputs cast to fp32.
+_FP32_FUNCS = (
+    "layer_norm", "group_norm", "pow", "rsqrt", "exp", "log", "log1p", "log2", "log10", "expm1", "reciprocal",
+    "acos", "asin", "cosh", "sinh", "tan", "erfinv", "softplus", "norm", "normalize", "mse_loss", "l1_loss",
+    "smooth_l1_loss", "kl_div", "binary_cross_entropy_with_logits", "nll_loss", "cross_entropy",
+    "cosine_similarity", "__pow__", "__rpow__", "__rtruediv__", "__rdiv__",
+)
+#: CUDA autocast "fp32_set_opt_dtype" policy: run in fp32 (dtype=float32) unless an output dtype is given.
+_FP32_OPT_DTYPE_FUNCS = ("softmax", "log_softmax", "sum", "prod", "cumsum", "cumprod", "nansum", "softmin")
+
+
+def _cuda_policy_mode_cls():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    fp32_funcs: set = set()
+    opt_funcs: set = set()
+    for name in _FP32_FUNCS:
+        for ns in (torch, torch.Tensor, torch.nn.functional):
+            f = getattr(ns, name, None)
+            if f is not None:
+                fp32_funcs.add(f)
+    for name in _FP32_OPT_DTYPE_FUNCS:
+        for ns in (torch, torch.Tensor, torch.nn.functional):
+            f = getattr(ns, name, None)
+            if f is not None:
+                opt_funcs.add(f)
+    low = (torch.float16, torch.bfloat16)
+    dropout_funcs = {torch.nn.functional.dropout}
+
+    def _upcast(x):
+        if isinstance(x, torch.Tensor) and x.dtype in low:
+            return x.float()
+        return x
+
+    class CudaPolicy(TorchFunctionMode):
+        """Torch-function mode that makes a CPU replay allocate as CUDA does (see the module docstring)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in dropout_funcs:
+                x = args[0] if args else kwargs.get("input")
+                p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+                training = kwargs.get("training", args[2] if len(args) > 2 else True)
+                inplace = kwargs.get("inplace", args[3] if len(args) > 3 else False)
+                if training and 0 < p < 1 and not inplace and x.numel() > 0:
+                    return torch.native_dropout(x, p, True)[0]
+                return func(*args, **kwargs)
+            if torch.is_autocast_enabled("cpu"):
+                if func in fp32_funcs:
+                    args = tuple(_upcast(a) for a in args)
+                    kwargs = {k: _upcast(v) for k, v in kwargs.items()}
+                elif func in opt_funcs and kwargs.get("dtype") is None and args and isinstance(args[0], torch.Tensor):
+                    if args[0].dtype in low and not (len(args) > 2 and func is not torch.Tensor.sum):
+                        kwargs = dict(kwargs, dtype=torch.float32)
+            return func(*args, **kwargs)
+
+    return CudaPolicy
+
+
+@contextmanager
+def cuda_autocast_answers():
+    """``torch.is_autocast_enabled()`` without a device means CUDA; answer for the CPU autocast instead."""
+    import torch
+
+    orig = torch.is_autocast_enabled
+
+    def patched(*a, **k):
+        if not a and not k:
+            return orig("cpu") or orig("cuda")
+        return orig(*a, **k)
+
+    torch.is_autocast_enabled = patched
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled = orig
+
+
+@contextmanager
+def hf_data_paths():
+    """Make transformers take the branch real (unpacked) data takes where it branches on tensor values: with fake
+    tensors ``is_tracing`` is true and ``find_packed_sequence_indices`` would report a packed batch (and a mask would
+    be built). Same ops, then the answer real position ids give: not packed."""
+    import torch
+
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    orig = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if orig is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def patched(position_ids):
+        if not isinstance(position_ids, FakeTensor):
+            return orig(position_ids)
+        first_dummy_value = position_ids[:, :1] - 1
+        position_diff = torch.diff(position_ids, prepend=first_dummy_value, dim=-1)
+        packed_sequence_mask = (position_diff != 1).cumsum(-1)
+        (packed_sequence_mask[:, -1] == 0).all()
+        return None
+
+    masking_utils.find_packed_sequence_indices = patched
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = orig
+
+
+@dataclass
+class RunStats:
+    """Raw numbers of one simulated (or real) run."""
+
+    layers: int
+    """Transformer blocks of the model that ran."""
+    peak: int
+    """Peak live tensor bytes over all steps (rounded as configured)."""
+    peak_phase: str
+    """Phase of ``peak``."""
+    peak_categories: dict[str, int]
+    """Bytes per category at the peak (sums to ``peak``)."""
+    phase_peaks: dict[str, int]
+    """Peak per phase (max over the steps)."""
+    phase_categories: dict[str, dict[str, int]]
+    """Bytes per category at each phase's peak."""
+    step_peaks: list[int]
+    """Peak of each step."""
+    external: dict[str, int]
+    """Bytes outside the device allocator: ``paged_optimizer``, ``cpu_offloaded``."""
+    timeline: list = field(default_factory=list)
+    """(event, phase, {category: bytes}) samples when recorded."""
+    param_bytes: int = 0
+    """Bytes of parameters/buffers (and registered quantization constants) before the first step."""
+    adapter_bytes: int = 0
+    """Of ``param_bytes``: LoRA adapter weights."""
+    candidates: dict = field(default_factory=dict)
+    """Per phase: category dicts at [the phase peak, the start and the end of its last instance] — moments that are
+    aligned across block counts, extrapolated separately (the peak may move to a phase boundary for large N)."""
+
+
+
+
+class TrackingHooks(StepHooks):
+    """The step's hooks feeding a LiveBytes tracker: phases, the logits region (forward of the head until the
+    backward leaves it), optimizer state classification after the first step."""
+
+    def __init__(self, lb, plan: "Plan", *, head: Any, target: str):
+        self.lb, self.plan, self.head, self.target = lb, plan, head, target
+
+    def phase(self, name: str):
+        return self.lb.phase(name)
+
+    def forward_done(self) -> None:
+        self.lb.pop_region_all()
+
+    def backward_start(self) -> None:
+        self.lb.set_backward_region("logits" if self.head is not None else None)
+
+    def backward_done(self) -> None:
+        self.lb.set_backward_region(None)
+
+    def optimizer_stepped(self, optimizer: Any, step_index: int) -> None:
+        from oomdoctor.execute.optim import CPUOffloadOptimizer
+
+        if step_index != 0:
+            return
+        if isinstance(optimizer, CPUOffloadOptimizer):
+            _offload_optimizer_state(optimizer.inner, self.lb)
+            return
+        self.lb.track_optimizer(optimizer)
+        fused = self.plan.optimizer in ("adamw", "sgd") and self.plan.optimizer_impl == "fused"
+        if self.target == "cuda" and not fused:
+            # (on a real GPU, target "gpu", these CPU scalars are not on the device: not counted)
+            _untrack_host_scalars(optimizer, self.lb)
+
+
+def _head_region_hooks(head, lb) -> list:
+    """Classify the head's forward output (and its backward) as ``logits``."""
+    import torch
+
+    if head is None:
+        return []
+
+    def _head_out(m, a, out):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g: lb.set_backward_region(None))
+        return None
+
+    return [head.register_forward_pre_hook(lambda m, a: lb.push_region("logits")),
+            head.register_forward_hook(_head_out)]
+
+
+def replay_step(model, plan: "Plan", lb, *, target: str, head=None) -> Any:
+    """The executor's :class:`~oomdoctor.execute.step.TrainStep` for a replay: the plan's optimizer (offloaded to
+    host memory outside ``lb`` when the plan says so), tracking hooks, constant fp16 loss scale off a real GPU."""
+    from oomdoctor.execute.optim import HostActivationOffload, activation_offload, make_plan_optimizer
+    from oomdoctor.execute.step import TrainStep
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    on_gpu = target == "gpu"
+    opt = make_plan_optimizer(params, plan, target=target, lb=lb, host_scope=None if on_gpu else lb.paused)
+    device_type = "cuda" if on_gpu else "cpu"
+    if not plan.offload_activations:
+        offload = None
+    elif on_gpu:
+        offload = lambda: activation_offload(True, "cuda")  # noqa: E731
+    else:
+        offload = HostActivationOffload(host_scope=lb.paused, lb=lb)
+    scaler = StaticLossScale() if plan.precision == "fp16-mixed" and not on_gpu else None
+    return TrainStep(model, opt, plan, device_type=device_type, scaler=scaler,
+                     hooks=TrackingHooks(lb, plan, head=head, target=target), offload=offload)
+
+
+def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: str = "cuda", head=None,
+              checkpoint_region: bool = True, on_step=None, micro_batches: int | None = None) -> RunStats:
+    """Run ``steps`` training steps of ``model`` on ``batch`` under the live tracker ``lb`` (this function enters it).
+
+    ``target``: ``"cuda"`` replays on CPU tensors (real or fake) allocating as CUDA does (:class:`CudaPolicy`);
+    ``"cpu"`` runs plain CPU semantics; ``"gpu"`` runs on a real CUDA device (CUDA autocast, bnb as is).
+    ``on_step(step_index)`` is called after each step (the measured engine samples NVML there).
+    ``micro_batches``: forward/backward passes per optimizer step (None: 2 when ``plan.grad_accum >= 2`` — the
+    later micro-batches all run with the gradients allocated (accumulated in place) and are identical — else 1)."""
+    lb.track_module(model)
+    adapter_bytes = sum(lb.counted_bytes(p) for n, p in model.named_parameters() if "lora_" in n)
+    param_bytes = lb.current
+    step_peaks: list[int] = []
+    n_micro = min(max(plan.grad_accum, 1), 2) if micro_batches is None else micro_batches
+    hooks = _head_region_hooks(head, lb)
+    policy_cls = _cuda_policy_mode_cls() if target == "cuda" else None
+    restore_ckpt = _wrap_checkpoint_functions(model, lb, policy_cls, classify=checkpoint_region) \
+        if plan.gradient_checkpointing else []
+    with ExitStack() as stack:
+        stack.enter_context(hf_data_paths())
+        if target == "cuda":
+            stack.enter_context(cuda_autocast_answers())
+            stack.enter_context(policy_cls())
+        stack.enter_context(lb)
+        step = replay_step(model, plan, lb, target=target, head=head)
+        divisor = plan.grad_accum if n_micro > 1 else 1  # Trainer: loss / gradient_accumulation_steps
+        for i in range(steps):
+            lb.reset_peak()
+            for _micro in range(n_micro):
+                step.forward_backward(batch, loss_divisor=divisor)
+            step.optimizer_step()
+            step_peaks.append(lb.peak)
+            if on_step is not None:
+                on_step(i)
+    for h in hooks:
+        h.remove()
+    for mod, fn in restore_ckpt:
+        mod._gradient_checkpointing_func = fn
+    lb.remove_hooks()
+    return _stats(lb, step_peaks, param_bytes, adapter_bytes)
+
+
+def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int) -> RunStats:
+    peaks = lb.phase_peaks
+    phase_cats = {ph: lb.categories_at(ev) for ph, ev in lb.phase_peak_events().items()}
+    # aligned candidate moments for extrapolation: the peak, and the start/end of the last instance of each phase
+    last: dict[str, tuple] = {}
+    for name, start, end, _pk in lb.spans():
+        last[name] = (start, end)
+    candidates = {
+        ph: [phase_cats[ph], lb.categories_at(last[ph][0]), lb.categories_at(last[ph][1])] for ph in phase_cats
+    }
+    best = max(PHASES, key=lambda ph: peaks.get(ph, -1))
+    return RunStats(
+        layers=0,
+        peak=max(peaks.values()),
+        peak_phase=best,
+        peak_categories=phase_cats[best],
+        phase_peaks=dict(peaks),
+        phase_categories=phase_cats,
+        step_peaks=step_peaks,
+        external=dict(lb.external),
+        timeline=lb.timeline() if lb.record_timeline else [],
+        param_bytes=param_bytes,
+        adapter_bytes=adapter_bytes,
+        candidates=candidates,
+    )
+
+
+def _untrack_host_scalars(opt, lb) -> None:
+    """torch's non-fused optimizers keep ``step`` as a CPU scalar tensor (not on the GPU)."""
+    import torch
+
+    for st in opt.state.values():
+        s = st.get("step") if isinstance(st, dict) else None
+        if isinstance(s, torch.Tensor) and s.dim() == 0:
+            lb.untrack(s)
+
+
+def _offload_optimizer_state(opt, lb) -> None:
+    """Optimizer state created on the host (under ``lb.paused``): never device bytes; counted in cpu_offloaded."""
+    import torch
+
+    for st in opt.state.values():
+        for v in st.values() if isinstance(st, dict) else ():
+            if isinstance(v, torch.Tensor):
+                lb.ignore(v, external="cpu_offloaded")
+
+
+def _wrap_checkpoint_functions(model, lb, policy_cls=None, *, classify: bool = True) -> list:
+    """Wrap each block's checkpoint function so that the recompute during backward (a) runs under the CUDA policy
+    again (torch-function modes are not active inside autograd's backward) and (b) is classified as activations
+    (try/finally survives the non-reentrant checkpoint's early stop)."""
+    restore = []
+    for mod in model.modules():
+        fn = getattr(mod, "_gradient_checkpointing_func", None)
+        if fn is None or not getattr(mod, "gradient_checkpointing", False):
+            continue
+
+        def wrapped(function, *args, _fn=fn, **kwargs):
+            def run(*a, **k):
+                if lb.current_phase != "backward":
+                    return function(*a, **k)
+                with ExitStack() as st:
+                    if policy_cls is not None:
+                        st.enter_context(cuda_autocast_answers())
+                        st.enter_context(policy_cls())
+                    if classify:
+                        lb.push_region("activations")
+                        st.callback(lb.pop_region)
+                    return function(*a, **k)
+
+            return _fn(run, *args, **kwargs)
+
+        restore.append((mod, fn))
+        mod._gradient_checkpointing_func = wrapped
+    return restore
+
+
+__all__ = ["RunStats", "run_steps", "replay_step", "TrackingHooks", "cuda_autocast_answers", "hf_data_paths"]

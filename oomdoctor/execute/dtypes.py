@@ -1,0 +1,40 @@
+"""The one map from the plan's dtype names to torch dtypes, and the dtypes a plan trains in.
+
+``weight_dtype``: the stored dtype of the unquantized weights — bf16 for pure ``bf16``, else fp32 (for ``*-mixed``
+the fp32 weights are AMP's master copy). ``autocast_dtype``: the dtype matmuls run in under autocast, None without
+autocast. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from oomdoctor.plan import Plan
+
+#: Plan dtype names (``compute_dtype``, ``bnb_4bit_compute_dtype``) as torch attribute names.
+DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """``"bfloat16"`` -> ``torch.bfloat16`` (one of :data:`DTYPE_NAMES`)."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise KeyError(f"unknown dtype name {name!r} (one of {', '.join(DTYPE_NAMES)})")
+    return getattr(torch, name)
+
+
+def weight_dtype(plan: "Plan") -> "torch.dtype":
+    """Stored dtype of the (non-quantized) weights."""
+    return torch_dtype("bfloat16" if plan.precision == "bf16" else "float32")
+
+
+def autocast_dtype(plan: "Plan") -> "torch.dtype | None":
+    """Autocast dtype of a mixed-precision plan (``fp16-mixed``/``bf16-mixed``), None otherwise."""
+    return torch_dtype(plan.compute_dtype) if plan.is_mixed else None
+
+
+__all__ = ["DTYPE_NAMES", "torch_dtype", "weight_dtype", "autocast_dtype"]

@@ -1,0 +1,217 @@
+"""Load the model and tokenizer a real run trains (weights from disk, or random weights of a config's shape).
+
+Efficient init (Lightning Fabric ``init_module`` / HF ``from_pretrained`` semantics), never a full fp32 copy first:
+
+- ``init: pretrained``: ``AutoModelForCausalLM.from_pretrained(path, dtype=<weight dtype>,
+  device_map={"": "cuda:0"|"cpu"}, quantization_config=...)`` loads the checkpoint straight into the target
+  dtype on the target device (transformers 5 builds on meta and materializes each tensor once).
+- ``init: random``: ``AutoModelForCausalLM.from_config(config, dtype=...)`` under ``with torch.device(device):``
+  allocates every parameter directly on the device in the target dtype. With a bitsandbytes base (QLoRA smoke
+  runs) the random model is built in the compute dtype on the CPU, saved to a temporary directory and loaded back
+  through ``from_pretrained(quantization_config=...)`` — the path real QLoRA runs take (known cost: one CPU copy
+  in the compute dtype; only for random-init smoke runs).
+
+Then the plan's techniques exactly as the simulated build applies them
+(:func:`oomdoctor.execute.build.apply_plan_techniques`: k-bit preparation, gradient checkpointing, LoRA).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from oomdoctor.errors import BadInput, NoGPU
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from oomdoctor.plan import Plan
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a real run's model comes from (``oomdoctor train``'s ``model:`` section)."""
+
+    path: str | None = None
+    """Weights directory (``init: pretrained``)."""
+    config: str | None = None
+    """Config reference for ``init: random`` (bundled id, config.json or a directory)."""
+    init: str = "pretrained"
+    """``pretrained`` or ``random``."""
+    tokenizer: str | None = None
+    """Tokenizer directory or file (default: ``path``)."""
+
+
+def quiet_hf() -> None:
+    """Silence progress bars and deprecation chatter of transformers/bitsandbytes in training logs."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    warnings.filterwarnings("ignore", message=".*MatMul8bitLt.*")
+    warnings.filterwarnings("ignore", message=".*inputs will be cast.*")
+    warnings.filterwarnings("ignore", message=".*Could not find a config file.*")  # peft save of a random-init base
+
+
+def resolve_device(preference: str) -> "torch.device":
+    """``cpu``, ``cuda`` (refused without a visible GPU) or ``auto`` (the current CUDA device, else the CPU)."""
+    import torch
+
+    if preference == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if preference == "cuda":
+        raise NoGPU("device: cuda but no CUDA GPU is visible", "set device: auto (CPU) or run on a GPU machine")
+    return torch.device("cpu")
+
+
+def load_tokenizer(source: ModelSource):
+    """The tokenizer (``source.tokenizer``, else the weights directory); pad = EOS (or UNK) when it has none."""
+    from transformers import AutoTokenizer
+
+    src = source.tokenizer or source.path
+    try:
+        tok = AutoTokenizer.from_pretrained(src)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad path
+        raise BadInput(f"cannot load the tokenizer from {src!r}: {exc}",
+                       "set model.tokenizer to a directory holding tokenizer.json") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    return tok
+
+
+def hf_config(source: ModelSource):
+    """transformers config of the model (from the weights dir, a config.json, a directory or a bundled id)."""
+    from transformers import AutoConfig
+
+    from oomdoctor.model.load import load_config
+
+    if source.init == "pretrained":
+        return AutoConfig.from_pretrained(source.path)
+    raw, _, _ = load_config(source.config)
+    raw = dict(raw)
+    mt = raw.pop("model_type", None)
+    if mt is None:
+        raise BadInput(f"model.config {source.config}: no model_type in the config")
+    for k in ("transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype"):
+        raw.pop(k, None)
+    return AutoConfig.for_model(mt, **raw)
+
+
+def bnb_config(plan: "Plan", compute_dtype: str | None = None):
+    """transformers ``BitsAndBytesConfig`` for the plan's quantization (None without one)."""
+    if plan.quant is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    from oomdoctor.execute.dtypes import torch_dtype
+
+    if plan.quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=plan.quant,
+        bnb_4bit_use_double_quant=plan.double_quant,
+        bnb_4bit_compute_dtype=torch_dtype(compute_dtype or plan.compute_dtype),
+    )
+
+
+def hf_attn_implementation(plan: "Plan") -> str:
+    """transformers ``attn_implementation`` of a real run (``flash`` = flash-attn 2)."""
+    return {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}[plan.attn]
+
+
+@dataclass
+class LoadedModel:
+    """A real model with the plan's techniques applied."""
+
+    model: Any
+    """The torch module (a ``PeftModel`` for LoRA/QLoRA)."""
+    trainable: list
+    """Parameters that require grad, in model order."""
+    num_params: int
+    """Elements of every parameter (quantized ones counted as stored)."""
+    num_trainable: int
+    """Elements of the trainable parameters."""
+    is_peft: bool
+    """True for LoRA/QLoRA (the model is a ``PeftModel``)."""
+
+
+def _from_pretrained(path: str, plan: "Plan", device: "torch.device", qconf):
+    from transformers import AutoModelForCausalLM
+
+    from oomdoctor.execute.dtypes import weight_dtype
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype(plan), device_map={"": str(device)},
+                                                quantization_config=qconf, attn_implementation=hf_attn_implementation(plan))
+
+
+def _random_model(source: ModelSource, plan: "Plan", device: "torch.device", qconf, vocab_size: int, seed: int,
+                  compute_dtype: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from oomdoctor.execute.dtypes import torch_dtype, weight_dtype
+
+    hcfg = hf_config(source)
+    if vocab_size > hcfg.vocab_size:
+        raise BadInput(f"the tokenizer has {vocab_size} tokens but the model config's vocab_size is "
+                       f"{hcfg.vocab_size}", "use the model's own tokenizer or a config with a larger vocab")
+    hcfg.use_cache = False
+    torch.manual_seed(seed)
+    if qconf is None:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(hcfg, dtype=weight_dtype(plan),
+                                                    attn_implementation=hf_attn_implementation(plan))
+    with torch.device("cpu"):
+        tmp_model = AutoModelForCausalLM.from_config(hcfg, dtype=torch_dtype(compute_dtype or plan.compute_dtype))
+    tmp = tempfile.mkdtemp(prefix="oomdoctor-init-")
+    try:
+        tmp_model.save_pretrained(tmp)
+        del tmp_model
+        return _from_pretrained(tmp, plan, device, qconf)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(source: ModelSource, plan: "Plan", device: "torch.device", *, vocab_size: int = 0, seed: int = 0,
+               compute_dtype: str | None = None) -> LoadedModel:
+    """The model on ``device`` with every technique of ``plan`` applied (quantization, GC, LoRA).
+
+    ``compute_dtype``: bitsandbytes 4-bit compute dtype when it differs from the plan's (``bnb_4bit_compute_dtype``)."""
+    from oomdoctor.execute.build import apply_plan_techniques, lora_targets_of_model
+
+    qconf = bnb_config(plan, compute_dtype)
+    if source.init == "pretrained":
+        try:
+            model = _from_pretrained(source.path, plan, device, qconf)
+        except OSError as exc:
+            raise BadInput(f"cannot load model weights from {source.path!r}: {exc}",
+                           "model.path must hold config.json + *.safetensors (or use init: random)") from None
+    else:
+        model = _random_model(source, plan, device, qconf, vocab_size, seed, compute_dtype)
+    model.config.use_cache = False
+    try:
+        model = apply_plan_techniques(model, plan, lora_targets_of_model(model, plan))
+    except ValueError as exc:
+        raise BadInput(f"target_modules: {exc}", "name modules of this model (q_proj, v_proj...) or all-linear") \
+            from None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise BadInput("no trainable parameters after applying the method", "check method / target_modules")
+    return LoadedModel(
+        model=model,
+        trainable=trainable,
+        num_params=sum(p.numel() for p in model.parameters()),
+        num_trainable=sum(p.numel() for p in trainable),
+        is_peft=plan.uses_lora,
+    )
+
+
+__all__ = ["ModelSource", "LoadedModel", "load_model", "load_tokenizer", "resolve_device", "quiet_hf", "hf_config",
+           "bnb_config", "hf_attn_implementation"]
