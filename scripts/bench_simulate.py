@@ -5,6 +5,7 @@
     python scripts/bench_simulate.py --threads 2     # as on a 2-core CI machine
     python scripts/bench_simulate.py --compare       # also the analytic engine and its error vs simulate
     python scripts/bench_simulate.py --json out.json
+    python scripts/bench_simulate.py --cold          # each plan in a fresh process: imports + simulation (goal <= 5 s)
 
 The first plan of a process also pays the imports (torch, transformers, peft, bitsandbytes) and is reported
 separately as ``warm-up``.
@@ -63,6 +64,47 @@ def grid_plans():
     ]
 
 
+COLD_CHILD = """
+import sys, time
+t0 = time.perf_counter()
+from oomdoctor.engines.simulate import simulate_plan
+from oomdoctor.model.load import load_spec
+from oomdoctor.plan import Plan, validate
+import torch
+torch.set_num_threads(int(sys.argv[3]))
+plan = validate(Plan(**__import__("json").loads(sys.argv[2])))
+spec = load_spec(sys.argv[1])
+t1 = time.perf_counter()
+simulate_plan(spec, plan)
+t2 = time.perf_counter()
+print(f"{t1 - t0:.2f} {t2 - t1:.2f}")
+"""
+
+
+def cold(models: list[str], threads: int) -> list[dict]:
+    """Each default plan in a fresh interpreter: what one ``diagnose --engine simulate`` of one plan costs."""
+    import subprocess
+    from dataclasses import asdict
+
+    rows = []
+    print(f"{'model':40s} {'plan':58s} {'imports':>8s} {'simulate':>9s} {'cold total':>11s}")
+    for mid in models:
+        for plan in default_plans():
+            d = asdict(plan)
+            d["lora_targets"] = list(d["lora_targets"])
+            t = time.perf_counter()
+            out = subprocess.run([sys.executable, "-c", COLD_CHILD, mid, json.dumps(d), str(threads)],
+                                 capture_output=True, text=True, check=True,
+                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+            total = time.perf_counter() - t
+            imp, sim = (float(x) for x in out.stdout.split()[-2:])
+            rows.append({"model": mid, "plan": plan.label(), "imports_s": imp, "simulate_s": sim, "cold_s": total})
+            print(f"{mid:40s} {plan.label():58s} {imp:8.2f} {sim:9.2f} {total:11.2f}", flush=True)
+    worst = max(r["cold_s"] for r in rows)
+    print(f"cold wall time per plan (interpreter start to result): max {worst:.2f} s (goal <= 5 s)")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="*", default=list(MODELS))
@@ -70,7 +112,13 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", action="store_true", help="also run the analytic engine and print its error")
     ap.add_argument("--json", help="write the rows to this JSON file")
     ap.add_argument("--grid", action="store_true", help="the analytic-vs-simulate grid instead of the timing plans")
+    ap.add_argument("--cold", action="store_true", help="each plan in a fresh process (imports included)")
     args = ap.parse_args(argv)
+    if args.cold:
+        rows = cold(args.models if args.models != list(MODELS) else ["meta-llama/Llama-2-7b-hf"], args.threads)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
+        return 0
 
     import torch
 

@@ -1,7 +1,7 @@
 """The training loop of ``oomdoctor train``: data -> model -> guarded micro-batches -> optimizer step -> checkpoint.
 
 One optimizer step consumes ``effective_batch_size`` samples (the data position advances by that much), computes
-the number of target tokens ``N`` of all of them, and runs them through :class:`oomdoctor.train.oom.OOMGuard` in
+the number of target tokens ``N`` of all of them, and runs them through :class:`oomdoctor.execute.oom.OOMGuard` in
 micro-batches; each micro-batch's loss is ``sum(token losses) / N`` (transformers' ``num_items_in_batch``), so the
 step's gradient does not depend on how the samples were split. Then: GradScaler unscale (fp16), clipping,
 optimizer step, scheduler step.
