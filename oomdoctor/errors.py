@@ -1,6 +1,7 @@
 """Exceptions that the CLI turns into one clear line and an exit code (in ``oomdoctor.cli``, one place).
 
-Exit codes (documented in the README): 0 done / fits, 2 bad input, 3 does not fit, 4 OOM not recoverable.
+Exit codes (documented in the README): 0 done / fits, 2 bad input, 3 does not fit, 4 OOM not recoverable,
+130 interrupted (Ctrl-C; ``train`` saves a checkpoint first).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ EXIT_OK = 0
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
 EXIT_OOM = 4
+EXIT_INTERRUPTED = 130
 
 
 class OomDoctorError(Exception):
@@ -52,3 +54,9 @@ class NoGPU(OomDoctorError):
     """An action needs a CUDA GPU and none is present (exit 2)."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class Interrupted(OomDoctorError):
+    """The user stopped a run (Ctrl-C); ``train`` saved a checkpoint at the step boundary (exit 130)."""
+
+    exit_code = EXIT_INTERRUPTED

@@ -131,6 +131,6 @@ def test_cli_gpu_mem_cap_json(tmp_path, reference):
     assert out["micro_batch_size"] == 4 and out["oom_recoveries"] == 1
     assert "OOM at step 1" in p.stderr and "same effective batch" in p.stderr
     # unrecoverable: exit 4, one clear message, no traceback, checkpoint left behind
-    p = cli("train", cfg_path, "--gpu-mem", f"{r4.measured_peak_bytes // 3}B")
+    p = cli("train", cfg_path, "--gpu-mem", f"{r4.measured_peak_bytes // 3}B", "--overwrite")
     assert p.returncode == 4, p.stderr
     assert "Traceback" not in p.stderr and "micro-batch 1" in p.stderr and "--resume" in p.stderr

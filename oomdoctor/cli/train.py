@@ -21,7 +21,11 @@ fit, a checkpoint is saved and the run exits 4. Checkpoints are atomic; --resume
 --dry-run validates and prices the config without training: exit 0 fits, 3 does not (with the changes that fit).
 On a CPU, --gpu-mem SIZE caps live tensor bytes and raises torch's OutOfMemoryError past it (a simulated GPU).
 
-Exit codes: 0 done / fits, 2 bad input (every config problem listed), 3 does not fit, 4 OOM not recoverable.
+An output_dir that already holds a run is refused unless --resume (continue it) or --overwrite (replace it); a lock
+stops a second run into the same directory. Ctrl-C finishes the step, saves a checkpoint and exits 130.
+
+Exit codes: 0 done / fits, 2 bad input (every config problem listed), 3 does not fit, 4 OOM not recoverable,
+130 interrupted (checkpoint saved).
 """
 HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
 
@@ -137,6 +141,8 @@ def train(
     ),
     engine: str = typer.Option("analytic", "--engine", help="estimator: analytic | simulate | measure"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in output_dir"),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="replace the run already in output_dir (HF overwrite_output_dir)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON summary object on stdout"),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="override max_steps of the config"),
 ) -> None:
@@ -171,7 +177,8 @@ def train(
 
     rep = _Reporter(tty=sys.stderr.isatty() and not json_out)
     try:
-        res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, engine=engine, on_event=rep)
+        res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, overwrite=overwrite, engine=engine,
+                        on_event=rep, command=f"oomdoctor train {config}")
     except OomDoctorError as exc:
         if json_out:  # CI still gets one JSON object; the message also goes to stderr (oomdoctor.cli.main)
             print(json.dumps({"config": config, "error": exc.message, "hint": exc.hint,
@@ -191,6 +198,6 @@ def train(
           + (f" vs {_fmt(pred)} predicted (peak allocated"
              + (", at the configured micro-batch)" if res.oom_recoveries else ")") if pred else "")
           + f"; OOM recoveries {res.oom_recoveries}; {res.tokens_per_second:,.0f} tokens/s")
-    print(f"checkpoint: {res.checkpoint}")
+    print(f"model: {res.output_dir} (from_pretrained-loadable); last checkpoint: {res.checkpoint}")
     for n in res.notes:
         print(f"note: {n}")

@@ -5,14 +5,18 @@ then renamed into place with ``os.replace`` — a kill at any moment leaves eith
 new complete one, never a half-written directory. ``trainer_state.json`` is written last inside the temp dir and
 marks a checkpoint as complete.
 
-Contents:
-- weights: ``model.safetensors`` (full fine-tuning: the whole state dict) or ``adapter_model.safetensors`` +
-  ``adapter_config.json`` (LoRA/QLoRA: adapters only, via peft's ``save_pretrained``; the frozen base is not
-  copied);
+Contents (Hugging Face Trainer's ``checkpoint-N`` layout):
+- weights through ``save_pretrained``: ``model.safetensors`` (sharded with an index for big models) +
+  ``config.json`` (full fine-tuning), or ``adapter_model.safetensors`` + ``adapter_config.json`` (LoRA/QLoRA:
+  adapters only; the frozen base is not copied);
 - ``optimizer.pt`` (optimizer state; with offload also the host fp32 master weights), ``scheduler.pt``,
-  ``scaler.pt`` (fp16 GradScaler), ``rng.pt`` (torch CPU/CUDA, Python ``random``);
-- ``trainer_state.json``: optimizer steps done, samples consumed (data position), current micro-batch, OOM
-  recoveries, loss history, a fingerprint of the config's math-relevant keys.
+  ``scaler.pt`` (fp16 GradScaler), ``rng_state.pth`` (torch CPU/CUDA, Python ``random``);
+- ``trainer_state.json``: ``global_step``, samples consumed (data position), current micro-batch, OOM recoveries,
+  loss history, a fingerprint of the config's math-relevant settings.
+
+Reading: :func:`read_state` (the JSON alone, to compare fingerprints before touching the model), then
+:func:`load_checkpoint`; a checkpoint that cannot be read raises :class:`CorruptCheckpoint` and the caller falls
+back to an older one.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ from pathlib import Path
 import torch
 
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+STATE_FILE = "trainer_state.json"
+RNG_FILE = "rng_state.pth"
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint directory whose files cannot be read back (truncated, empty, wrong content)."""
 
 
 def _fsync_dir_tree(path: Path) -> None:
@@ -50,7 +60,7 @@ def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
         return out
     for p in d.iterdir():
         m = _CKPT_RE.match(p.name)
-        if m and (p / "trainer_state.json").exists():
+        if m and (p / STATE_FILE).exists():
             out.append((int(m.group(1)), p))
     return sorted(out)
 
@@ -87,27 +97,13 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, 
         shutil.rmtree(tmp)
     tmp.mkdir()
     with _disable_current_modes():
-        if is_peft:
-            model.save_pretrained(tmp, safe_serialization=True)
-        else:
-            from safetensors.torch import save_file
-
-            sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-            # tied weights share storage: keep one name (safetensors refuses shared tensors)
-            seen: dict[int, str] = {}
-            for k in list(sd):
-                ptr = model.state_dict()[k].data_ptr()
-                if ptr in seen:
-                    del sd[k]
-                else:
-                    seen[ptr] = k
-            save_file(sd, str(tmp / "model.safetensors"))
+        model.save_pretrained(tmp, safe_serialization=True)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=1))
+        torch.save(_rng_state(), tmp / RNG_FILE)
+    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "global_step": step}, indent=1))
     _fsync_dir_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. after an unrecoverable OOM): swap atomically
         trash = out / f".old-checkpoint-{step}-{os.getpid()}"
@@ -122,33 +118,61 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, 
     return final
 
 
+def read_state(path: str | Path) -> dict:
+    """``trainer_state.json`` of a checkpoint; :class:`CorruptCheckpoint` when it cannot be read."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+        int(state["step"])
+        return state
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpoint(f"{STATE_FILE}: {exc}") from None
+
+
+def _load_full_weights(model, p: Path) -> None:
+    from safetensors.torch import load_file
+
+    index = p / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+        ["model.safetensors"]
+    sd: dict = {}
+    for f in files:
+        sd.update(load_file(str(p / f)))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    tied = {k for k in missing if "lm_head" in k or "embed" in k}
+    if unexpected or set(missing) - tied:
+        raise CorruptCheckpoint(f"weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
+def _load_adapters(model, p: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    res = set_peft_model_state_dict(model, load_file(str(p / "adapter_model.safetensors")))
+    bad = [k for k in getattr(res, "unexpected_keys", []) if "lora" in k]
+    if bad:
+        raise CorruptCheckpoint(f"adapter keys do not match the model: {bad[:3]}")
+
+
 def load_checkpoint(path: str | Path, *, model, is_peft: bool, optimizer, scheduler, scaler) -> dict:
-    """Restore weights, optimizer, scheduler, scaler and RNG from ``path``; returns the trainer state."""
+    """Restore weights, optimizer, scheduler, scaler and RNG from ``path``; returns the trainer state. Any file
+    that cannot be read raises :class:`CorruptCheckpoint` (the RNG is restored last, only when all else loaded)."""
     p = Path(path)
-    if is_peft:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        sd = load_file(str(p / "adapter_model.safetensors"))
-        res = set_peft_model_state_dict(model, sd)
-        bad = [k for k in getattr(res, "unexpected_keys", []) if "lora" in k]
-        if bad:
-            raise ValueError(f"{p}: adapter keys do not match the model: {bad[:3]}")
-    else:
-        from safetensors.torch import load_file
-
-        sd = load_file(str(p / "model.safetensors"))
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        tied = {k for k in missing if "lm_head" in k or "embed" in k}
-        if unexpected or set(missing) - tied:
-            raise ValueError(f"{p}: weights do not match the model (missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]})")
-    optimizer.load_state_dict(torch.load(p / "optimizer.pt", weights_only=False))
-    scheduler.load_state_dict(torch.load(p / "scheduler.pt", weights_only=False))
-    if scaler is not None and (p / "scaler.pt").exists():
-        scaler.load_state_dict(torch.load(p / "scaler.pt", weights_only=False))
-    _set_rng_state(torch.load(p / "rng.pt", weights_only=False))
-    return json.loads((p / "trainer_state.json").read_text())
+    state = read_state(p)
+    try:
+        _load_adapters(model, p) if is_peft else _load_full_weights(model, p)
+        optimizer.load_state_dict(torch.load(p / "optimizer.pt", weights_only=False))
+        scheduler.load_state_dict(torch.load(p / "scheduler.pt", weights_only=False))
+        if scaler is not None and (p / "scaler.pt").exists():
+            scaler.load_state_dict(torch.load(p / "scaler.pt", weights_only=False))
+        rng = torch.load(p / RNG_FILE, weights_only=False)
+        _set_rng_state(rng)
+    except CorruptCheckpoint:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors/torch.load/pickle raise many kinds for a damaged file
+        raise CorruptCheckpoint(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}") \
+            from None
+    return state
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints"]
+__all__ = ["save_checkpoint", "load_checkpoint", "read_state", "latest_checkpoint", "list_checkpoints",
+           "CorruptCheckpoint", "STATE_FILE"]

@@ -17,13 +17,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from oomdoctor.errors import BadInput, UnrecoverableOOM
+from oomdoctor.errors import BadInput, Interrupted, UnrecoverableOOM
 from oomdoctor.execute.step import StepHooks
 from oomdoctor.gpu import detect_gpu
 from oomdoctor.noise import quiet_third_party
@@ -33,6 +32,9 @@ from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.train.config import TrainConfig
 from oomdoctor.units import format_bytes
 
+#: Uncapped CPU runs measure the peak over this many optimizer steps, then stop metering (optimizer state appears
+#: at the first step; the second is the steady state).
+METER_STEPS = 2
 #: Testing aid: seconds to sleep after each optimizer step (lets a test SIGKILL a run mid-way deterministically).
 STEP_DELAY_ENV = "OOMDOCTOR_STEP_DELAY_S"
 
@@ -69,6 +71,10 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     tokens: int = 0
     """Tokens processed (incl. padding) in this process."""
+    loss_tokens: int = 0
+    """Of ``tokens``: those that count in the loss (not padding, not masked prompt tokens)."""
+    output_dir: str = ""
+    """Where the final model (``save_pretrained``), tokenizer, checkpoints and this summary are."""
     tokens_per_second: float = 0.0
     wall_seconds: float = 0.0
     device: str = "cpu"
@@ -146,14 +152,40 @@ def auto_micro_batch(cfg: TrainConfig, budget: Budget | None, engine: str = "ana
     return choose_micro_batch(best, gbs).micro_batch
 
 
+#: Config keys a resume may change: they alter how the run executes, not what it computes (the effective batch is
+#: fingerprinted instead of micro-batch / accumulation; max_steps, as HF allows, only moves the end).
+SAFE_TO_CHANGE = frozenset({
+    "max_steps", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "offload_activations",
+    "output_dir", "save_steps", "save_total_limit", "logging_steps", "gpu_mem", "max_oom_retries", "device",
+    "model.attn_implementation", "optim_impl",
+})
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def _fingerprint(cfg: TrainConfig) -> dict:
-    """Keys that must match for a resume to continue the same run."""
-    return {
-        "model": cfg.model_ref, "method": cfg.method, "precision": cfg.precision, "optim": cfg.optim,
-        "seq_len": cfg.seq_len, "seed": cfg.seed, "effective_batch_size": cfg.effective_batch_size,
-        "r": cfg.r if cfg.method != "full" else None, "quant": cfg.quant, "offload_optimizer": cfg.offload_optimizer,
-        "dataset": str(cfg.dataset.path), "packing": cfg.dataset.packing,
-    }
+    """Every setting that must match for a resume to continue the same run (JSON values), i.e. all config keys but
+    :data:`SAFE_TO_CHANGE`, plus the effective batch."""
+    import json
+    from dataclasses import asdict
+
+    flat = {k: v for k, v in _flatten(asdict(cfg)).items() if k not in SAFE_TO_CHANGE}
+    flat["effective_batch_size"] = cfg.effective_batch_size
+    return json.loads(json.dumps(flat, default=str))
+
+
+def fingerprint_changes(saved: dict, now: dict) -> list[str]:
+    """``key: old -> new`` for every fingerprinted setting that differs."""
+    keys = sorted(set(saved) | set(now))
+    return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
 @dataclass
@@ -219,9 +251,14 @@ class Run:
     """LR scheduler."""
     order: Any
     """``oomdoctor.train.data.SampleOrder``: seeded, a function of the data position (a resume continues it)."""
+    tokenizer: Any = None
+    """The tokenizer (saved next to the final model)."""
     meter: Any = None
-    """CPU: the LiveBytes meter (and cap); CUDA: None (the allocator's statistics)."""
+    """CPU: the LiveBytes meter — on for the whole run with a cap, else for the first :data:`METER_STEPS` steps;
+    CUDA: None (the allocator's statistics)."""
     notes: list[str] = field(default_factory=list)
+    command: str = "oomdoctor train CONFIG"
+    """How the user started the run (named in hints)."""
 
     def peak_bytes(self) -> int:
         import torch
@@ -306,45 +343,55 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     else:
         from oomdoctor.execute.tracking import LiveBytes
 
-        meter = LiveBytes(cap_bytes=cap)
+        meter = LiveBytes(cap_bytes=cap, history=False)
         meter.track_module(loaded.model, None if isinstance(optimizer, CPUOffloadOptimizer) else optimizer,
                            grad_hooks=True)
     step = TrainStep(loaded.model, optimizer, plan, device_type=device.type, max_grad_norm=cfg.max_grad_norm)
     return Run(cfg=cfg, device=device, cap=cap, data=data, effective_batch=eff, plan=plan, memory=memory,
-               loaded=loaded, step=step, scheduler=scheduler, meter=meter, notes=notes,
+               loaded=loaded, step=step, scheduler=scheduler, meter=meter, notes=notes, tokenizer=tok,
                order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle))
 
 
 def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | None]:
-    """A fresh state (old checkpoints removed), or the state of the latest checkpoint (weights, optimizer,
-    scheduler, scaler and RNG restored). Returns (state, checkpoint resumed from)."""
+    """A fresh state, or the state of the newest readable checkpoint (weights, optimizer, scheduler, scaler and RNG
+    restored; an unreadable checkpoint is reported and the one before it used). Settings are compared before any
+    tensor is loaded: a change outside :data:`SAFE_TO_CHANGE` is refused, listing every difference.
+    Returns (state, checkpoint resumed from)."""
     from oomdoctor.train import checkpoint as ckpt
 
     cfg, micro = run.cfg, run.plan.micro_batch
     state = RunState(fingerprint=_fingerprint(cfg), configured_micro_batch=micro, micro_batch=micro)
-    out_dir = Path(cfg.output_dir)
     if not resume:
-        old = ckpt.list_checkpoints(out_dir)
-        for _, p in old:
-            shutil.rmtree(p, ignore_errors=True)
-        if old:
-            emit({"type": "info", "message": f"fresh run: removed {len(old)} old checkpoint(s) in {out_dir} "
-                                             "(use --resume to continue a run)"})
         return state, None
-    last = ckpt.latest_checkpoint(out_dir)
-    if last is None:
+    out_dir = Path(cfg.output_dir)
+    candidates = list(reversed(ckpt.list_checkpoints(out_dir)))
+    if not candidates:
         raise BadInput(f"--resume: no checkpoint in {out_dir}", "run without --resume to start fresh")
-    saved = ckpt.load_checkpoint(last, model=run.step.model, is_peft=run.loaded.is_peft,
-                                 optimizer=run.step.optimizer, scheduler=run.scheduler, scaler=run.step.scaler)
-    if saved.get("fingerprint") != state.fingerprint:
-        diff = [k for k in state.fingerprint if saved.get("fingerprint", {}).get(k) != state.fingerprint[k]]
-        raise BadInput(f"--resume: {last} was written by a different run (differs in: {', '.join(diff)})",
-                       "resume with the same config, or choose another output_dir")
-    resumed = state.resumed(saved)
-    if saved.get("configured_micro_batch") != micro:  # the user changed micro_batch_size (e.g. to fix an OOM)
-        emit({"type": "info", "message": f"micro_batch_size changed since the checkpoint: using {micro}"})
-    emit({"type": "info", "message": f"resumed from {last} at step {resumed.step}"})
-    return resumed, str(last)
+    for _, path in candidates:
+        try:
+            saved_state = ckpt.read_state(path)
+        except ckpt.CorruptCheckpoint as exc:
+            emit({"type": "info", "message": f"{path} is unreadable ({exc}); trying the one before"})
+            continue
+        changes = fingerprint_changes(saved_state.get("fingerprint", {}), state.fingerprint)
+        if changes:
+            raise BadInput(
+                f"--resume: {path} was written by a different run; changed settings:\n  " + "\n  ".join(changes),
+                "resume with the original settings (safe to change: " + ", ".join(sorted(SAFE_TO_CHANGE)) + "), "
+                "or start over with --overwrite or another output_dir")
+        try:
+            saved = ckpt.load_checkpoint(path, model=run.step.model, is_peft=run.loaded.is_peft,
+                                         optimizer=run.step.optimizer, scheduler=run.scheduler, scaler=run.step.scaler)
+        except ckpt.CorruptCheckpoint as exc:
+            emit({"type": "info", "message": f"{path} is unreadable ({exc}); trying the one before"})
+            continue
+        resumed = state.resumed(saved)
+        if saved.get("configured_micro_batch") != micro:  # the user changed micro_batch_size (e.g. to fix an OOM)
+            emit({"type": "info", "message": f"micro_batch_size changed since the checkpoint: using {micro}"})
+        emit({"type": "info", "message": f"resumed from {path} at step {resumed.step}"})
+        return resumed, str(path)
+    raise BadInput(f"--resume: no readable checkpoint in {out_dir} (every one is damaged)",
+                   "start over with --overwrite, or restore a checkpoint from a backup")
 
 
 def _save(run: Run, state: RunState, guard, emit: Event) -> str:
@@ -388,9 +435,23 @@ def _warn_if_nothing_trains(run: Run, emit: Event) -> None:
         emit({"type": "info", "message": "warning: " + msg})
 
 
+@dataclass
+class StepOutcome:
+    """What one optimizer step did."""
+
+    loss: float
+    """Token-weighted loss of the step's samples."""
+    tokens: int
+    """Tokens run (padding included)."""
+    loss_tokens: int
+    """Tokens that count in the loss."""
+    applied: bool
+    """False when the fp16 scaler skipped the update (inf/NaN gradients)."""
+
+
 def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: str | None,
-              check_grads: bool) -> tuple[float, int]:
-    """One optimizer step over ``effective_batch`` samples through the OOM guard; returns (loss, tokens)."""
+              check_grads: bool) -> StepOutcome:
+    """One optimizer step over ``effective_batch`` samples through the OOM guard (one host sync: the loss)."""
     import torch
 
     from oomdoctor.execute.oom import OOMAtMicroBatchOne, free_memory, is_oom
@@ -402,11 +463,11 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     n_targets = max(1, count_targets(samples))
     tokens = [0]
 
-    def run_chunk(chunk: list) -> float:
+    def run_chunk(chunk: list):
         batch = collate(chunk, data.pad_id, cfg.dataset.pad_to_multiple_of)
-        batch = {k: v.to(run.device) for k, v in batch.items()}
+        batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
         tokens[0] += int(batch["input_ids"].numel())
-        return float(run.step.forward_backward(batch, num_items_in_batch=n_targets))
+        return run.step.forward_backward(batch, num_items_in_batch=n_targets)  # a tensor: no sync here
 
     def zero_grads() -> None:
         run.step.optimizer.zero_grad(set_to_none=True)
@@ -419,8 +480,8 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
         where = _save(run, state, guard, emit)  # as of the start of this step: weights untouched, data not consumed
         raise UnrecoverableOOM(
             _diagnosis(run, state, exc.phase, exc.reason, exc.message) + f"\ncheckpoint saved: {where}",
-            "fix the plan (`oomdoctor train CONFIG --dry-run --gpu-mem SIZE` lists changes that fit), "
-            "then `oomdoctor train CONFIG --resume`",
+            f"fix the plan (`{run.command} --dry-run --gpu-mem SIZE` lists changes that fit), "
+            f"then `{run.command} --resume`",
         ) from None
     if check_grads:
         _warn_if_nothing_trains(run, emit)
@@ -434,30 +495,92 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
             f"first step; a smaller micro-batch does not shrink it). The in-memory state may be "
             f"partially updated, so no checkpoint was written; last checkpoint: {last_ckpt or 'none'}",
             "use a leaner optimizer (optim: adamw_bnb_8bit / adafactor), offload_optimizer: true or "
-            "LoRA; check with `oomdoctor train CONFIG --dry-run --gpu-mem SIZE`",
+            f"LoRA; check with `{run.command} --dry-run --gpu-mem SIZE`",
         ) from None
     if applied:  # fp16: a step the scaler skipped (inf/NaN gradients) does not advance the schedule
         run.scheduler.step()
-    return loss, tokens[0]
+    return StepOutcome(float(loss), tokens[0], n_targets, applied)
+
+
+class _StopRequest:
+    """Ctrl-C (SIGINT) during training: the first finishes the current step, saves and stops; a second aborts."""
+
+    def __init__(self, emit: Event):
+        self.requested = False
+        self._emit = emit
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:  # noqa: ARG002 - signal protocol
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self._emit({"type": "info", "message": "Ctrl-C: finishing this step, then saving a checkpoint "
+                                               "(Ctrl-C again to stop at once without saving)"})
+
+    def __enter__(self) -> "_StopRequest":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _checkpoint_bytes(run: Run) -> int:
+    """About one checkpoint on disk: the saved weights (all of them, or the adapters) and fp32 optimizer state."""
+    trainable = sum(p.numel() for p in run.loaded.trainable)
+    weights = trainable * 4 if run.loaded.is_peft else sum(
+        p.numel() * p.element_size() for p in run.step.model.parameters())
+    return weights + 2 * 4 * trainable
+
+
+def _save_outputs(run: Run, tokenizer, out_dir: Path) -> None:
+    """The final model in ``output_dir`` through ``save_pretrained`` (full: weights + config; LoRA: the adapter)
+    and the tokenizer, loadable by ``from_pretrained``; written next to the checkpoints."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        run.step.model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
 
 
 def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None = None, resume: bool = False,
-          engine: str = "analytic", on_event: Event | None = None) -> TrainResult:
+          overwrite: bool = False, engine: str = "analytic", on_event: Event | None = None,
+          command: str = "oomdoctor train CONFIG") -> TrainResult:
     """Run the training described by ``cfg``. Raises UnrecoverableOOM (exit 4) after saving a checkpoint when even
-    micro-batch 1 runs out of memory."""
+    micro-batch 1 runs out of memory, and :class:`oomdoctor.errors.Interrupted` (exit 130) after saving one on
+    Ctrl-C. ``command`` is how the user started the run (named in resume hints)."""
     set_allocator_env()
     quiet_third_party()
-    import torch
-
     from oomdoctor.execute.load import quiet_hf
-    from oomdoctor.execute.oom import GradTouch, OOMGuard
+    from oomdoctor.train.rundir import check_space, open_run_dir
 
     emit = on_event or (lambda e: None)
     quiet_hf()
     if max_steps is not None:
         cfg = replace(cfg, max_steps=max_steps, warmup_steps=min(cfg.warmup_steps, max_steps))
-    run = _setup(cfg, gpu_mem, engine, emit)
-    state, resumed_from = _start_state(run, resume, emit)
+    with open_run_dir(cfg.output_dir, resume=resume, overwrite=overwrite,
+                      emit=lambda m: emit({"type": "info", "message": m})) as rundir:
+        run = _setup(cfg, gpu_mem, engine, emit)
+        run.command = command
+        check_space(rundir.path, _checkpoint_bytes(run))
+        state, resumed_from = _start_state(run, resume, emit)
+        return _train_loop(run, state, resumed_from, rundir.path, emit)
+
+
+def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Path, emit: Event) -> TrainResult:
+    """The steps of a set-up run, then the final outputs and the summary."""
+    import torch
+
+    from oomdoctor.execute.oom import GradTouch, OOMGuard
+
+    cfg = run.cfg
     first_step = state.step
     touch = GradTouch()
     run.step.hooks = _GuardHooks(touch, run.meter)  # type: ignore[assignment]
@@ -473,7 +596,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     guard.on_recovery = on_recovery
     delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
     last_ckpt: str | None = resumed_from
-    tokens_total, last_loss = 0, None
+    tokens_total, loss_tokens, last_loss, skipped = 0, 0, None, 0
     t0 = time.perf_counter()
     threads_before = torch.get_num_threads()
     if run.device.type == "cpu" and run.loaded.num_params < 5_000_000 and "OMP_NUM_THREADS" not in os.environ:
@@ -484,32 +607,48 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
           "effective_batch": run.effective_batch, "device": str(run.device), "cap": run.cap,
           "samples": len(run.data), "trainable": run.loaded.num_trainable, "params": run.loaded.num_params,
           "plan": run.plan.label()})
+    interrupted = False
     try:
-        with run.meter if run.meter is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as meter_scope, _StopRequest(emit) as stop:
+            if run.meter is not None:
+                meter_scope.enter_context(run.meter)
             while state.step < cfg.max_steps:
-                loss, tokens = _one_step(run, state, guard, touch, emit, last_ckpt,
-                                         check_grads=state.step == first_step)
-                state.step += 1
+                out = _one_step(run, state, guard, touch, emit, last_ckpt, check_grads=state.step == first_step)
                 state.samples_seen += run.effective_batch
                 state.micro_batch = guard.micro_batch
-                state.losses.append(loss)
-                last_loss = loss
-                tokens_total += tokens
-                el = time.perf_counter() - t0
-                if state.step % cfg.logging_steps == 0 or state.step == cfg.max_steps:
-                    emit({"type": "step", "step": state.step, "max_steps": cfg.max_steps, "loss": loss,
-                          "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_total / el if el else 0.0,
-                          "peak_bytes": run.peak_bytes(), "micro_batch": guard.micro_batch,
-                          "grad_accum": math.ceil(run.effective_batch / guard.micro_batch)})
-                if state.step == cfg.max_steps or (cfg.save_steps and state.step % cfg.save_steps == 0):
-                    last_ckpt = _save(run, state, guard, emit)
+                tokens_total += out.tokens
+                loss_tokens += out.loss_tokens
+                if not out.applied:
+                    skipped += 1
+                    emit({"type": "info", "message": f"fp16: inf/NaN gradients, update skipped (loss scale now "
+                                                     f"{run.step.scaler.get_scale():g}); not counted as a step"})
+                else:
+                    state.step += 1
+                    state.losses.append(out.loss)
+                    last_loss = out.loss
+                    _log_step(run, state, guard, emit, tokens_total, t0)
+                    if state.step == cfg.max_steps or (cfg.save_steps and state.step % cfg.save_steps == 0):
+                        last_ckpt = _save(run, state, guard, emit)
+                if run.cap is None and state.step - first_step >= METER_STEPS:
+                    meter_scope.close()  # uncapped: the peak is measured over the first steps only (no overhead)
+                if stop.requested:
+                    interrupted = True
+                    if last_ckpt is None or not last_ckpt.endswith(f"checkpoint-{state.step}"):
+                        last_ckpt = _save(run, state, guard, emit)
+                    break
                 if delay:
                     time.sleep(delay)
     finally:
         for h in hooks:
             h.remove()
         torch.set_num_threads(threads_before)
+    if interrupted:
+        raise Interrupted(f"interrupted at step {state.step}/{cfg.max_steps}; checkpoint saved: {last_ckpt}",
+                          f"continue with `{run.command} --resume`")
+    _save_outputs(run, run.tokenizer, out_dir)
     wall = time.perf_counter() - t0
+    if skipped:
+        run.notes.append(f"{skipped} fp16 update(s) skipped for inf/NaN gradients (not counted as steps)")
     res = TrainResult(
         optimizer_steps=state.step,
         effective_batch_size=run.effective_batch,
@@ -523,6 +662,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
         first_loss=state.losses[0] if state.losses else None,
         losses=[float(x) for x in state.losses],
         tokens=tokens_total,
+        loss_tokens=loss_tokens,
         tokens_per_second=tokens_total / wall if wall else 0.0,
         wall_seconds=wall,
         device=str(run.device),
@@ -532,14 +672,24 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
         num_params=run.loaded.num_params,
         num_trainable_params=run.loaded.num_trainable,
         plan=run.plan.label(),
+        output_dir=str(out_dir),
         notes=run.notes,
     )
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     import json
 
     (out_dir / "summary.json").write_text(json.dumps(res.to_dict(), indent=1, default=str))
     return res
+
+
+def _log_step(run: Run, state: RunState, guard, emit: Event, tokens_total: int, t0: float) -> None:
+    cfg = run.cfg
+    if state.step % cfg.logging_steps and state.step != cfg.max_steps:
+        return
+    el = time.perf_counter() - t0
+    emit({"type": "step", "step": state.step, "max_steps": cfg.max_steps, "loss": state.losses[-1],
+          "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_total / el if el else 0.0,
+          "peak_bytes": run.peak_bytes(), "micro_batch": guard.micro_batch,
+          "grad_accum": math.ceil(run.effective_batch / guard.micro_batch)})
 
 
 __all__ = ["train", "TrainResult", "RunState", "Run", "predict_memory", "run_budget", "auto_micro_batch", "set_allocator_env",
