@@ -129,7 +129,7 @@ TECHNIQUES: tuple[Technique, ...] = (
         "adamw: 8 B/trainable param of state | adamw-8bit: 2 B | paged-*: state in unified memory, paged to the "
         "CPU under pressure (shown, not counted as resident) | adafactor: factored (~0) | sgd: 0 (4 B with "
         "momentum) | lion: 4 B",
-        choices=tuple(OPTIMIZERS), yaml_key="optim", aliases=("optimizer",),
+        choices=tuple(OPTIMIZERS), yaml_key="optim",
     ),
     Technique(
         "optimizer_impl", "choice", "fused", "TrainingArguments.optim adamw_torch_fused (torch fused=True)",
