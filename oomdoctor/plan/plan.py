@@ -7,10 +7,11 @@ changing the data path; today only ``world_size=1, sharding="none"`` is executed
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from oomdoctor.errors import BadInput
+from oomdoctor.plan.techniques import DEFAULTS, EFFECTIVE_BATCH, PAGED_OPTIMIZERS, TECHNIQUES, TORCH_OPTIMIZERS, choices
 
 Method = Literal["full", "lora", "qlora"]
 Precision = Literal["fp32", "fp16-mixed", "bf16-mixed", "bf16"]
@@ -20,83 +21,70 @@ Quant = Literal["int8", "nf4", "fp4"]
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 Sharding = Literal["none", "ddp", "fsdp", "zero2", "zero3"]
 
-METHODS: tuple[str, ...] = ("full", "lora", "qlora")
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16-mixed", "bf16-mixed", "bf16")
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw-8bit", "paged-adamw", "paged-adamw-8bit", "adafactor", "sgd", "lion")
-ATTNS: tuple[str, ...] = ("eager", "sdpa", "flash")
-QUANTS: tuple[str, ...] = ("int8", "nf4", "fp4")
-OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "for-loop")
-SHARDINGS: tuple[str, ...] = ("none", "ddp", "fsdp", "zero2", "zero3")
+METHODS: tuple[str, ...] = choices("method")
+PRECISIONS: tuple[str, ...] = choices("precision")
+OPTIMIZERS: tuple[str, ...] = choices("optimizer")
+ATTNS: tuple[str, ...] = choices("attn")
+QUANTS: tuple[str, ...] = choices("quant")
+OPTIMIZER_IMPLS: tuple[str, ...] = choices("optimizer_impl")
+SHARDINGS: tuple[str, ...] = choices("sharding")
 
-#: HF ``TrainingArguments.optim`` names for each optimizer (what ``train`` configs and emitted YAML use).
-HF_OPTIM_NAMES: dict[str, str] = {
-    "adamw": "adamw_torch",
-    "adamw-8bit": "adamw_bnb_8bit",
-    "paged-adamw": "paged_adamw_32bit",
-    "paged-adamw-8bit": "paged_adamw_8bit",
-    "adafactor": "adafactor",
-    "sgd": "sgd",
-    "lion": "lion_32bit",
-}
-
-DEFAULT_LORA_TARGETS: tuple[str, ...] = ("all-linear",)
+DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULTS["lora_targets"]
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One training plan. Sizes are per device; ``micro_batch * grad_accum`` is the effective batch per device."""
+    """One training plan. Sizes are per device; ``micro_batch * grad_accum`` is the effective batch per device.
 
-    method: Method = "full"
-    """``full``: every weight trains. ``lora``: Low-Rank Adaptation (peft) adapters train, the base is frozen.
-    ``qlora``: LoRA on a bitsandbytes-quantized frozen base (``quant``, default nf4)."""
-    precision: Precision = "bf16-mixed"
-    """``fp32``; ``fp16-mixed``/``bf16-mixed``: fp32 weights under autocast (the fp32 weights are the master copy);
-    ``bf16``: pure bf16 weights, gradients and optimizer states (no fp32 master copy)."""
-    optimizer: Optimizer = "adamw"
-    """AdamW keeps exactly Adam's two states (exp_avg, exp_avg_sq): decoupled weight decay costs no memory.
-    Leaner: 8-bit / paged AdamW (bitsandbytes), Adafactor (factored second moment), SGD, Lion (one state)."""
-    optimizer_impl: OptimizerImpl = "foreach"
-    """torch optimizers' implementation: ``foreach`` (the CUDA default; temporaries the size of a parameter group)
-    or ``fused`` (one kernel, no group-sized temporaries). Ignored by bitsandbytes and Adafactor."""
-    sgd_momentum: float = 0.0
-    """SGD momentum; > 0 keeps one momentum buffer per trainable parameter."""
-    attn: Attn = "sdpa"
-    """Attention implementation: ``eager`` materializes the seq x seq score and probability matrices;
-    ``sdpa`` / ``flash`` (memory-efficient kernels) do not."""
-    gradient_checkpointing: bool = False
-    """Keep only each layer's input in forward and recompute the rest in backward: the biggest activation saver,
-    at about one third more compute."""
-    lora_r: int = 16
-    """LoRA rank: each adapted linear (in, out) adds r*(in+out) trainable parameters."""
-    lora_alpha: int = 32
-    """LoRA scaling numerator (scale = alpha / r); no memory effect."""
-    lora_dropout: float = 0.05
-    """Dropout on the adapter input; > 0 saves one dropout mask/copy of the input per adapted module."""
+    Every field is a knob of :data:`oomdoctor.plan.techniques.TECHNIQUES` (same name, in the same order): its help,
+    default (and where the default comes from), the Hugging Face names a train YAML accepts for it and its memory
+    note live there, once.
+    """
+
+    method: Method = DEFAULTS["method"]
+    """See ``TECHNIQUES``: full | lora | qlora."""
+    precision: Precision = DEFAULTS["precision"]
+    """See ``TECHNIQUES``: fp32 | fp16-mixed | bf16-mixed | bf16."""
+    optimizer: Optimizer = DEFAULTS["optimizer"]
+    """See ``TECHNIQUES``: the optimizer (HF ``optim`` names in ``techniques.OPTIMIZERS``)."""
+    optimizer_impl: OptimizerImpl = DEFAULTS["optimizer_impl"]
+    """See ``TECHNIQUES``: torch optimizer kernel."""
+    sgd_momentum: float = DEFAULTS["sgd_momentum"]
+    """See ``TECHNIQUES``: SGD momentum."""
+    attn: Attn = DEFAULTS["attn"]
+    """See ``TECHNIQUES``: attention kernel."""
+    gradient_checkpointing: bool = DEFAULTS["gradient_checkpointing"]
+    """See ``TECHNIQUES``: recompute activations in backward."""
+    lora_r: int = DEFAULTS["lora_r"]
+    """See ``TECHNIQUES``: LoRA rank."""
+    lora_alpha: int = DEFAULTS["lora_alpha"]
+    """See ``TECHNIQUES``: LoRA scale numerator."""
+    lora_dropout: float = DEFAULTS["lora_dropout"]
+    """See ``TECHNIQUES``: dropout on the adapter input."""
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
-    """Module names to adapt (``q_proj``, ``v_proj``...) or ``all-linear`` (every linear but the output head)."""
-    lora_on_head: bool = False
-    """Also adapt the output head (``lm_head``)."""
-    quant: Quant | None = None
-    """bitsandbytes quantization of the frozen base: ``int8`` (LLM.int8()), ``nf4`` or ``fp4`` (4-bit, QLoRA)."""
-    double_quant: bool = False
-    """QLoRA double quantization: quantize the 4-bit absmax constants again (saves ~0.37 bit per parameter)."""
-    micro_batch: int = 1
-    """Sequences per forward/backward pass (per device)."""
-    seq_len: int = 2048
-    """Tokens per sequence (the longest batch decides the peak)."""
-    grad_accum: int = 1
-    """Gradient accumulation steps: micro-batches summed before one optimizer step. No memory cost beyond the
-    gradients that exist anyway; effective batch = micro_batch * grad_accum * world_size."""
-    offload_optimizer: bool = False
-    """Optimizer states (and the step) live on the CPU; the GPU keeps weights, gradients and activations."""
-    offload_activations: bool = False
-    """Tensors saved for backward are moved to pinned CPU memory (torch.autograd.graph.save_on_cpu)."""
-    offload_params: bool = False
-    """Frozen/base weights live on the CPU and are streamed in per layer (accelerate/DeepSpeed style)."""
-    world_size: int = 1
-    """Number of data-parallel processes (accelerate / torchrun). Only 1 is executed today."""
-    sharding: Sharding = "none"
-    """Sharding strategy for world_size > 1: DDP (none), FSDP, ZeRO-2/3 via accelerate/DeepSpeed."""
+    """See ``TECHNIQUES``: modules that get adapters."""
+    lora_on_head: bool = DEFAULTS["lora_on_head"]
+    """See ``TECHNIQUES``: also adapt the output head."""
+    quant: Quant | None = DEFAULTS["quant"]
+    """See ``TECHNIQUES``: bitsandbytes quantization of the frozen base."""
+    double_quant: bool = DEFAULTS["double_quant"]
+    """See ``TECHNIQUES``: QLoRA double quantization."""
+    micro_batch: int = DEFAULTS["micro_batch"]
+    """See ``TECHNIQUES``: sequences per forward/backward."""
+    seq_len: int = DEFAULTS["seq_len"]
+    """See ``TECHNIQUES``: tokens per sequence."""
+    grad_accum: int = DEFAULTS["grad_accum"]
+    """See ``TECHNIQUES``: gradient accumulation steps."""
+    offload_optimizer: bool = DEFAULTS["offload_optimizer"]
+    """See ``TECHNIQUES``: optimizer states on the CPU."""
+    offload_activations: bool = DEFAULTS["offload_activations"]
+    """See ``TECHNIQUES``: saved activations on the CPU."""
+    offload_params: bool = DEFAULTS["offload_params"]
+    """See ``TECHNIQUES``: frozen weights on the CPU."""
+    world_size: int = DEFAULTS["world_size"]
+    """See ``TECHNIQUES``: data-parallel processes (only 1 is executed today)."""
+    sharding: Sharding = DEFAULTS["sharding"]
+    """See ``TECHNIQUES``: sharding strategy for world_size > 1."""
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -129,7 +117,7 @@ class Plan:
 
     @property
     def optimizer_is_paged(self) -> bool:
-        return self.optimizer.startswith("paged")
+        return self.optimizer in PAGED_OPTIMIZERS
 
     def label(self) -> str:
         """Short human label, e.g. ``qlora-nf4 r16 | bf16-mixed | GC | paged-adamw-8bit``."""
@@ -141,7 +129,8 @@ class Plan:
             m = "lora" if self.method == "lora" else f"qlora-{self.quant}{'+dq' if self.double_quant else ''}"
             parts.append(f"{m} r{self.lora_r}:{tgt}{'+head' if self.lora_on_head else ''}")
         parts.append(self.precision)
-        parts.append(self.optimizer + ("" if self.optimizer_impl == "foreach" or self.optimizer.startswith(("adamw-8", "paged", "adafactor")) else f"({self.optimizer_impl})"))
+        shows_impl = self.optimizer in TORCH_OPTIMIZERS and self.optimizer_impl != DEFAULTS["optimizer_impl"]
+        parts.append(self.optimizer + (f"({self.optimizer_impl})" if shows_impl else ""))
         if self.gradient_checkpointing:
             parts.append("GC")
         offl = [n for n, on in (("opt", self.offload_optimizer), ("act", self.offload_activations), ("params", self.offload_params)) if on]
@@ -152,12 +141,14 @@ class Plan:
         return " | ".join(parts)
 
     def settings(self) -> dict:
-        """JSON-friendly settings (the ``settings`` object of diagnose/tune JSON)."""
-        d = asdict(self)
-        d["lora_targets"] = list(self.lora_targets)
-        d["micro_batch_size"] = self.micro_batch
-        d["gradient_accumulation_steps"] = self.grad_accum
-        d["effective_batch_size"] = self.effective_batch
+        """JSON-friendly settings (the ``settings`` object of diagnose/tune JSON): one key per knob of the technique
+        table, plus the derived ``effective_batch_size``. Every key is also a top-level key of a train YAML with the
+        same meaning, so the object can be pasted into one (with ``model:`` and ``dataset:``)."""
+        d = {}
+        for t in TECHNIQUES:
+            v = getattr(self, t.name)
+            d[t.name] = list(v) if isinstance(v, tuple) else v
+        d[EFFECTIVE_BATCH] = self.effective_batch
         return d
 
     def with_(self, **changes) -> "Plan":
@@ -226,11 +217,7 @@ def validate(plan: Plan) -> Plan:
     return replace(plan, **changes) if changes else plan
 
 
-def plan_field_names() -> list[str]:
-    return [f.name for f in fields(Plan)]
-
-
-__all__ = ["Plan", "validate", "HF_OPTIM_NAMES", "plan_field_names"] + [
+__all__ = ["Plan", "validate", "DEFAULT_LORA_TARGETS"] + [
     n for n in ("METHODS", "PRECISIONS", "OPTIMIZERS", "ATTNS", "QUANTS", "OPTIMIZER_IMPLS", "SHARDINGS")
 ]
 

@@ -1,0 +1,198 @@
+"""Every key of a train YAML, described once: kind, default, help, memory note, accepted aliases.
+
+The memory knobs come from the technique table (:data:`oomdoctor.plan.techniques.TECHNIQUES`: the same help,
+default and memory note that diagnose/tune show); the keys only ``train`` has (schedule, checkpoints, the ``model:``
+and ``dataset:`` sections) are described here. :class:`oomdoctor.train.config.sections.TrainConfig` takes its
+defaults from this table, ``parse`` validates with it and ``render`` writes its comments from it.
+
+kind: ``bool`` | ``int>=0`` | ``int>=1`` | ``float>=0`` | ``prob`` | ``str`` | ``("choice", options)`` | ``size``
+| ``int|auto`` | ``str|list`` | ``list[str]``; a ``|null`` suffix (``choice|null`` for choices) allows null.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from oomdoctor.plan.techniques import (
+    DEFAULTS,
+    EFFECTIVE_BATCH,
+    HF_ATTN_NAMES,
+    HF_OPTIM_NAMES,
+    OPTIM_VALUES,
+    TECHNIQUES,
+    Technique,
+    technique,
+)
+
+SCHEDULERS = (
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
+    "cosine_with_min_lr", "warmup_stable_decay",
+)
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+NO_MEMORY = "no memory effect"
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of a train YAML."""
+
+    name: str
+    """The key as written (Hugging Face name where one exists)."""
+    kind: Any
+    """Validation kind (module docstring)."""
+    default: Any
+    """Value when the key is absent."""
+    help: str
+    """What it does (docs/train.md)."""
+    memory: str = NO_MEMORY
+    """What it costs in memory: the comment ``render_yaml`` writes."""
+    aliases: tuple[str, ...] = ()
+    """Other accepted spellings."""
+    group: str = "run"
+    """Section of the emitted YAML."""
+    technique: str | None = None
+    """The plan knob it expresses (``oomdoctor.plan.techniques``), if any."""
+
+
+_GROUPS = {
+    "method": "memory: method and precision", "precision": "memory: method and precision",
+    "micro_batch": "memory: batch shape", "grad_accum": "memory: batch shape", "seq_len": "memory: batch shape",
+    "gradient_checkpointing": "memory: activations", "offload_activations": "memory: activations",
+    "optimizer": "memory: optimizer", "optimizer_impl": "memory: optimizer", "offload_optimizer": "memory: optimizer",
+    "sgd_momentum": "memory: optimizer",
+    "lora_r": "memory: LoRA", "lora_alpha": "memory: LoRA", "lora_dropout": "memory: LoRA",
+    "lora_targets": "memory: LoRA", "double_quant": "memory: quantized base (bitsandbytes)",
+}
+
+
+def _from_technique(t: Technique) -> Key:
+    kind: Any = {"bool": "bool", "int>=1": "int>=1", "prob": "prob", "targets": "list[str]"}.get(t.kind)
+    default = t.default
+    if t.name == "optimizer":
+        kind, default = ("choice", tuple(OPTIM_VALUES)), HF_OPTIM_NAMES[t.default]
+    elif t.name == "micro_batch":
+        kind = "int|auto"
+    elif t.kind == "choice":
+        kind = ("choice", tuple(c for c in t.choices if c is not None))
+    if isinstance(default, tuple):
+        default = list(default)
+    aliases = t.aliases + ((t.name,) if t.key != t.name else ())
+    return Key(t.key, kind, default, t.help, t.memory, aliases, _GROUPS[t.name], t.name)
+
+
+#: Plan knobs that are plain top-level keys (``attn`` lives in ``model:``; ``quant``/``lora_on_head`` are expressed
+#: through other keys; what train cannot execute yet is accepted at its default only; see :data:`PLAN_ONLY`).
+_PLAIN = [t for t in TECHNIQUES if t.yaml_key != "" and t.train_executes and t.name != "attn"]
+_Q = technique("quant")
+
+TOP_KEYS: tuple[Key, ...] = tuple(_from_technique(t) for t in _PLAIN) + (
+    Key("global_batch_size", "int>=1|null", None,
+        "effective batch (sequences per optimizer step); fixes gradient_accumulation_steps = global / micro",
+        "no memory effect; kept constant when the OOM guard halves the micro-batch", (EFFECTIVE_BATCH,),
+        "memory: batch shape"),
+    Key("load_in_4bit", "bool", False, "load the frozen base in 4-bit (bitsandbytes; QLoRA)",
+        "store the frozen base in 4 bits: ~0.5 B/param instead of 2-4", group="memory: quantized base (bitsandbytes)",
+        technique="quant"),
+    Key("load_in_8bit", "bool", False, "load the frozen base in 8-bit (bitsandbytes LLM.int8())",
+        "store the frozen base in int8: ~1 B/param", group="memory: quantized base (bitsandbytes)",
+        technique="quant"),
+    Key("bnb_4bit_quant_type", ("choice", ("nf4", "fp4")), "nf4", "4-bit data type: nf4 or fp4",
+        "nf4 (normal-float, QLoRA default) | fp4: same memory", group="memory: quantized base (bitsandbytes)",
+        technique="quant"),
+    Key("bnb_4bit_compute_dtype", ("choice|null", COMPUTE_DTYPES), None,
+        "dtype the 4-bit matmuls run in; null follows precision (bf16 / fp16 / fp32)",
+        "the dequantized tile is temporary", group="memory: quantized base (bitsandbytes)"),
+    Key("max_steps", "int>=1", 100, "optimizer steps to run (the dataset repeats as needed)", group="schedule"),
+    Key("learning_rate", "float>=0", 2e-4, "peak learning rate", group="schedule"),
+    Key("lr_scheduler_type", ("choice", SCHEDULERS), "linear", "transformers.get_scheduler name", group="schedule"),
+    Key("warmup_steps", "int>=0", 0, "linear warm-up steps", group="schedule"),
+    Key("weight_decay", "float>=0", 0.0, "decoupled weight decay (AdamW/Lion/Adafactor), L2 for SGD",
+        group="schedule"),
+    Key("adam_beta1", "prob", 0.9, "AdamW/Lion beta1", group="schedule"),
+    Key("adam_beta2", "prob", 0.999, "AdamW/Lion beta2", group="schedule"),
+    Key("adam_epsilon", "float>=0", 1e-8, "AdamW epsilon", group="schedule"),
+    Key("max_grad_norm", "float>=0|null", 1.0, "gradient clipping norm (null: no clipping)",
+        "foreach clipping adds small temporaries", group="schedule"),
+    Key("output_dir", "str", "runs/train", "checkpoints (checkpoint-<step>/) and summary.json go here"),
+    Key("save_steps", "int>=0", 50, "checkpoint every N optimizer steps and at the end (0: only at the end)",
+        "LoRA saves adapters only"),
+    Key("save_total_limit", "int>=1|null", 2, "keep only the newest N checkpoints (null: keep all)"),
+    Key("logging_steps", "int>=1", 1, "progress line every N optimizer steps"),
+    Key("seed", "int>=0", 42, "seed for init, shuffling and dropout"),
+    Key("gpu_mem", "size|null", None,
+        "memory cap in bytes (24GB / 24GiB accepted): the --dry-run budget and, on CPU, the live tensor-byte cap "
+        "that raises torch's OutOfMemoryError (the flag --gpu-mem overrides it)"),
+    Key("max_oom_retries", "int>=0", 8, "OOM recoveries (micro-batch halvings) allowed over the run before exit 4"),
+    Key("device", ("choice", ("auto", "cuda", "cpu")), "auto", "auto (cuda when available, else cpu) | cuda | cpu"),
+)
+
+#: Plan knobs a train YAML accepts under their plan names although train expresses them through other keys
+#: (``attn`` -> ``model.attn_implementation``, ``quant`` -> ``load_in_4bit``/..., ``lora_on_head`` -> ``lm_head`` in
+#: ``target_modules``) or cannot execute them yet (only their default is accepted).
+PLAN_ONLY: tuple[str, ...] = ("attn", "attn_implementation", "quant", "lora_on_head") + tuple(
+    t.name for t in TECHNIQUES if not t.train_executes)
+#: Validation kinds of the PLAN_ONLY keys.
+PLAN_ONLY_KINDS: dict[str, Any] = {
+    "attn": ("choice", tuple(HF_ATTN_NAMES) + ("flash_attention_2",)),
+    "attn_implementation": ("choice", tuple(HF_ATTN_NAMES) + ("flash_attention_2",)),
+    "quant": ("choice|null", tuple(c for c in _Q.choices if c is not None)),
+    "lora_on_head": "bool",
+    "offload_params": "bool",
+    "world_size": "int>=1",
+    "sharding": ("choice", technique("sharding").choices),
+}
+
+MODEL_KEYS: tuple[Key, ...] = (
+    Key("path", "str|null", None, "a local directory with config.json + weights (from_pretrained loads it straight "
+        "into the target dtype), or a Hugging Face id (downloaded by transformers)"),
+    Key("config", "str|null", None, "with init: random: a bundled id (`oomdoctor models`), a config.json or a "
+        "directory holding one; built on the meta device and materialized once in the target dtype"),
+    Key("init", ("choice", ("pretrained", "random")), "pretrained",
+        "pretrained (load the weights at path) | random (fresh weights from config: smoke runs)"),
+    Key("tokenizer", "str|null", None, "tokenizer directory or tokenizer.json (default: path); required with "
+        "init: random"),
+    Key("attn_implementation", ("choice", tuple(HF_ATTN_NAMES.values())), HF_ATTN_NAMES[DEFAULTS["attn"]],
+        technique("attn").help, technique("attn").memory, technique="attn"),
+)
+DATASET_KEYS: tuple[Key, ...] = (
+    Key("path", "str|list", None, "jsonl / json / text / parquet file, a directory (every data file in it) or a "
+        "list of files"),
+    Key("format", ("choice", ("auto", "jsonl", "json", "text", "parquet")), "auto",
+        "auto (from the extension) | jsonl | json | text (one sample per line) | parquet"),
+    Key("type", ("choice", ("auto", "text", "prompt_response")), "auto",
+        "text (train on all tokens) | prompt_response (the prompt is masked from the loss) | auto (prompt_response "
+        "when records carry prompt_field and response_field)"),
+    Key("text_field", "str", "text", "record field with the text"),
+    Key("prompt_field", "str", "prompt", "record field with the prompt"),
+    Key("response_field", "str", "response", "record field with the response"),
+    Key("packing", "bool", False, "concatenate samples into full seq_len blocks (no padding)",
+        "true: every sequence filled to seq_len (constant, worst-case memory); false: padded per micro-batch"),
+    Key("shuffle", "bool", True, "shuffle samples each epoch (seeded by seed; the order is part of the checkpoint)"),
+    Key("pad_to_multiple_of", "int>=1|null", None, "round padded lengths up to this multiple"),
+    Key("add_eos", "bool", True, "append the tokenizer's EOS token to each sample"),
+    Key("max_samples", "int>=1|null", None, "use only the first N samples"),
+)
+
+TOP: dict[str, Key] = {k.name: k for k in TOP_KEYS}
+MODEL: dict[str, Key] = {k.name: k for k in MODEL_KEYS}
+DATASET: dict[str, Key] = {k.name: k for k in DATASET_KEYS}
+#: Accepted synonyms -> canonical top-level key.
+TOP_ALIASES: dict[str, str] = {a: k.name for k in TOP_KEYS for a in k.aliases}
+#: HF TrainingArguments booleans resolved into ``precision``.
+PRECISION_BOOLS = ("bf16", "fp16")
+#: Order of the emitted YAML's top-level groups.
+GROUPS: tuple[str, ...] = (
+    "memory: method and precision", "memory: batch shape", "memory: activations", "memory: optimizer",
+    "memory: LoRA", "memory: quantized base (bitsandbytes)", "schedule", "run",
+)
+
+
+def default(name: str, section: dict[str, Key] = TOP) -> Any:
+    """The default of a key (a fresh list for list defaults)."""
+    v = section[name].default
+    return list(v) if isinstance(v, list) else v
+
+
+__all__ = ["DATASET", "DATASET_KEYS", "GROUPS", "Key", "MODEL", "MODEL_KEYS", "PLAN_ONLY", "PLAN_ONLY_KINDS",
+           "PRECISION_BOOLS", "TOP", "TOP_ALIASES", "TOP_KEYS", "default"]
