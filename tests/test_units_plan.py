@@ -63,7 +63,7 @@ def test_double_quant_needs_4bit():
 def test_plan_settings_and_effective_batch():
     p = validate(Plan(micro_batch=4, grad_accum=8))
     s = p.settings()
-    assert s["micro_batch"] == 4 and s["grad_accum"] == 8
+    assert s["micro_batch_size"] == 4 and s["gradient_accumulation_steps"] == 8
     assert s["effective_batch_size"] == 32 == p.effective_batch
     assert "full" in p.label() and "fp32" in p.label()  # HF Trainer's default precision
 

@@ -92,7 +92,7 @@ def breakdown_table(m) -> Table:
 
 def _change_line(prefix: str, c) -> None:
     console.print(f"{prefix}{c.description}")
-    console.print(f"        [dim]saves {format_bytes(c.saves_bytes)}; {c.how}[/]")
+    console.print(f"        [dim]saves {format_bytes(c.saves_bytes)}; {c.flags}[/]")
 
 
 def print_advice(result, index: int) -> None:

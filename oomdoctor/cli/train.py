@@ -121,12 +121,12 @@ def _print_dry(d) -> None:
     if fitting:
         con.print("changes that make it fit:")
         for c in fitting[:5]:
-            con.print(f"  - {c.description} (saves {_fmt(c.saves_bytes)}; {c.how})")
+            con.print(f"  - {c.description} (saves {_fmt(c.saves_bytes)}; {c.yaml})")
     elif adv.path:
         con.print("no single change is enough; cheapest combination"
                   + (" that fits:" if adv.path_fits else " (still does not fit):"))
         for k, c in enumerate(adv.path, 1):
-            con.print(f"  {k}. {c.description} (saves {_fmt(c.saves_bytes)}; {c.how})")
+            con.print(f"  {k}. {c.description} (saves {_fmt(c.saves_bytes)}; {c.yaml})")
     else:
         for c in adv.single[:3]:
             con.print(f"  - {c.description} (saves {_fmt(c.saves_bytes)})")

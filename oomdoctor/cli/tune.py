@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 
 from oomdoctor.cli.app import app
+from oomdoctor.cli.options import offload_option, pins_from, plan_option
 
 HELP = """Pick the training plan that fits, the largest micro-batch, and the gradient accumulation that keeps
 --global-batch exact; verify it; write a commented `oomdoctor train` config and print the command to run it.
@@ -35,20 +36,22 @@ def tune(
     global_batch: Optional[int] = typer.Option(
         None, help="effective batch per optimizer step: micro-batch x accumulation equals it exactly"
     ),
-    method: Optional[str] = typer.Option(None, help="pin the method: full | lora | qlora (default: search all)"),
     prefer: str = typer.Option("quality", help="quality (fidelity first, then speed) | speed (throughput first)"),
     margin: Optional[str] = typer.Option(
         None, help="reserve kept free on top of the memory model: a fraction (0.1), a percentage (10%) or a size "
                    "(2GB); default 0 B"),
-    precision: Optional[str] = typer.Option(None, help="pin: fp32 | fp16-mixed | bf16-mixed | bf16"),
-    optimizer: Optional[str] = typer.Option(
-        None, help="pin: adamw | adamw-8bit | paged-adamw | paged-adamw-8bit | adafactor | sgd | lion "
-                   "(default: the AdamW family only)"),
-    gradient_checkpointing: Optional[bool] = typer.Option(
-        None, "--gradient-checkpointing/--no-gradient-checkpointing", help="pin gradient checkpointing on/off"),
-    quant: Optional[str] = typer.Option(None, help="pin the QLoRA base: int8 | nf4 | fp4"),
-    lora_r: Optional[int] = typer.Option(None, help="LoRA rank (default 16)"),
-    lora_targets: Optional[str] = typer.Option(None, help="LoRA targets: q_proj,v_proj,... or all-linear"),
+    method: Optional[str] = plan_option("method"),
+    precision: Optional[str] = plan_option("precision"),
+    optimizer: Optional[str] = plan_option("optimizer", "the AdamW family is searched"),
+    optimizer_impl: Optional[str] = plan_option("optimizer_impl"),
+    attn: Optional[str] = plan_option("attn"),
+    gradient_checkpointing: Optional[bool] = plan_option("gradient_checkpointing"),
+    lora_r: Optional[int] = plan_option("lora_r"),
+    lora_targets: Optional[str] = plan_option("lora_targets"),
+    lora_on_head: Optional[bool] = plan_option("lora_on_head"),
+    quant: Optional[str] = plan_option("quant"),
+    double_quant: Optional[bool] = plan_option("double_quant"),
+    offload: Optional[str] = offload_option(),
     verify: str = typer.Option("auto", help="auto (GPU if present, else simulate) | gpu | simulate | none"),
     output: Optional[str] = typer.Option(
         None, "--output", "-o", help="YAML to write (default ./oomdoctor-plan.yaml, or -2, -3... if it exists)"),
@@ -66,20 +69,16 @@ def tune(
 
     if prefer not in PREFERS:
         raise BadInput(f"--prefer {prefer!r}: use quality or speed")
-    if method is not None and method not in ("full", "lora", "qlora"):
-        raise BadInput(f"--method {method!r}: use full, lora or qlora")
     if seq_len is not None and seq_len < 1:
         raise BadInput(f"--seq-len must be a positive integer, got {seq_len}")
     if global_batch is not None and global_batch < 1:
         raise BadInput(f"--global-batch must be a positive integer, got {global_batch}")
     cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
-    pins: dict = {}
-    for k, v in (("precision", precision), ("optimizer", optimizer), ("gradient_checkpointing", gradient_checkpointing),
-                 ("quant", quant), ("lora_r", lora_r)):
-        if v is not None:
-            pins[k] = v
-    if lora_targets:
-        pins["lora_targets"] = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+    pins = pins_from(
+        precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
+        gradient_checkpointing=gradient_checkpointing, lora_r=lora_r, lora_targets=lora_targets,
+        lora_on_head=lora_on_head, quant=quant, double_quant=double_quant, offload=offload,
+    )
     if output is not None and os.path.exists(output) and not force:
         raise BadInput(f"--output {output} exists; not overwriting it",
                        "pass --force to replace it, or another --output path")

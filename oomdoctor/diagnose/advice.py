@@ -21,6 +21,7 @@ from oomdoctor.memory import MemoryBreakdown
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget
+from oomdoctor.plan.techniques import how
 from oomdoctor.model.spec import ModelSpec
 
 Estimator = Callable[[ModelSpec, Plan], MemoryBreakdown]
@@ -38,8 +39,9 @@ class Change:
     """Stable id, e.g. ``gradient-checkpointing``, ``optimizer:adamw-8bit``, ``method:qlora``."""
     description: str
     """What to do and what it costs, in words."""
-    how: str
-    """The flag / config key that applies it."""
+    changes: dict
+    """The plan knobs it sets (technique-table names): rendered as flags or YAML keys by :attr:`flags` /
+    :attr:`yaml`."""
     cost: int
     """Rank of what the change costs the user (0 = same math ... 9 = different data)."""
     plan: Plan
@@ -48,20 +50,31 @@ class Change:
     """What the fits rule counts (``Budget.needed``: the resident device peak on a GPU), before minus after."""
     fits: bool | None = None
 
+    @property
+    def flags(self) -> str:
+        """How to apply it on the diagnose/tune command line."""
+        return how(self.changes, "flags", self.plan.lora_targets)
+
+    @property
+    def yaml(self) -> str:
+        """How to apply it in a train YAML (``oomdoctor train``, Hugging Face key names)."""
+        return how(self.changes, "yaml", self.plan.lora_targets)
+
     def to_dict(self) -> dict:
         return {
             "id": self.id,
             "description": self.description,
-            "how": self.how,
+            "flags": self.flags,
+            "yaml": self.yaml,
             "saves_bytes": self.saves_bytes,
             "fits": self.fits,
             "settings": self.plan.settings(),
         }
 
 
-def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, int, dict]]:
-    """(id, description, how, cost, plan changes) for every one-knob change that could save memory."""
-    c: list[tuple[str, str, str, int, dict]] = []
+def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, dict]]:
+    """(id, description, cost, plan changes) for every one-knob change that could save memory."""
+    c: list[tuple[str, str, int, dict]] = []
     if plan.micro_batch > 1:
         mb = plan.micro_batch // 2
         acc = plan.grad_accum * plan.micro_batch // mb if plan.micro_batch % mb == 0 else plan.grad_accum * 2
@@ -69,7 +82,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
             "micro-batch",
             f"micro-batch {plan.micro_batch} -> {mb} with gradient accumulation {plan.grad_accum} -> {acc}: "
             "same effective batch, same math, activations scale with the micro-batch",
-            f"--micro-batch {mb} (per_device_train_batch_size: {mb}, gradient_accumulation_steps: {acc})",
             0,
             dict(micro_batch=mb, grad_accum=acc),
         ))
@@ -77,7 +89,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "attn:sdpa",
             "use memory-efficient attention (sdpa/flash): eager attention materializes seq x seq scores per head",
-            "--attn sdpa (attn_implementation: sdpa)",
             0,
             dict(attn="sdpa"),
         ))
@@ -86,7 +97,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "optimizer:fused",
             "fused optimizer step (torch fused=True): no parameter-group-sized temporaries, same math",
-            "optim: adamw_torch_fused",
             0,
             dict(optimizer_impl="fused"),
         ))
@@ -95,7 +105,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
             "gradient-checkpointing",
             "gradient checkpointing: keep only each layer's input and recompute the layer in backward "
             "(the biggest activation saver; about one third more compute)",
-            "--gradient-checkpointing (gradient_checkpointing: true)",
             1,
             dict(gradient_checkpointing=True),
         ))
@@ -103,7 +112,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "offload:activations",
             "offload activations saved for backward to pinned CPU memory (costs PCIe transfer time)",
-            "offload_activations: true",
             2,
             dict(offload_activations=True),
         ))
@@ -111,7 +119,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "offload:optimizer",
             "offload optimizer states and the optimizer step to the CPU (ZeRO-Offload style; costs PCIe + CPU time)",
-            "offload_optimizer: true",
             2,
             dict(offload_optimizer=True),
         ))
@@ -119,7 +126,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "precision:bf16-mixed",
             "bf16 mixed precision (AMP): fp32 master weights, bf16 activations and matmuls",
-            "--precision bf16-mixed (bf16: true)",
             2,
             dict(precision="bf16-mixed"),
         ))
@@ -128,7 +134,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
             "precision:bf16",
             "pure bf16: weights, gradients and optimizer states in bf16, no fp32 master copy "
             "(halves model states; small updates can be lost to bf16 rounding)",
-            "--precision bf16",
             3,
             dict(precision="bf16"),
         ))
@@ -137,7 +142,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
             "optimizer:adamw-8bit",
             "8-bit AdamW (bitsandbytes): Adam's two states quantized blockwise to 8 bits. "
             "(Switching Adam to AdamW saves nothing: AdamW keeps exactly Adam's two states.)",
-            "--optimizer adamw-8bit (optim: adamw_bnb_8bit)",
             3,
             dict(optimizer="adamw-8bit"),
         ))
@@ -145,7 +149,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "optimizer:paged-adamw-8bit",
             "paged 8-bit AdamW (bitsandbytes): 8-bit states in unified memory that pages to the CPU under pressure",
-            "--optimizer paged-adamw-8bit (optim: paged_adamw_8bit)",
             3,
             dict(optimizer="paged-adamw-8bit"),
         ))
@@ -153,14 +156,12 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "optimizer:adafactor",
             "Adafactor: factored second moment (row + column statistics), no first moment",
-            "--optimizer adafactor (optim: adafactor)",
             4,
             dict(optimizer="adafactor"),
         ))
         c.append((
             "optimizer:lion",
             "Lion: one momentum state instead of Adam's two (needs a ~3-10x smaller learning rate)",
-            "--optimizer lion (optim: lion_32bit)",
             4,
             dict(optimizer="lion"),
         ))
@@ -168,16 +169,14 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "optimizer:sgd",
             "plain SGD: no optimizer state at all (converges slower on transformers)",
-            "--optimizer sgd (optim: sgd)",
             4,
-            dict(optimizer="sgd", sgd_momentum=0.0),
+            dict(optimizer="sgd"),
         ))
     if plan.method == "full":
         c.append((
             "method:lora",
             "LoRA (Low-Rank Adaptation, peft): freeze the base, train rank-r adapters; gradients and optimizer "
             "states shrink to the adapters'",
-            f"--method lora --lora-r {plan.lora_r}",
             5,
             dict(method="lora"),
         ))
@@ -185,8 +184,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "method:qlora",
             "QLoRA: LoRA on a 4-bit NF4 base with double quantization (bitsandbytes), about 0.52 byte per weight",
-            "--method qlora --quant nf4 --double-quant (load_in_4bit: true, bnb_4bit_quant_type: nf4, "
-            "bnb_4bit_use_double_quant: true)",
             6,
             dict(method="qlora", quant="nf4", double_quant=True,
                  precision="bf16-mixed" if plan.precision == "fp32" else plan.precision),
@@ -195,7 +192,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "quant:nf4",
             "4-bit NF4 base instead of int8 (QLoRA paper): half the weight bytes",
-            "--quant nf4 --double-quant",
             5,
             dict(quant="nf4", double_quant=True),
         ))
@@ -203,7 +199,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "quant:double",
             "double quantization: quantize the 4-bit block constants again (~0.37 bit per weight)",
-            "--double-quant (bnb_4bit_use_double_quant: true)",
             1,
             dict(double_quant=True),
         ))
@@ -211,7 +206,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
         c.append((
             "lora:no-head",
             "do not adapt the output head: its adapter input/grad spans the whole vocabulary projection",
-            "drop --lora-on-head",
             2,
             dict(lora_on_head=False),
         ))
@@ -220,7 +214,6 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, str, 
             "seq-len",
             f"shorter sequences ({plan.seq_len} -> {plan.seq_len // 2} tokens): changes the data the model sees "
             "(truncation) - a last resort",
-            f"--seq-len {plan.seq_len // 2} (max_seq_length: {plan.seq_len // 2})",
             8,
             dict(seq_len=plan.seq_len // 2),
         ))
@@ -235,7 +228,7 @@ def _counted(budget: Budget | None, memory: MemoryBreakdown) -> int:
 def _priced(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, budget: Budget | None,
             estimator: Estimator) -> list[Change]:
     out: list[Change] = []
-    for cid, desc, how, cost, changes in candidate_changes(spec, plan):
+    for cid, desc, cost, changes in candidate_changes(spec, plan):
         try:
             new_plan = plan.with_(**changes)
         except Exception:  # noqa: BLE001 - a change that is invalid for this plan is simply not offered
@@ -244,7 +237,7 @@ def _priced(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, budget: Budget
         saved = _counted(budget, before) - _counted(budget, after)
         if saved <= 0:
             continue
-        out.append(Change(cid, desc, how, cost, new_plan, saved, budget.fits(after) if budget is not None else None))
+        out.append(Change(cid, desc, changes, cost, new_plan, saved, budget.fits(after) if budget is not None else None))
     return out
 
 
@@ -296,7 +289,7 @@ def _cheapest_combination(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, 
         nxt: list[tuple[Plan, MemoryBreakdown, list[Change]]] = []
         for cur, mem, path in frontier:
             used = {c.id.split(":")[0] for c in path}
-            for cid, desc, how, cost, changes in candidate_changes(spec, cur):
+            for cid, desc, cost, changes in candidate_changes(spec, cur):
                 if cid.split(":")[0] in used:  # one change per knob
                     continue
                 try:
@@ -308,7 +301,7 @@ def _cheapest_combination(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, 
                 seen.add(new_plan)
                 after = est(spec, new_plan)
                 ok = budget.fits(after)
-                step = Change(cid, desc, how, cost, new_plan, budget.needed(mem) - budget.needed(after), ok)
+                step = Change(cid, desc, changes, cost, new_plan, budget.needed(mem) - budget.needed(after), ok)
                 new_path = path + [step]
                 if ok:
                     fitting.append(new_path)

@@ -100,7 +100,3 @@ def enumerate_plans(pins: dict[str, Any] | None = None, base: Plan | None = None
         raise first_error or BadInput("no plan matches the given flags")
     return plans
 
-
-def pins_complete(pins: dict[str, Any]) -> bool:
-    """True when the pins leave exactly one plan (documented contract of ``diagnose``)."""
-    return len(enumerate_plans(pins)) == 1

@@ -978,7 +978,7 @@ def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic",
     budget = resolve_budget(capacity, None, None, gpu_mem_source="explain") if capacity else None
     advice = advise(spec, plan, budget, estimator=lambda s, p: estimate(s, p, engine))
     fixes = [
-        Fix(ch.id, ch.description, ch.how, saves_bytes=int(ch.saves_bytes),
+        Fix(ch.id, ch.description, ch.yaml, saves_bytes=int(ch.saves_bytes),
             peak_after_bytes=int(base.peak_device - ch.saves_bytes), fits=ch.fits)
         for ch in advice.single
         if ch.saves_bytes > 0

@@ -147,7 +147,7 @@ class Plan:
         d = {}
         for t in TECHNIQUES:
             v = getattr(self, t.name)
-            d[t.name] = list(v) if isinstance(v, tuple) else v
+            d[t.setting] = list(v) if isinstance(v, tuple) else v
         d[EFFECTIVE_BATCH] = self.effective_batch
         return d
 

@@ -75,6 +75,9 @@ class Technique:
     """diagnose/tune flag; None: ``--`` + the dashed name. ``""``: no flag."""
     train_executes: bool = True
     """False: plans price it but ``train`` cannot run it yet (only the default is accepted in a train YAML)."""
+    json_key: str | None = None
+    """Key in the ``settings`` / ``plan`` JSON; None: the plan name. The batch knobs keep the Hugging Face names the
+    JSON has always used (``micro_batch_size``, ``gradient_accumulation_steps``): train YAML keys as well."""
 
     @property
     def key(self) -> str:
@@ -82,15 +85,20 @@ class Technique:
         return self.yaml_key if self.yaml_key else self.name
 
     @property
+    def setting(self) -> str:
+        """The key in the ``settings`` JSON."""
+        return self.json_key or self.name
+
+    @property
     def option(self) -> str:
         """The command-line flag (``--micro-batch``)."""
         return self.flag if self.flag is not None else "--" + self.name.replace("_", "-")
 
-    def flag_help(self, pin: bool = False) -> str:
-        """Help of the flag: choices, help text, default."""
+    def flag_help(self, unset: str | None = None) -> str:
+        """Help of the flag: choices, help text, and the default (or, for a pinning flag, what ``unset`` means)."""
         shown = [str(c) for c in self.choices if c is not None]
         head = " | ".join(shown) + ". " if self.kind == "choice" else ""
-        tail = "unset: spanned/searched" if pin else f"default {_show(self.default)}"
+        tail = f"unset: {unset}" if unset is not None else f"default {_show(self.default)}"
         return f"{head}{self.help} ({tail})"
 
 
@@ -196,7 +204,7 @@ TECHNIQUES: tuple[Technique, ...] = (
         "micro_batch", "int>=1", 1, "TrainingArguments.per_device_train_batch_size=8 (oomdoctor: 1, the floor)",
         "sequences per forward/backward per device (train YAML: also 'auto', the largest that fits)",
         "activations and logits scale linearly with it",
-        yaml_key="micro_batch_size", aliases=("per_device_train_batch_size",),
+        yaml_key="micro_batch_size", aliases=("per_device_train_batch_size",), json_key="micro_batch_size",
     ),
     Technique(
         "seq_len", "int>=1", 2048, "min(2048, the model's max_position_embeddings) on the command line",
@@ -207,7 +215,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "grad_accum", "int>=1", 1, "TrainingArguments.gradient_accumulation_steps=1",
         "micro-batches accumulated per optimizer step", "no extra memory; multiplies the effective batch",
-        yaml_key="gradient_accumulation_steps", flag="",
+        yaml_key="gradient_accumulation_steps", flag="", json_key="gradient_accumulation_steps",
     ),
     Technique(
         "offload_optimizer", "bool", False, "no offload (DeepSpeed/FSDP offload is opt-in)",
@@ -279,8 +287,8 @@ def how_yaml(name: str, value: Any, targets: tuple[str, ...] = (ALL_LINEAR,)) ->
         if value is None:
             return "load_in_4bit: false, load_in_8bit: false"
         if value == "int8":
-            return "load_in_8bit: true"
-        return f"load_in_4bit: true, bnb_4bit_quant_type: {value}"
+            return "load_in_8bit: true, load_in_4bit: false"
+        return f"load_in_4bit: true, load_in_8bit: false, bnb_4bit_quant_type: {value}"
     if name == "lora_on_head":
         mods = [t for t in targets if t != "lm_head"] + (["lm_head"] if value else [])
         return f"target_modules: {_yaml_value(mods)}"

@@ -1,0 +1,48 @@
+"""Typer options of the plan knobs, from the technique table (``oomdoctor.plan.techniques``): one flag name, help
+text and default per knob for diagnose and tune."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from oomdoctor.plan.techniques import technique
+
+OFFLOAD_PARTS = ("optimizer", "activations", "params")
+
+
+def plan_option(name: str, unset: str = "spanned/searched") -> Any:
+    """A pinning option for the plan knob ``name`` (default None: not pinned; ``unset`` says what the command does
+    then)."""
+    t = technique(name)
+    return typer.Option(None, t.option, help=t.flag_help(unset))
+
+
+def offload_option() -> Any:
+    """``--offload optimizer,activations,params|none``: the three offload knobs as one flag."""
+    parts = ", ".join(f"{p}: {technique('offload_' + p).help}" for p in OFFLOAD_PARTS)
+    return typer.Option(None, help=f"CPU offload, comma-separated parts or none (unset: spanned/searched). {parts}")
+
+
+def pins_from(offload: str | None = None, **values: Any) -> dict[str, Any]:
+    """The pinned knobs: the given (not None) values, comma-separated LoRA targets split into a tuple, ``--offload``
+    expanded into the three ``offload_*`` knobs. Switch flags without a negative form (``--lora-on-head``,
+    ``--double-quant``) pin only when given."""
+    pins = {k: v for k, v in values.items() if v is not None}
+    for switch in ("lora_on_head", "double_quant"):
+        if pins.get(switch) is False:
+            pins.pop(switch)
+    if "lora_targets" in pins:
+        pins["lora_targets"] = tuple(t.strip() for t in str(pins["lora_targets"]).split(",") if t.strip())
+    if offload:
+        from oomdoctor.errors import BadInput
+
+        names = [o.strip() for o in offload.split(",") if o.strip()]
+        bad = [n for n in names if n not in ("none",) + OFFLOAD_PARTS]
+        if bad:
+            raise BadInput(f"--offload {offload!r}: unknown part(s) {', '.join(bad)}",
+                           "use optimizer, activations, params (comma-separated) or none")
+        for part in OFFLOAD_PARTS:
+            pins[f"offload_{part}"] = part in names
+    return pins
