@@ -40,7 +40,8 @@ def spec():
 
 
 def ctx(spec, **kw):
-    return make_ctx(spec, validate(Plan(**kw)))
+    """A plan on ``spec``; the expectations below were written for bf16-mixed with foreach AdamW."""
+    return make_ctx(spec, validate(Plan(**{"precision": "bf16-mixed", "optimizer_impl": "foreach", **kw})))
 
 
 def test_spec_numel_is_what_the_hand_count_says(spec):
@@ -161,7 +162,8 @@ def test_paged_optimizer_goes_to_peak_device_not_peak_allocated():
 
 
 def test_offload_optimizer_moves_states_to_cpu(spec):
-    e = estimate_analytic(spec, validate(Plan(method="full", precision="bf16", offload_optimizer=True)))
+    e = estimate_analytic(spec, validate(Plan(method="full", precision="bf16", offload_optimizer=True,
+                                                  optimizer_impl="foreach")))
     assert e.optimizer_states == 0 and e.cpu_offloaded == 2 * 2 * NUMEL
 
 

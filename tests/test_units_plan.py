@@ -15,7 +15,7 @@ from oomdoctor.units import format_bytes, parse_size
         ("24000MiB", 24000 * 2**20),
         ("1.5 TB", 15 * 10**11),
         ("80gb", 80 * 10**9),
-        ("512", 512),
+        ("512B", 512),
         ("0 bytes", 0),
         ("1e3MB", 10**9),
         (4096, 4096),
@@ -25,7 +25,8 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "GB", "24 parsecs", "-3GB", "twenty GB", "24G iB", True])
+@pytest.mark.parametrize("bad", ["", "GB", "24 parsecs", "-3GB", "twenty GB", "24G iB", True, "24", "1e999GB",
+                                 float("inf")])
 def test_parse_size_rejects(bad):
     with pytest.raises(BadInput) as e:
         parse_size(bad, what="--gpu-mem")

@@ -118,6 +118,8 @@ def print_advice(result, index: int) -> None:
 def print_diagnose(report) -> None:
     console.print(model_line(report))
     console.print(capacity_line(report))
+    for note in report.notes:
+        console.print(f"[yellow]note: {note}[/]")
     console.print(plan_table(report))
     if console.width < 130:
         console.print("[dim]states: weights + gradients + optimizer states + AMP weight copies; activ.: activations "

@@ -57,6 +57,8 @@ class DiagnoseReport:
     results: list[PlanResult] = field(default_factory=list)
     smaller_model: SmallerModel | None = None
     """Set when no plan fits and a smaller bundled model of the same family does."""
+    notes: list[str] = field(default_factory=list)
+    """Warnings about the inputs (a sequence longer than the model's positions...)."""
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -89,6 +91,7 @@ class DiagnoseReport:
             "gpu": self.gpu.to_dict() if self.gpu else None,
             "plans": [r.to_dict() for r in self.results],
             "smaller_model": self.smaller_model.to_dict() if self.smaller_model else None,
+            "notes": list(self.notes),
         }
 
 
@@ -109,6 +112,9 @@ def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_
     gpu = None if gpu_mem is not None else detect_gpu()
     budget = resolve_budget(gpu_mem, None, gpu)
     report = DiagnoseReport(spec=spec, engine=engine, budget=budget, gpu=gpu)
+    note = spec.context_note(plans[0].seq_len, "--seq-len")
+    if note:
+        report.notes.append(note)
     headline = {p.method: p for p in reversed(plans)}  # most faithful plan of each method: full advice path
     for plan in plans:
         mem = estimate(spec, plan, engine)

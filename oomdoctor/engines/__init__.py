@@ -12,7 +12,11 @@ ENGINES = ("analytic", "simulate", "measure")
 
 
 def estimate(spec, plan, engine: str = "analytic") -> MemoryBreakdown:
-    """Memory breakdown of training ``spec`` with ``plan`` according to ``engine``."""
+    """Memory breakdown of training ``spec`` with ``plan`` according to ``engine`` (BadInput for LoRA targets that
+    adapt nothing)."""
+    from oomdoctor.memory.context import check_lora_targets
+
+    check_lora_targets(spec, plan)
     if engine == "analytic":
         from oomdoctor.memory.analytic import estimate_analytic
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from oomdoctor.errors import BadInput
 from oomdoctor.plan import Plan
 from oomdoctor.model.spec import ModelSpec, ParamGroup
 
@@ -104,6 +105,16 @@ def lora_targets_match(name: str, targets: tuple[str, ...]) -> bool:
     if "all-linear" in targets:
         return name not in HEAD_NAMES
     return name in targets
+
+
+def check_lora_targets(spec: ModelSpec, plan: Plan) -> None:
+    """Refuse LoRA targets that adapt nothing (peft raises on them too): BadInput listing the model's linears."""
+    if not plan.uses_lora or plan.lora_on_head:
+        return
+    names = sorted({g.name for g in spec.groups if g.kind == "linear"})
+    if not any(lora_targets_match(n, plan.lora_targets) for n in names):
+        raise BadInput(f"LoRA targets {','.join(plan.lora_targets)} match no linear module of {spec.name}",
+                       f"use all-linear or some of: {', '.join(names)}")
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,10 @@ def _read_config(path: Path) -> dict:
         text = path.read_text()
     except OSError as exc:
         raise BadInput(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{path} is not a text file (not UTF-8: binary?)",
+                       "pass a Hugging Face config.json, a directory holding one, or a bundled id (`oomdoctor models`)"
+                       ) from None
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -181,7 +185,7 @@ def _fetch_from_hub(model_id: str) -> dict | None:
             return None
     try:
         cfg = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         raise BadInput(f"the config.json fetched for {model_id} is not valid JSON") from None
     if not isinstance(cfg, dict):
         raise BadInput(f"the config.json fetched for {model_id} is not a JSON object")
@@ -226,6 +230,7 @@ def spec_from_config(cfg: dict, name: str = "config", *, source: str = "local", 
     from oomdoctor.model.architectures import build_spec
 
     spec = build_spec(cfg, name=name)
+    _check_attention_shapes(spec, cfg, name)
     if entry is not None or source != "local":
         from dataclasses import replace
 
@@ -236,6 +241,20 @@ def spec_from_config(cfg: dict, name: str = "config", *, source: str = "local", 
             published_params=(entry or {}).get("published_params"),
         )
     return spec
+
+
+def _check_attention_shapes(spec: ModelSpec, cfg: dict, name: str) -> None:
+    """The shape rules transformers itself enforces (its config validators / the attention's head split): a config
+    it would refuse is refused here too, not priced."""
+    h, nh, nkv = spec.hidden_size, spec.num_heads, spec.num_kv_heads
+    problems = []
+    if nh and not cfg.get("head_dim") and h % nh:
+        problems.append(f"hidden size {h} is not a multiple of the number of attention heads {nh}")
+    if nh and nkv and nh % nkv:
+        problems.append(f"{nh} attention heads cannot be grouped over {nkv} key/value heads")
+    if problems:
+        raise BadInput(f"{name}: transformers cannot build this config: " + "; ".join(problems),
+                       "fix config.json (hidden_size, num_attention_heads, num_key_value_heads or head_dim)")
 
 
 @lru_cache(maxsize=64)

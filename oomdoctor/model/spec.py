@@ -111,6 +111,14 @@ class ModelSpec:
     config: dict = field(default_factory=dict, compare=False, repr=False)
     """The raw config.json."""
 
+    def context_note(self, seq_len: int, what: str = "seq_len") -> str | None:
+        """A warning when ``seq_len`` is longer than the positions the model was trained for (None otherwise)."""
+        if self.max_position_embeddings and seq_len > self.max_position_embeddings:
+            return (f"{what} {seq_len} exceeds the model's max_position_embeddings ({self.max_position_embeddings}): "
+                    "memory is priced, but quality may suffer without RoPE scaling (and learned position "
+                    "embeddings cannot go past it at all)")
+        return None
+
     @property
     def num_params(self) -> int:
         return sum(g.total_numel for g in self.groups)

@@ -75,7 +75,14 @@ def load_records(dcfg: DatasetConfig) -> list[dict]:
                     import pyarrow.parquet as pq
                 except ImportError:  # pragma: no cover - pyarrow is a dev dependency
                     raise BadInput("reading parquet needs pyarrow: pip install pyarrow") from None
-                records += pq.read_table(path).to_pylist()
+                try:
+                    records += pq.read_table(path).to_pylist()
+                except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid/OSError on corrupt files
+                    raise BadInput(f"{path}: not a readable parquet file ({exc})") from None
+        except UnicodeDecodeError:
+            raise BadInput(f"{path} is not a text file (not UTF-8: binary?)",
+                           "set dataset.format (jsonl | json | text | parquet) or point dataset.path at the data"
+                           ) from None
         except OSError as exc:
             raise BadInput(f"cannot read {path}: {exc.strerror or exc}") from None
         except json.JSONDecodeError as exc:

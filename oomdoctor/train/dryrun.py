@@ -96,6 +96,9 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
         notes.append(f"micro_batch_size auto -> {micro}")
     spec = load_spec(cfg.model_ref)
     plan = cfg.to_plan(micro_batch=int(micro))
+    note = spec.context_note(plan.seq_len)
+    if note:
+        notes.append(note)
     try:
         memory = estimate(spec, plan, engine)
     except ModuleNotFoundError as exc:

@@ -143,12 +143,12 @@ def open_run_dir(output_dir: str | Path, *, resume: bool, overwrite: bool,
     _check_writable(path)
     lock = _take_lock(path, emit)
     try:
-        _clean_temporaries(path, emit)
         entries = run_entries(path)
         if entries and not resume and not overwrite:
             shown = ", ".join(entries[:4]) + (" ..." if len(entries) > 4 else "")
             raise BadInput(f"output_dir {path} already holds a run ({shown})",
                            "continue it with --resume, replace it with --overwrite, or choose another output_dir")
+        _clean_temporaries(path, emit)
         if entries and overwrite and not resume:
             _overwrite(path, entries, emit)
     except BaseException:

@@ -323,9 +323,8 @@ def tune(
     if seq_len is None:
         seq_len = min(Plan().seq_len, spec.max_position_embeddings or Plan().seq_len)
         notes.append(f"no --seq-len: planning for {seq_len} tokens per sequence (the longest batch sets the peak)")
-    elif spec.max_position_embeddings and seq_len > spec.max_position_embeddings:
-        notes.append(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
-                     f"({spec.max_position_embeddings}); quality may suffer without RoPE scaling")
+    elif spec.context_note(seq_len, "--seq-len"):
+        notes.append(spec.context_note(seq_len, "--seq-len"))
     if global_batch is None:
         notes.append("no --global-batch: the effective batch is the largest micro-batch that fits (accumulation 1); "
                      "pass --global-batch to keep it fixed")

@@ -9,6 +9,7 @@ vocabulary: ``optimizer: adamw-8bit``, ``micro_batch``, ``lora_targets``, ``attn
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,9 @@ def _check_kind(key: str, value: Any, kind: Any, problems: list[str]) -> Any:
             bad("a number")
             return None
         value = float(value)
+        if not math.isfinite(value):
+            problems.append(f"{key}: must be a finite number, got {value}")
+            return None
         if base == "float>=0" and value < 0:
             problems.append(f"{key}: must be >= 0, got {value}")
             return None
@@ -388,6 +392,9 @@ def load_train_config(path: str | os.PathLike) -> TrainConfig:
     except OSError as exc:
         raise BadInput(f"cannot read {p}: {exc.strerror or exc}",
                        "pass a train config such as configs/train/tiny-cpu.yaml") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{p} is not a text file (not UTF-8: binary?)",
+                       "pass a train YAML such as configs/train/tiny-cpu.yaml") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:

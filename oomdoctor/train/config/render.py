@@ -125,7 +125,7 @@ def render_yaml(cfg: TrainConfig, header: str | None = None) -> str:
                 continue
             v = getattr(cfg, key.name)
             if key.name == "gpu_mem" and v is not None:
-                lines.append(f"{key.name}: {v}  # {format_bytes(v)}; {_comment(key)}")
+                lines.append(f"{key.name}: {v}B  # {format_bytes(v)}; {_comment(key)}")
                 continue
             lines.append(f"{key.name}: {_y(v)}  # {_comment(key)}")
     return "\n".join(lines) + "\n"
