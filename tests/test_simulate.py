@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from oomdoctor.plan import Plan, validate
+from oomdoctor.plan import validate
+from plans import Plan  # the settings these tolerances were measured with
 from oomdoctor.model.load import spec_from_config
 
 SEQ = 32
@@ -47,7 +48,7 @@ def _same(spec, plan, **kw):
         Plan(method="full", precision="fp32", seq_len=SEQ, grad_accum=2),
         Plan(method="lora", seq_len=SEQ, grad_accum=4, offload_activations=True),
     ],
-    ids=lambda p: (p.label() + (f" | accum {p.grad_accum}" if p.grad_accum > 1 else "")) if isinstance(p, Plan) else str(p),
+    ids=lambda p: (p.label() + (f" | accum {p.grad_accum}" if p.grad_accum > 1 else "")) if hasattr(p, "label") else str(p),
 )
 def test_fake_replay_equals_real_cpu_step(tiny_config, plan):
     """(a) the simulated step counts exactly the bytes the same step allocates on real CPU tensors."""

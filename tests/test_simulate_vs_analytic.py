@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from oomdoctor.plan import Plan, validate
+from oomdoctor.plan import validate
+from plans import Plan  # the settings these tolerances were measured with
 from oomdoctor.model.load import spec_from_config
 
 TOL = 0.05
@@ -66,7 +67,7 @@ GRID = [
 
 
 def _id(p):
-    if isinstance(p, Plan):
+    if hasattr(p, "label"):
         return p.label() + (f" | accum {p.grad_accum}" if p.grad_accum > 1 else "")
     return str(p)
 

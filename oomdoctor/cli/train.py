@@ -46,6 +46,7 @@ class _Reporter:
         self.console = Console(stderr=True)
         self.progress = None
         self.task = None
+        self._first: tuple[int, float] | None = None
 
     def __call__(self, e: dict) -> None:
         kind = e["type"]
@@ -55,11 +56,13 @@ class _Reporter:
                     + (f"; memory cap {_fmt(e['cap'])}" if e.get("cap") else ""))
             self._print(line)
             if self.tty:
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+                from rich.progress import (
+                    BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 
                 self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                          TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                                         console=self.console, transient=False)
+                                         TextColumn("eta"), TimeRemainingColumn(), console=self.console,
+                                         transient=False)
                 self.progress.start()
                 self.task = self.progress.add_task("train", total=e["max_steps"], completed=e["step"], info="")
         elif kind == "step":
@@ -68,7 +71,10 @@ class _Reporter:
             if self.progress is not None:
                 self.progress.update(self.task, completed=e["step"], info=info)
             else:
-                self._print(f"step {e['step']}/{e['max_steps']}  {info}  lr {e['lr']:.3g}")
+                self._print(f"step {e['step']}/{e['max_steps']}  {info}  lr {e['lr']:.3g}  epoch {e['epoch']:.2f}"
+                            + self._eta(e["step"], e["max_steps"]))
+        elif kind == "eval":
+            self._print(f"eval at step {e['step']}: eval_loss {e['eval_loss']:.4f} ({e['samples']} samples)")
         elif kind == "oom":
             self._print(f"OOM at step {e['step']} ({e['phase']}) with micro-batch {e['failed_micro_batch']}: split "
                         f"into {e['new_micro_batch']} + {e['failed_micro_batch'] - e['new_micro_batch']}"
@@ -78,6 +84,20 @@ class _Reporter:
             self._print(f"checkpoint {e['path']}")
         elif kind == "info":
             self._print(e["message"])
+
+    def _eta(self, step: int, total: int) -> str:
+        """``  eta 1m05s`` from the pace since the first logged step (plain lines; the bar has its own)."""
+        import time
+
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = (step, now)
+            return ""
+        s0, t0 = self._first
+        if step <= s0:
+            return ""
+        left = (total - step) * (now - t0) / (step - s0)
+        return f"  eta {int(left // 60)}m{int(left % 60):02d}s"
 
     def _print(self, line: str) -> None:
         if self.progress is not None:
@@ -100,6 +120,12 @@ def _print_dry(d) -> None:
     con.print(f"[bold]{d.spec.name}[/]: {d.plan.label()}; micro-batch {d.plan.micro_batch} x {d.plan.grad_accum} "
               f"accumulation = effective batch {d.plan.effective_batch}; seq_len {d.plan.seq_len}")
     con.print(breakdown_table(d.memory))
+    if d.eval_memory is not None:
+        e = d.eval_memory
+        con.print(f"eval phase (per_device_eval_batch_size, no gradients): {d.compared.replace('_', ' ')} "
+                  f"{_fmt(int(getattr(e, d.compared)))} = states {_fmt(e.states)} + logits {_fmt(e.logits)} + "
+                  f"activations {_fmt(e.activations)} + AMP copies {_fmt(e.amp_copies)}"
+                  + (f" + overheads {_fmt(e.overheads)}" if d.compared == "resident_device" else ""))
     for n in d.notes:
         con.print(f"[dim]note: {n}[/]")
     if d.fits is None:
@@ -108,7 +134,7 @@ def _print_dry(d) -> None:
     verdict = "[green]fits[/]" if d.fits else "[red]does not fit[/]"
     con.print(f"{verdict}: {d.compared.replace('_', ' ')} {_fmt(d.needed)} vs {_fmt(d.budget.limit_bytes)} "
               f"({d.capacity_source} {_fmt(d.capacity)} - margin {_fmt(d.budget.margin_bytes)})")
-    if d.fits:
+    if d.fits or d.train_fits:
         return
     comps = {k: getattr(d.memory, k) for k in ("parameters", "master_weights", "gradients", "optimizer_states",
                                                 "activations", "logits", "temporaries")}
@@ -198,6 +224,9 @@ def train(
           + (f" vs {_fmt(pred)} predicted (peak allocated"
              + (", at the configured micro-batch)" if res.oom_recoveries else ")") if pred else "")
           + f"; OOM recoveries {res.oom_recoveries}; {res.tokens_per_second:,.0f} tokens/s")
-    print(f"model: {res.output_dir} (from_pretrained-loadable); last checkpoint: {res.checkpoint}")
+    if res.eval_loss is not None:
+        print(f"eval_loss {res.eval_loss:.4f} after {res.epoch:.2f} epoch(s)")
+    print(f"model: {res.output_dir} (from_pretrained-loadable); last checkpoint: {res.checkpoint}; "
+          f"metrics: {res.output_dir}/metrics.jsonl")
     for n in res.notes:
         print(f"note: {n}")

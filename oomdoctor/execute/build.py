@@ -173,6 +173,54 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: list[str]):
     return model
 
 
+def save_merged(model, path) -> None:
+    """Save a trained peft model with its LoRA adapters merged into the base as a plain transformers model in
+    ``path``. A bitsandbytes 4-/8-bit layer is dequantized and gets its delta ``B @ A * scaling`` added in the
+    adapter's dtype (an exact merge that loads without bitsandbytes, as axolotl's / TRL's QLoRA merge recipes do by
+    reloading the base in 16 bits; peft's own 4-bit merge requantizes, with rounding); other layers go through
+    peft's ``merge_and_unload``. Consumes ``model``."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, LoraLayer):
+            continue
+        base = mod.get_base_layer()
+        if type(base).__module__.split(".")[0] != "bitsandbytes":
+            continue
+        adapters = [a for a in mod.active_adapters if a in mod.lora_A]
+        dtype = mod.lora_A[adapters[0]].weight.dtype if adapters else torch.float32
+        state = getattr(base.weight, "quant_state", None)
+        if state is None:
+            state = getattr(base, "state", None)  # LLM.int8()
+        elif getattr(state, "packing_format_for_cpu", False):
+            # bitsandbytes repacks 4-bit weights for its CPU kernel at the first forward: undo it to dequantize
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            base.weight.data, state = _convert_weight_packed_for_cpu_inverse(base.weight.data, state)
+            base.weight.quant_state = state
+        with torch.no_grad():
+            w = dequantize_bnb_weight(base.weight, state=state).to(dtype)
+            for a in adapters:
+                w += mod.get_delta_weight(a).to(dtype)
+            dense = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
+                                    device=w.device, dtype=dtype)
+            dense.weight.copy_(w)
+            if base.bias is not None:
+                dense.bias.copy_(base.bias.to(dtype))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, dense)
+    merged = model.merge_and_unload()
+    for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"):
+        if getattr(merged, attr, False):
+            setattr(merged, attr, False)
+    merged.hf_quantizer = None
+    if getattr(merged.config, "quantization_config", None) is not None:
+        del merged.config.quantization_config
+    merged.save_pretrained(path, safe_serialization=True)
+
+
 def build_model(
     spec: "ModelSpec",
     plan: "Plan",

@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Phase names, in the order a step runs them.
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer-step")
+#: The phase of :meth:`TrainStep.eval_loss` (between steps).
+EVAL_PHASE = "eval"
 
 
 class StepHooks:
@@ -145,6 +147,23 @@ class TrainStep:
             del scaled
         return loss.detach()
 
+    def eval_loss(self, batch: dict):
+        """Forward of one eval micro-batch, no gradients (HF Trainer's ``prediction_step`` with
+        ``prediction_loss_only``): the summed token loss, as a tensor (the caller divides by the token count).
+        The model is put in eval mode (no dropout) for the call and back in train mode after."""
+        import torch
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.hooks.phase(EVAL_PHASE), torch.no_grad(), self._autocast():
+                out = self.model(**batch, num_items_in_batch=1)  # sum over tokens: ForCausalLMLoss divides by 1
+                loss = (out["loss"] if isinstance(out, dict) else out.loss).float()
+                del out
+        finally:
+            self.model.train(was_training)
+        return loss
+
     @staticmethod
     def _fp32_logits_copy(out) -> None:
         """accelerate's ``convert_outputs_to_fp32``: every fp16/bf16 output gets an fp32 copy (allocated, dropped)."""
@@ -184,4 +203,4 @@ class TrainStep:
         return applied
 
 
-__all__ = ["PHASES", "StepHooks", "StaticLossScale", "TrainStep"]
+__all__ = ["EVAL_PHASE", "PHASES", "StepHooks", "StaticLossScale", "TrainStep"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oomdoctor.train.config import TrainConfig
+from oomdoctor.units import format_bytes
 
 
 @dataclass
@@ -36,6 +37,10 @@ class DryRun:
     notes: list[str] = field(default_factory=list)
     plan_on_cpu: bool = False
     """``device: cpu`` (what is compared when there is no budget)."""
+    eval_memory: Any = None
+    """:class:`oomdoctor.memory.evaluation.EvalMemory` of the eval phase (None: the config has no eval set)."""
+    train_fits: bool | None = None
+    """The training step's own verdict (``fits`` also requires the eval phase to fit)."""
 
     @property
     def capacity(self) -> int | None:
@@ -73,6 +78,9 @@ class DryRun:
             "effective_batch_size": self.plan.effective_batch,
             "memory": self.memory.to_dict(),
             "advice": self.advice.to_dict() if self.advice is not None else None,
+            "eval": None if self.eval_memory is None else {
+                **self.eval_memory.to_dict(), "needed_bytes": int(getattr(self.eval_memory, self.compared)),
+                "fits": None if self.budget is None else self.budget.fits(self.eval_memory)},
             "notes": list(self.notes),
         }
 
@@ -106,9 +114,18 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
 
         raise BadInput(f"--engine {engine}: the memory engine is not available in this build ({exc})",
                        "try --engine analytic") from None
-    fits = None if budget is None else budget.fits(memory)
+    train_fits = None if budget is None else budget.fits(memory)
+    evm = None
+    if cfg.dataset.eval_split or cfg.dataset.eval_path:
+        from oomdoctor.memory.evaluation import eval_memory
+
+        evm = eval_memory(spec, plan, cfg.per_device_eval_batch_size, memory)
+        if budget is not None and not budget.fits(evm):
+            notes.append(f"the eval phase does not fit: per_device_eval_batch_size {cfg.per_device_eval_batch_size} "
+                         f"needs {format_bytes(budget.needed(evm))} (logits {format_bytes(evm.logits)}); lower it")
+    fits = None if budget is None else train_fits and (evm is None or budget.fits(evm))
     advice = None
-    if fits is False:
+    if train_fits is False:
         try:
             from oomdoctor.diagnose.advice import advise
 
@@ -116,7 +133,7 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
         except Exception as exc:  # noqa: BLE001 - advice is a bonus; the verdict stands without it
             notes.append(f"advice unavailable: {type(exc).__name__}: {exc}")
     return DryRun(spec=spec, plan=plan, memory=memory, budget=budget, fits=fits, advice=advice, engine=engine,
-                  notes=notes, plan_on_cpu=on_cpu)
+                  notes=notes, plan_on_cpu=on_cpu, eval_memory=evm, train_fits=train_fits)
 
 
 __all__ = ["dry_run", "DryRun"]

@@ -18,7 +18,7 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -75,6 +75,10 @@ class TrainResult:
     """Of ``tokens``: those that count in the loss (not padding, not masked prompt tokens)."""
     output_dir: str = ""
     """Where the final model (``save_pretrained``), tokenizer, checkpoints and this summary are."""
+    epoch: float = 0.0
+    """Passes over the training data done (HF's ``epoch``)."""
+    eval_loss: float | None = None
+    """Token-weighted loss on the eval set at the end (None without ``dataset.eval_split`` / ``eval_path``)."""
     tokens_per_second: float = 0.0
     wall_seconds: float = 0.0
     device: str = "cpu"
@@ -155,7 +159,8 @@ def auto_micro_batch(cfg: TrainConfig, budget: Budget | None, engine: str = "ana
 #: Config keys a resume may change: they alter how the run executes, not what it computes (the effective batch is
 #: fingerprinted instead of micro-batch / accumulation; max_steps, as HF allows, only moves the end).
 SAFE_TO_CHANGE = frozenset({
-    "max_steps", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "offload_activations",
+    "max_steps", "num_train_epochs", "eval_steps", "per_device_eval_batch_size", "report_to", "merge_adapter",
+    "overwrite_output_dir", "dataset.eval_path", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "offload_activations",
     "output_dir", "save_steps", "save_total_limit", "logging_steps", "gpu_mem", "max_oom_retries", "device",
     "model.attn_implementation", "optim_impl",
 })
@@ -251,6 +256,10 @@ class Run:
     """LR scheduler."""
     order: Any
     """``oomdoctor.train.data.SampleOrder``: seeded, a function of the data position (a resume continues it)."""
+    total_steps: int = 1
+    """Optimizer steps of the run: ``max_steps``, else ``ceil(num_train_epochs x samples / effective batch)``."""
+    eval_samples: list = field(default_factory=list)
+    """Held-back / separate eval samples (empty: no eval)."""
     tokenizer: Any = None
     """The tokenizer (saved next to the final model)."""
     meter: Any = None
@@ -297,6 +306,14 @@ def _predict(cfg: TrainConfig, micro: int, engine: str, notes: list[str]) -> tup
         return plan, None
 
 
+def total_steps(cfg: TrainConfig, n_samples: int, effective_batch: int) -> int:
+    """Optimizer steps of a run: ``max_steps`` when set (it overrides epochs, as in HF), else enough steps for
+    ``num_train_epochs`` passes over ``n_samples`` (at least one)."""
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.num_train_epochs * n_samples / effective_batch))
+
+
 def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> Run:
     """Budget, data, micro-batch, prediction, model, optimizer, schedule, step and meter of a run."""
     import torch
@@ -305,7 +322,10 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     from oomdoctor.execute.optim import CPUOffloadOptimizer, OptimizerArgs, make_plan_optimizer, make_scheduler
     from oomdoctor.execute.step import TrainStep
     from oomdoctor.train.data import SampleOrder, tokenize
+    from oomdoctor.train.evaluate import eval_samples
+    from oomdoctor.train.report import check_sinks
 
+    check_sinks(cfg.report_to)
     device = resolve_device(cfg.device)
     budget = run_budget(cfg, gpu_mem, on_cpu=device.type == "cpu")
     # the run cap enforces a capacity the user named (--gpu-mem / gpu_mem); NVML free memory needs no cap
@@ -316,7 +336,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     source = ModelSource(path=cfg.model.path, config=cfg.model.config, init=cfg.model.init,
                          tokenizer=cfg.model.tokenizer)
     tok = load_tokenizer(source)
-    data = tokenize(cfg.dataset, tok, cfg.seq_len)
+    data, held = eval_samples(cfg.dataset, tok, cfg.seq_len, tokenize(cfg.dataset, tok, cfg.seq_len), cfg.seed)
     if data.truncated:
         notes.append(f"{data.truncated} samples truncated to seq_len {cfg.seq_len}")
     micro = cfg.micro_batch_size
@@ -324,6 +344,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
         micro = auto_micro_batch(cfg, budget, engine)
         emit({"type": "info", "message": f"micro_batch_size auto -> {micro}"})
     eff = cfg.global_batch_size or int(micro) * cfg.gradient_accumulation_steps
+    total = total_steps(cfg, len(data), eff)
     plan, memory = _predict(cfg, int(micro), engine, notes)
 
     torch.manual_seed(cfg.seed)
@@ -332,8 +353,8 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     args = OptimizerArgs(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
                          adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
     optimizer = make_plan_optimizer(loaded.trainable, plan, args, target="gpu" if device.type == "cuda" else "cpu")
-    scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=cfg.warmup_steps,
-                               total_steps=cfg.max_steps)
+    scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=min(cfg.warmup_steps, total),
+                               total_steps=total)
     meter = None
     if device.type == "cuda":
         if cap is not None:
@@ -349,7 +370,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     step = TrainStep(loaded.model, optimizer, plan, device_type=device.type, max_grad_norm=cfg.max_grad_norm)
     return Run(cfg=cfg, device=device, cap=cap, data=data, effective_batch=eff, plan=plan, memory=memory,
                loaded=loaded, step=step, scheduler=scheduler, meter=meter, notes=notes, tokenizer=tok,
-               order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle))
+               order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle), total_steps=total, eval_samples=held)
 
 
 def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | None]:
@@ -540,14 +561,26 @@ def _checkpoint_bytes(run: Run) -> int:
     return weights + 2 * 4 * trainable
 
 
-def _save_outputs(run: Run, tokenizer, out_dir: Path) -> None:
+def _save_outputs(run: Run, tokenizer, out_dir: Path, emit: Event) -> None:
     """The final model in ``output_dir`` through ``save_pretrained`` (full: weights + config; LoRA: the adapter)
-    and the tokenizer, loadable by ``from_pretrained``; written next to the checkpoints."""
+    and the tokenizer, loadable by ``from_pretrained``; written next to the checkpoints. ``merge_adapter``: the
+    merged model too, in ``output_dir/merged``."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
         run.step.model.save_pretrained(out_dir, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
+        if run.cfg.merge_adapter and run.loaded.is_peft:
+            from oomdoctor.execute.build import save_merged
+
+            merged = out_dir / MERGED_DIR
+            save_merged(run.step.model, merged)
+            tokenizer.save_pretrained(merged)
+            emit({"type": "info", "message": f"merged model (base + adapter): {merged}"})
+
+
+#: Subdirectory of ``output_dir`` with the merged model (``merge_adapter: true``).
+MERGED_DIR = "merged"
 
 
 def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None = None, resume: bool = False,
@@ -565,7 +598,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     quiet_hf()
     if max_steps is not None:
         cfg = replace(cfg, max_steps=max_steps, warmup_steps=min(cfg.warmup_steps, max_steps))
-    with open_run_dir(cfg.output_dir, resume=resume, overwrite=overwrite,
+    with open_run_dir(cfg.output_dir, resume=resume, overwrite=overwrite or cfg.overwrite_output_dir,
                       emit=lambda m: emit({"type": "info", "message": m})) as rundir:
         run = _setup(cfg, gpu_mem, engine, emit)
         run.command = command
@@ -579,6 +612,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     import torch
 
     from oomdoctor.execute.oom import GradTouch, OOMGuard
+    from oomdoctor.train.report import Reporter
 
     cfg = run.cfg
     first_step = state.step
@@ -596,14 +630,16 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     guard.on_recovery = on_recovery
     delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
     last_ckpt: str | None = resumed_from
-    tokens_total, loss_tokens, last_loss, skipped = 0, 0, None, 0
+    tokens_total, loss_tokens, last_loss, skipped, eval_loss = 0, 0, None, 0, None
     t0 = time.perf_counter()
     threads_before = torch.get_num_threads()
     if run.device.type == "cpu" and run.loaded.num_params < 5_000_000 and "OMP_NUM_THREADS" not in os.environ:
         # tiny models: thread fan-out costs more than the ops (measured 0.5 s vs 8 s for 4 steps on a loaded
         # 2-core box); real models keep torch's default. Restored when the run ends.
         torch.set_num_threads(1)
-    emit({"type": "start", "max_steps": cfg.max_steps, "step": state.step, "micro_batch": guard.micro_batch,
+    reporter = Reporter(out_dir, cfg.report_to, run_name=out_dir.name, config=_flatten(asdict(cfg)),
+                        resumed_at=state.step)
+    emit({"type": "start", "max_steps": run.total_steps, "step": state.step, "micro_batch": guard.micro_batch,
           "effective_batch": run.effective_batch, "device": str(run.device), "cap": run.cap,
           "samples": len(run.data), "trainable": run.loaded.num_trainable, "params": run.loaded.num_params,
           "plan": run.plan.label()})
@@ -612,7 +648,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
         with contextlib.ExitStack() as meter_scope, _StopRequest(emit) as stop:
             if run.meter is not None:
                 meter_scope.enter_context(run.meter)
-            while state.step < cfg.max_steps:
+            while state.step < run.total_steps:
                 out = _one_step(run, state, guard, touch, emit, last_ckpt, check_grads=state.step == first_step)
                 state.samples_seen += run.effective_batch
                 state.micro_batch = guard.micro_batch
@@ -626,8 +662,11 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
                     state.step += 1
                     state.losses.append(out.loss)
                     last_loss = out.loss
-                    _log_step(run, state, guard, emit, tokens_total, t0)
-                    if state.step == cfg.max_steps or (cfg.save_steps and state.step % cfg.save_steps == 0):
+                    _log_step(run, state, guard, emit, reporter, tokens_total, t0)
+                    if run.eval_samples and (state.step == run.total_steps or (
+                            cfg.eval_steps and state.step % cfg.eval_steps == 0)):
+                        eval_loss = _evaluate(run, state, emit, reporter)
+                    if state.step == run.total_steps or (cfg.save_steps and state.step % cfg.save_steps == 0):
                         last_ckpt = _save(run, state, guard, emit)
                 if run.cap is None and state.step - first_step >= METER_STEPS:
                     meter_scope.close()  # uncapped: the peak is measured over the first steps only (no overhead)
@@ -642,10 +681,11 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
         for h in hooks:
             h.remove()
         torch.set_num_threads(threads_before)
+        reporter.close()
     if interrupted:
-        raise Interrupted(f"interrupted at step {state.step}/{cfg.max_steps}; checkpoint saved: {last_ckpt}",
+        raise Interrupted(f"interrupted at step {state.step}/{run.total_steps}; checkpoint saved: {last_ckpt}",
                           f"continue with `{run.command} --resume`")
-    _save_outputs(run, run.tokenizer, out_dir)
+    _save_outputs(run, run.tokenizer, out_dir, emit)
     wall = time.perf_counter() - t0
     if skipped:
         run.notes.append(f"{skipped} fp16 update(s) skipped for inf/NaN gradients (not counted as steps)")
@@ -673,6 +713,8 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
         num_trainable_params=run.loaded.num_trainable,
         plan=run.plan.label(),
         output_dir=str(out_dir),
+        epoch=_epoch(run, state),
+        eval_loss=eval_loss,
         notes=run.notes,
     )
     import json
@@ -681,15 +723,37 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     return res
 
 
-def _log_step(run: Run, state: RunState, guard, emit: Event, tokens_total: int, t0: float) -> None:
+def _epoch(run: Run, state: RunState) -> float:
+    """Passes over the training data so far (HF's ``epoch``)."""
+    return round(state.samples_seen / max(1, len(run.data)), 4)
+
+
+def _log_step(run: Run, state: RunState, guard, emit: Event, reporter, tokens_total: int, t0: float) -> None:
     cfg = run.cfg
-    if state.step % cfg.logging_steps and state.step != cfg.max_steps:
+    if state.step % cfg.logging_steps and state.step != run.total_steps:
         return
     el = time.perf_counter() - t0
-    emit({"type": "step", "step": state.step, "max_steps": cfg.max_steps, "loss": state.losses[-1],
-          "lr": run.scheduler.get_last_lr()[0], "tokens_per_s": tokens_total / el if el else 0.0,
-          "peak_bytes": run.peak_bytes(), "micro_batch": guard.micro_batch,
-          "grad_accum": math.ceil(run.effective_batch / guard.micro_batch)})
+    lr = run.scheduler.get_last_lr()[0]
+    tps = tokens_total / el if el else 0.0
+    accum = math.ceil(run.effective_batch / guard.micro_batch)
+    peak = run.peak_bytes()
+    reporter.log(state.step, {"epoch": _epoch(run, state), "loss": state.losses[-1], "learning_rate": lr,
+                              "tokens_per_second": round(tps, 1), "peak_bytes": peak,
+                              "micro_batch": guard.micro_batch, "grad_accum": accum})
+    emit({"type": "step", "step": state.step, "max_steps": run.total_steps, "loss": state.losses[-1],
+          "lr": lr, "tokens_per_s": tps, "peak_bytes": peak, "micro_batch": guard.micro_batch,
+          "grad_accum": accum, "epoch": _epoch(run, state)})
+
+
+def _evaluate(run: Run, state: RunState, emit: Event, reporter) -> float:
+    """The eval loss now (no gradients; its memory is checked by the same cap as training)."""
+    from oomdoctor.train.evaluate import evaluate
+
+    loss = evaluate(run.step, run.eval_samples, pad_id=run.data.pad_id, batch_size=run.cfg.per_device_eval_batch_size,
+                    device=run.device, pad_to_multiple_of=run.cfg.dataset.pad_to_multiple_of)
+    reporter.log(state.step, {"epoch": _epoch(run, state), "eval_loss": loss})
+    emit({"type": "eval", "step": state.step, "eval_loss": loss, "samples": len(run.eval_samples)})
+    return loss
 
 
 __all__ = ["train", "TrainResult", "RunState", "Run", "predict_memory", "run_budget", "auto_micro_batch", "set_allocator_env",

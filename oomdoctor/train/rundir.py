@@ -29,7 +29,7 @@ LOCK_NAME = ".oomdoctor.lock"
 #: Files a finished or running oomdoctor run writes at the top of ``output_dir`` (besides ``checkpoint-N/``).
 RUN_FILES = ("summary.json", "metrics.jsonl", "config.json", "generation_config.json", "model.safetensors",
              "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "runs", "merged")
 TEMP_PREFIXES = (".tmp-checkpoint-", ".old-checkpoint-")
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from oomdoctor.errors import BadInput, ConfigErrors
 from oomdoctor.plan.techniques import DEFAULTS, HF_ATTN_NAMES, HF_OPTIM_NAMES, OPTIM_VALUES, PAGED_OPTIMIZERS, technique
 from oomdoctor.train.config.schema import (
+    REPORT_TO,
     DATASET,
     MODEL,
     PLAN_ONLY,
@@ -224,6 +225,10 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
     if not isinstance(raw, dict):
         raise ConfigErrors(source, [f"the top level must be a mapping of keys, got {type(raw).__name__}"])
     bases = [Path.cwd()] + ([base_dir] if base_dir else []) + [REPO_ROOT]
+    if raw.get("max_steps") == -1:  # HF's "unset"
+        raw = {k: v for k, v in raw.items() if k != "max_steps"}
+    if raw.get("report_to") in ("none", ["none"]):
+        raw = {**raw, "report_to": []}
     top = _section(raw, _TOP_KINDS, "", problems, TOP_ALIASES, extra_known=("model", "dataset") + PRECISION_BOOLS
                    + PLAN_ONLY)
     if top.get("optim") in HF_OPTIM_NAMES:  # the plan's own name (optimizer: adamw-8bit): written as HF's
@@ -313,18 +318,20 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
                         problems.append(f"model.config: {c!r} is neither a file/directory nor a bundled model id "
                                         "(`oomdoctor models`)")
     if data and check_paths:
-        p = data.get("path")
-        if p is None:
+        if data.get("path") is None:
             problems.append("dataset.path: missing")
-        else:
+        for key in ("path", "eval_path"):
+            p = data.get(key)
+            if p is None:
+                continue
             paths = [p] if isinstance(p, str) else p
             resolved = []
             for one in paths:
                 res = _resolve_path(one, bases)
                 if res is None:
-                    problems.append(f"dataset.path: {one!r} does not exist")
+                    problems.append(f"dataset.{key}: {one!r} does not exist")
                 resolved.append(res or one)
-            data["path"] = resolved[0] if isinstance(p, str) else resolved
+            data[key] = resolved[0] if isinstance(p, str) else resolved
     elif data and data.get("path") is None:
         problems.append("dataset.path: missing")
 
@@ -360,8 +367,17 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
             problems.append(f"global_batch_size: {gbs} is smaller than micro_batch_size {mb}")
         else:
             top["gradient_accumulation_steps"] = gbs // mb
-    if top.get("warmup_steps", 0) > top.get("max_steps", 100):
-        problems.append(f"warmup_steps: {top['warmup_steps']} exceeds max_steps {top.get('max_steps', 100)}")
+    if top.get("max_steps") is not None and top.get("warmup_steps", 0) > top["max_steps"]:
+        problems.append(f"warmup_steps: {top['warmup_steps']} exceeds max_steps {top['max_steps']}")
+    if top.get("max_steps") is None and top.get("num_train_epochs", 1.0) <= 0:
+        problems.append("num_train_epochs: must be > 0 when max_steps is unset")
+    bad_sinks = [r for r in top.get("report_to", []) if r not in REPORT_TO]
+    if bad_sinks:
+        problems.append(f"report_to: {', '.join(bad_sinks)} not supported; use {', '.join(REPORT_TO)}")
+    if data.get("eval_split") is not None and data.get("eval_path") is not None:
+        problems.append("dataset.eval_split and dataset.eval_path: give one of them")
+    if data.get("eval_split") == 0:
+        problems.append("dataset.eval_split: must be > 0 (or null: no eval)")
     optim = top.get("optim")
     if optim and OPTIM_VALUES[optim][1] and "optim_impl" in top and top["optim_impl"] != OPTIM_VALUES[optim][1]:
         problems.append(f"optim_impl: {top['optim_impl']!r} conflicts with optim {optim!r}")

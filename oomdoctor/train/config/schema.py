@@ -29,6 +29,8 @@ SCHEDULERS = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt",
     "cosine_with_min_lr", "warmup_stable_decay",
 )
+#: ``report_to`` sinks (each through its own library, an optional extra).
+REPORT_TO = ("tensorboard", "trackio", "wandb", "mlflow")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 NO_MEMORY = "no memory effect"
 
@@ -103,7 +105,10 @@ TOP_KEYS: tuple[Key, ...] = tuple(_from_technique(t) for t in _PLAIN) + (
     Key("bnb_4bit_compute_dtype", ("choice|null", COMPUTE_DTYPES), None,
         "dtype the 4-bit matmuls run in; null follows precision (bf16 / fp16 / fp32)",
         "the dequantized tile is temporary", group="memory: quantized base (bitsandbytes)"),
-    Key("max_steps", "int>=1", 100, "optimizer steps to run (the dataset repeats as needed)", group="schedule"),
+    Key("max_steps", "int>=1|null", None, "optimizer steps to run; when set it overrides num_train_epochs, as in "
+        "HF (-1 or null: unset; the dataset repeats as needed)", group="schedule"),
+    Key("num_train_epochs", "float>=0", 3.0, "passes over the training data when max_steps is unset (HF default 3; "
+        "fractions allowed): steps = ceil(epochs x samples / effective batch)", group="schedule"),
     Key("learning_rate", "float>=0", 2e-4, "peak learning rate", group="schedule"),
     Key("lr_scheduler_type", ("choice", SCHEDULERS), "linear", "transformers.get_scheduler name", group="schedule"),
     Key("warmup_steps", "int>=0", 0, "linear warm-up steps", group="schedule"),
@@ -118,7 +123,18 @@ TOP_KEYS: tuple[Key, ...] = tuple(_from_technique(t) for t in _PLAIN) + (
     Key("save_steps", "int>=0", 50, "checkpoint every N optimizer steps and at the end (0: only at the end)",
         "LoRA saves adapters only"),
     Key("save_total_limit", "int>=1|null", 2, "keep only the newest N checkpoints (null: keep all)"),
-    Key("logging_steps", "int>=1", 1, "progress line every N optimizer steps"),
+    Key("logging_steps", "int>=1", 1, "progress line (and metrics.jsonl / report_to record) every N optimizer steps"),
+    Key("report_to", "list[str]", [], "where metrics go besides output_dir/metrics.jsonl: tensorboard (event files "
+        "under output_dir/runs), trackio, wandb, mlflow (each through its own library: pip install it), or none"),
+    Key("eval_steps", "int>=1|null", None, "evaluate every N optimizer steps (null: at the end only) when the "
+        "dataset has an eval split (dataset.eval_split / dataset.eval_path)"),
+    Key("per_device_eval_batch_size", "int>=1", 8, "sequences per eval forward (HF default 8)",
+        "eval holds no activations for backward, but its logits (batch x seq x vocab, fp32 upcast) can be the "
+        "run's peak: priced by --dry-run"),
+    Key("overwrite_output_dir", "bool", False, "output_dir already holds a run: replace it (same as --overwrite; "
+        "without it, or --resume, such a run is refused)"),
+    Key("merge_adapter", "bool", False, "LoRA/QLoRA: also save the base with the adapter merged in "
+        "(output_dir/merged, loadable by AutoModelForCausalLM; QLoRA merges into a dequantized copy of the base)"),
     Key("seed", "int>=0", 42, "seed for init, shuffling and dropout"),
     Key("gpu_mem", "size|null", None,
         "memory cap in bytes (24GB / 24GiB accepted): the --dry-run budget and, on CPU, the live tensor-byte cap "
@@ -172,6 +188,9 @@ DATASET_KEYS: tuple[Key, ...] = (
     Key("pad_to_multiple_of", "int>=1|null", None, "round padded lengths up to this multiple"),
     Key("add_eos", "bool", True, "append the tokenizer's EOS token to each sample"),
     Key("max_samples", "int>=1|null", None, "use only the first N samples"),
+    Key("eval_split", "prob|null", None, "hold back this fraction of the samples (0.05 = 5 %) as the eval set "
+        "(seeded; never trained on)"),
+    Key("eval_path", "str|list|null", None, "a separate eval file / directory / list (same format and fields)"),
 )
 
 TOP: dict[str, Key] = {k.name: k for k in TOP_KEYS}
@@ -194,5 +213,5 @@ def default(name: str, section: dict[str, Key] = TOP) -> Any:
     return list(v) if isinstance(v, list) else v
 
 
-__all__ = ["DATASET", "DATASET_KEYS", "GROUPS", "Key", "MODEL", "MODEL_KEYS", "PLAN_ONLY", "PLAN_ONLY_KINDS",
+__all__ = ["DATASET", "DATASET_KEYS", "GROUPS", "REPORT_TO", "Key", "MODEL", "MODEL_KEYS", "PLAN_ONLY", "PLAN_ONLY_KINDS",
            "PRECISION_BOOLS", "TOP", "TOP_ALIASES", "TOP_KEYS", "default"]

@@ -58,6 +58,10 @@ class DatasetConfig:
     """Append EOS."""
     max_samples: int | None = default("max_samples", DATASET)
     """Sample limit."""
+    eval_split: float | None = default("eval_split", DATASET)
+    """Fraction of the samples held back for eval."""
+    eval_path: str | list[str] | None = default("eval_path", DATASET)
+    """Separate eval data."""
 
 
 @dataclass
@@ -80,8 +84,10 @@ class TrainConfig:
     """Effective batch; fixes the accumulation."""
     seq_len: int = default("seq_len")
     """Plan ``seq_len``."""
-    max_steps: int = default("max_steps")
-    """Optimizer steps."""
+    max_steps: int | None = default("max_steps")
+    """Optimizer steps (overrides ``num_train_epochs``)."""
+    num_train_epochs: float = default("num_train_epochs")
+    """Passes over the data when ``max_steps`` is unset."""
     learning_rate: float = default("learning_rate")
     """Peak learning rate."""
     lr_scheduler_type: str = default("lr_scheduler_type")
@@ -136,6 +142,16 @@ class TrainConfig:
     """Checkpoints kept."""
     logging_steps: int = default("logging_steps")
     """Progress interval."""
+    report_to: list[str] = field(default_factory=lambda: default("report_to"))
+    """Metric sinks besides metrics.jsonl."""
+    eval_steps: int | None = default("eval_steps")
+    """Eval interval (None: at the end)."""
+    per_device_eval_batch_size: int = default("per_device_eval_batch_size")
+    """Eval micro-batch."""
+    overwrite_output_dir: bool = default("overwrite_output_dir")
+    """Replace a run already in ``output_dir``."""
+    merge_adapter: bool = default("merge_adapter")
+    """Also save the merged model (LoRA/QLoRA)."""
     seed: int = default("seed")
     """Seed."""
     gpu_mem: int | None = default("gpu_mem")
