@@ -181,11 +181,13 @@ def expandable_segments(alloc_conf_var: str) -> Fix:
 
 
 def fragmentation_fixes(r: OomReport) -> tuple[Fix, ...]:
+    """Allocator settings first (``max_split_size_mb`` only for torch that predates expandable segments)."""
     old = (MAX_SPLIT_SIZE,) if r.format in ("torch<=2.0", "torch<1.5") else ()
     return old + (expandable_segments(r.alloc_conf_var), CONSTANT_SHAPES, EMPTY_CACHE_STEPS)
 
 
 def other_process_fixes(r: OomReport) -> tuple[Fix, ...]:
+    """Free the card (naming the PIDs the message lists) or move to another one."""
     pids = [str(p.pid) for p in r.processes if not p.is_self and p.pid is not None]
     dev = r.device.split(":")[-1] if ":" in r.device else "0"
     free_them = Fix(
@@ -199,25 +201,22 @@ def other_process_fixes(r: OomReport) -> tuple[Fix, ...]:
 
 
 def huge_allocation_fixes(phase: str | None) -> tuple[Fix, ...]:
+    """The phase's own fixes (evaluation, saving) first, then the ones that shrink one big tensor."""
     first = {"evaluation": EVAL_FIXES, "checkpoint-save": SAVE_FIXES}.get(phase or "", ())
     return first + (CHUNKED_LOSS, ATTENTION_KERNEL, CHECK_SHAPES)
-
-
-def _pick(*fixes: Fix) -> tuple[Fix, ...]:
-    return fixes
 
 
 def phase_capacity_fixes(phase: str | None) -> tuple[Fix, ...]:
     """Plan fixes for an OOM in ``phase``. Under no_grad (evaluation) and while saving nothing is saved for backward:
     gradient checkpointing and the train micro-batch do not matter there; weights and optimizer state do."""
     if phase == "evaluation":
-        return EVAL_FIXES + _pick(SEQ_LEN, LORA, OPTIMIZER_8BIT)
+        return EVAL_FIXES + (SEQ_LEN, LORA, OPTIMIZER_8BIT)
     if phase == "checkpoint-save":
-        return SAVE_FIXES + _pick(LORA, OPTIMIZER_8BIT)
+        return SAVE_FIXES + (LORA, OPTIMIZER_8BIT)
     if phase == "optimizer-step":
-        return OPTIMIZER_FIXES + _pick(LORA, GRADIENT_CHECKPOINTING, MICRO_BATCH, SEQ_LEN)
+        return OPTIMIZER_FIXES + (LORA, GRADIENT_CHECKPOINTING, MICRO_BATCH, SEQ_LEN)
     if phase == "loss":
-        return _pick(CHUNKED_LOSS, MICRO_BATCH, SEQ_LEN, GRADIENT_CHECKPOINTING, LORA) + OPTIMIZER_FIXES
+        return (CHUNKED_LOSS, MICRO_BATCH, SEQ_LEN, GRADIENT_CHECKPOINTING, LORA) + OPTIMIZER_FIXES
     return GENERIC_CAPACITY_FIXES
 
 
@@ -241,3 +240,26 @@ def already_applied(plan, fix_id: str) -> bool:
         or (fix_id == "optimizer-8bit" and plan.optimizer in ("adamw-8bit", "paged-adamw-8bit"))
         or (fix_id == "fused-optimizer" and plan.optimizer_impl == "fused")
     )
+
+
+def capacity_fixes(r: OomReport, outside_pytorch: bool, priced: tuple[Fix, ...], plan) -> tuple[Fix, ...]:
+    """Fixes for "the plan needs more than the card", best first.
+
+    ``outside_pytorch``: this process holds much memory outside PyTorch's allocator. ``priced``: the plan changes
+    priced by the memory model (``oomdoctor.explain.pricing``), which replace the generic plan fixes; without them,
+    the generic fixes ``plan`` (when known) already applies are dropped.
+    """
+    fixes = phase_capacity_fixes(r.phase)
+    if outside_pytorch:
+        fixes = (NON_PYTORCH_MEMORY,) + fixes
+    if r.allowed_bytes is not None:
+        fixes = (MEMORY_FRACTION,) + fixes
+    fixes = kind_capacity_fixes(r.kind) or fixes
+    if priced:
+        # Fixes the memory model cannot price (eval settings, save settings) stay first in their phases;
+        # elsewhere the priced fixes lead, largest saving first. Generic plan fixes give way to the priced ones.
+        unpriced = tuple(f for f in fixes if f.id not in PLAN_FIX_IDS)
+        return unpriced + priced if r.phase in ("evaluation", "checkpoint-save") else priced + unpriced
+    if plan is not None:
+        return tuple(f for f in fixes if not already_applied(plan, f.id))
+    return fixes
