@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from oomdoctor.explain.fixes import (
     capacity_fixes,
@@ -21,6 +21,9 @@ from oomdoctor.explain.logits import logits_match
 from oomdoctor.explain.pricing import PricedPlan
 from oomdoctor.explain.report import Cause, OomReport
 from oomdoctor.units import format_bytes as fb
+
+if TYPE_CHECKING:
+    from oomdoctor.plan import Plan
 
 GiB = 2**30
 MiB = 2**20
@@ -264,7 +267,8 @@ def outside_pytorch_term(r: OomReport) -> Term | None:
         return None
     return Term(f"this process holds {fb(extra)} outside PyTorch's allocator ({fb(used)} in "
                 f"use, {fb(reserved)} reserved by PyTorch): beyond the ~0.5 GiB CUDA context that is "
-                "bitsandbytes paged state, NCCL buffers, or another framework (TensorFlow/JAX) preallocating", floor=0.6)
+                "bitsandbytes paged state, NCCL buffers, or another framework (TensorFlow/JAX) preallocating",
+                floor=0.6)
 
 
 def live_tensors_term(r: OomReport) -> Term | None:
@@ -302,7 +306,7 @@ def plan_term(priced: PricedPlan | None, capacity: int | None) -> Term | None:
 
 
 def capacity(r: OomReport, free: int | None, others: Sequence[Cause], priced: PricedPlan | None,
-             capacity_bytes: int | None, plan=None) -> Cause:
+             capacity_bytes: int | None, plan: Plan | None = None) -> Cause:
     """The plan needs more than the card: always a candidate, weighted by the numbers.
 
     ``others``: the causes found so far (a strong one weakens capacity unless the numbers or the plan insist);

@@ -10,6 +10,8 @@ returns. The work is split by job: one parser per message format (:mod:`oomdocto
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from oomdoctor.explain.diagnosis import diagnose
 from oomdoctor.explain.logits import logits_match as _logits_match
 from oomdoctor.explain.parse import parse_oom
@@ -17,8 +19,13 @@ from oomdoctor.explain.phase import detect_phase
 from oomdoctor.explain.pricing import rank_plan_fixes
 from oomdoctor.explain.report import CAUSE_IDS, PHASES, Cause, Diagnosis, Fix, OomReport, ProcessUse
 
+if TYPE_CHECKING:
+    from oomdoctor.model.spec import ModelSpec
+    from oomdoctor.plan import Plan
 
-def explain(text: str, spec=None, plan=None, capacity_bytes: int | None = None) -> Diagnosis:
+
+def explain(text: str, spec: ModelSpec | None = None, plan: Plan | None = None,
+            capacity_bytes: int | None = None) -> Diagnosis:
     """Parse ``text`` and diagnose the OOM it holds (raises BadInput when it holds none)."""
     return diagnose(parse_oom(text), spec=spec, plan=plan, capacity_bytes=capacity_bytes)
 

@@ -3,11 +3,17 @@ user's plan priced by the memory model when it is known (:mod:`oomdoctor.explain
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from oomdoctor.explain import causes
 from oomdoctor.explain.logits import COMMON_VOCABS
 from oomdoctor.explain.pricing import rank_plan_fixes
 from oomdoctor.explain.report import Diagnosis, OomReport
 from oomdoctor.units import format_bytes
+
+if TYPE_CHECKING:
+    from oomdoctor.model.spec import ModelSpec
+    from oomdoctor.plan import Plan
 
 
 def card_label(capacity: int | None, given: bool) -> str:
@@ -16,7 +22,8 @@ def card_label(capacity: int | None, given: bool) -> str:
     return format_bytes(capacity, binary=not given).replace(" ", "") if capacity else "SIZE"
 
 
-def diagnose(report: OomReport, spec=None, plan=None, capacity_bytes: int | None = None) -> Diagnosis:
+def diagnose(report: OomReport, spec: ModelSpec | None = None, plan: Plan | None = None,
+             capacity_bytes: int | None = None) -> Diagnosis:
     """Order the likely causes of ``report``; with ``spec`` and ``plan``, price the plan fixes with the memory model."""
     r = report
     cap = capacity_bytes if capacity_bytes is not None else r.total_bytes

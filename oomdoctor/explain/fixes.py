@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from oomdoctor.explain.report import Fix, OomReport
+
+if TYPE_CHECKING:
+    from oomdoctor.plan import Plan
 
 MAX_SPLIT_SIZE = Fix(
     "max-split-size",
@@ -231,7 +236,7 @@ def kind_capacity_fixes(kind: str) -> tuple[Fix, ...] | None:
     return None
 
 
-def already_applied(plan, fix_id: str) -> bool:
+def already_applied(plan: Plan, fix_id: str) -> bool:
     """True when ``plan`` already has what the fix proposes."""
     return (
         (fix_id == "gradient-checkpointing" and plan.gradient_checkpointing)
@@ -242,7 +247,8 @@ def already_applied(plan, fix_id: str) -> bool:
     )
 
 
-def capacity_fixes(r: OomReport, outside_pytorch: bool, priced: tuple[Fix, ...], plan) -> tuple[Fix, ...]:
+def capacity_fixes(r: OomReport, outside_pytorch: bool, priced: tuple[Fix, ...],
+                   plan: Plan | None) -> tuple[Fix, ...]:
     """Fixes for "the plan needs more than the card", best first.
 
     ``outside_pytorch``: this process holds much memory outside PyTorch's allocator. ``priced``: the plan changes

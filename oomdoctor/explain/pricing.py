@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from oomdoctor.explain.report import Fix
 from oomdoctor.units import format_bytes
+
+if TYPE_CHECKING:
+    from oomdoctor.model.spec import ModelSpec
+    from oomdoctor.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -20,7 +25,7 @@ class PricedPlan:
     """Plan changes that lower the peak, largest saving first; a combined fix first when no single one fits."""
 
 
-def rank_plan_fixes(spec, plan, capacity: int | None, engine: str = "analytic",
+def rank_plan_fixes(spec: ModelSpec, plan: Plan, capacity: int | None, engine: str = "analytic",
                     capacity_label: str | None = None) -> PricedPlan:
     """The device peak of ``plan``, its peak phase, and single-knob fixes sorted by bytes saved, largest first.
 
