@@ -1,0 +1,271 @@
+"""The fixes ``explain`` proposes, as constants, and which of them fit a cause, a phase and a message kind."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from oomdoctor.explain.report import Fix, OomReport
+
+if TYPE_CHECKING:
+    from oomdoctor.plan import Plan
+
+MAX_SPLIT_SIZE = Fix(
+    "max-split-size",
+    "Stop the caching allocator from splitting large blocks (this torch predates expandable segments; "
+    "torch >= 2.1 has the better fix below).",
+    "export PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128",
+)
+CONSTANT_SHAPES = Fix(
+    "constant-shapes",
+    "Variable-length batches request differently sized blocks and strand reserved memory; pad to a constant or "
+    "bucketed length so every step reuses the same blocks (and the worst case shows up at step 1).",
+    "DataCollatorWithPadding(pad_to_multiple_of=64) or padding='max_length'; axolotl: pad_to_sequence_len: true; "
+    "or sample packing",
+)
+EMPTY_CACHE_STEPS = Fix(
+    "empty-cache-steps",
+    "Release cached blocks periodically (about 10% slower).",
+    "TrainingArguments(torch_empty_cache_steps=50)",
+)
+PICK_FREE_GPU = Fix(
+    "pick-free-gpu",
+    "Run on a GPU nobody else uses.",
+    "CUDA_VISIBLE_DEVICES=<free gpu index> python train.py",
+)
+CHUNKED_LOSS = Fix(
+    "chunked-loss",
+    "Do not materialise the full [batch, seq, vocab] logits and their fp32 upcast: use a fused/chunked "
+    "linear-cross-entropy (the logits of a 128k-256k vocabulary are often the largest single tensor).",
+    "TrainingArguments(use_liger_kernel=True) (pip install liger-kernel); TRL SFTConfig(loss_type='chunked_nll')",
+)
+ATTENTION_KERNEL = Fix(
+    "attention-kernel",
+    "Eager attention materialises batch x heads x seq x seq scores; use a memory-efficient kernel.",
+    "from_pretrained(..., attn_implementation='sdpa')  (or 'flash_attention_2'); oomdoctor: --attn sdpa",
+)
+CHECK_SHAPES = Fix(
+    "check-shapes",
+    "A request this size for one tensor often comes from an unexpected shape: an untruncated sample, a packing "
+    "bug, a collator padding to the longest raw sequence. Print input_ids.shape of the failing batch.",
+    "tokenizer(..., truncation=True, max_length=N); SFTConfig(max_length=N); check the collator",
+)
+EVAL_FIXES: tuple[Fix, ...] = (
+    Fix(
+        "eval-batch-size",
+        "Evaluation runs at its own batch size (HF default 8, often larger than the train micro-batch); set it "
+        "to at most the train micro-batch.",
+        "TrainingArguments(per_device_eval_batch_size=1)",
+    ),
+    Fix(
+        "eval-logits",
+        "By default the Trainer gathers every eval batch's logits on the GPU (N x seq x vocab x 4 bytes); keep "
+        "only what the metric needs, or move them to the CPU every few steps.",
+        "Trainer(preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1)); "
+        "TrainingArguments(eval_accumulation_steps=4) or prediction_loss_only=True",
+    ),
+    Fix(
+        "eval-half-precision",
+        "Evaluate in bf16/fp16 instead of upcasting.",
+        "TrainingArguments(bf16_full_eval=True)",
+    ),
+)
+SAVE_FIXES: tuple[Fix, ...] = (
+    Fix(
+        "fsdp-state-dict-offload",
+        "Gathering the full state dict on the GPU needs the whole model (fp32) at once; gather to the CPU on "
+        "rank 0 only, or save sharded.",
+        "FullStateDictConfig(offload_to_cpu=True, rank0_only=True); accelerate: "
+        "fsdp_state_dict_type: SHARDED_STATE_DICT",
+    ),
+    Fix(
+        "save-adapter-only",
+        "Save only the LoRA adapter; merge (merge_and_unload) on the CPU or in a separate process, never with a "
+        "deepcopy of the model on the GPU.",
+        "model.save_pretrained(dir)  # a PeftModel saves the adapter only; merge later with device_map='cpu'",
+    ),
+)
+OPTIMIZER_8BIT = Fix(
+    "optimizer-8bit",
+    "The optimizer state is created at the first optimizer.step() (after forward/backward), 2 fp32 values "
+    "per trainable parameter for AdamW; 8-bit/paged AdamW needs about a quarter.",
+    "TrainingArguments(optim='paged_adamw_8bit'); oomdoctor: --optimizer paged-adamw-8bit",
+)
+FUSED_OPTIMIZER = Fix(
+    "fused-optimizer",
+    "The default foreach AdamW allocates temporaries the size of a parameter group during step(); the fused "
+    "kernel does not.",
+    "TrainingArguments(optim='adamw_torch_fused'); oomdoctor: --optimizer-impl fused",
+)
+OPTIMIZER_FIXES: tuple[Fix, ...] = (OPTIMIZER_8BIT, FUSED_OPTIMIZER)
+GRADIENT_CHECKPOINTING = Fix(
+    "gradient-checkpointing",
+    "Keep only each layer's input in forward and recompute the rest in backward (the biggest activation "
+    "saver, about a third more compute).",
+    "TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': False}); "
+    "oomdoctor: --gradient-checkpointing",
+)
+MICRO_BATCH = Fix(
+    "micro-batch",
+    "Halve the micro-batch and double gradient accumulation: the same effective batch, half the activations.",
+    "TrainingArguments(per_device_train_batch_size=B/2, gradient_accumulation_steps=2*G); "
+    "oomdoctor: --micro-batch",
+)
+SEQ_LEN = Fix(
+    "seq-len",
+    "Shorter sequences shrink activations and logits linearly (truncate, or filter outliers).",
+    "SFTConfig(max_length=N) / tokenizer(truncation=True, max_length=N); oomdoctor: --seq-len",
+)
+LORA = Fix(
+    "lora",
+    "Train low-rank adapters on a frozen (optionally 4-bit) base instead of every weight: no gradients or "
+    "optimizer state for the base.",
+    "peft LoraConfig(r=16, target_modules='all-linear') + BitsAndBytesConfig(load_in_4bit=True); "
+    "oomdoctor: --method qlora",
+)
+#: Plan changes for any phase, biggest activation savers first.
+GENERIC_CAPACITY_FIXES: tuple[Fix, ...] = (GRADIENT_CHECKPOINTING, MICRO_BATCH, SEQ_LEN, LORA) + OPTIMIZER_FIXES
+#: Generic fixes that are plan changes (replaced by the priced ``oomdoctor.diagnose.advice`` changes when a plan is
+#: known).
+PLAN_FIX_IDS = ("gradient-checkpointing", "micro-batch", "seq-len", "lora", "optimizer-8bit", "fused-optimizer")
+QUANT_OFFLOAD_FIXES: tuple[Fix, ...] = (
+    Fix(
+        "load-on-one-gpu",
+        "Load the whole quantized model on the GPU (training cannot use CPU/disk-offloaded bitsandbytes modules); "
+        "free the GPU first: device_map='auto' only uses the memory free at load time.",
+        "from_pretrained(..., device_map={'': 0}) and check nvidia-smi before loading",
+    ),
+    Fix(
+        "fp32-cpu-offload",
+        "For inference only: keep the offloaded modules unquantized on the CPU.",
+        "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True) with a custom device_map",
+    ),
+    Fix(
+        "smaller-model",
+        "Use a smaller model of the same family, or 4-bit instead of 8-bit.",
+        "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'); `oomdoctor tune MODEL --gpu-mem SIZE`",
+    ),
+)
+CPU_FIXES: tuple[Fix, ...] = (
+    Fix(
+        "host-ram",
+        "Host RAM ran out: load weights lazily and in the target dtype, and do not offload more than the host "
+        "can hold.",
+        "from_pretrained(..., dtype=torch.bfloat16, low_cpu_mem_usage=True); drop --offload-optimizer / "
+        "--offload-params or add swap",
+    ),
+    Fix(
+        "dataloader-workers",
+        "Each DataLoader worker copies the dataset; use fewer workers or a memory-mapped dataset (datasets/Arrow).",
+        "TrainingArguments(dataloader_num_workers=0)",
+    ),
+)
+NON_PYTORCH_MEMORY = Fix(
+    "non-pytorch-memory",
+    "Stop other GPU users inside this process: TensorFlow and JAX grab most of the card at import; bitsandbytes "
+    "paged optimizers hold unified memory outside PyTorch.",
+    "TF_FORCE_GPU_ALLOW_GROWTH=true XLA_PYTHON_CLIENT_PREALLOCATE=false python train.py (or do not import them)",
+)
+MEMORY_FRACTION = Fix(
+    "memory-fraction",
+    "Raise or drop the per-process memory cap this process set.",
+    "torch.cuda.set_per_process_memory_fraction(0.95)  # or remove the call",
+)
+
+
+def expandable_segments(alloc_conf_var: str) -> Fix:
+    """Expandable segments, under the allocator variable name this torch reads."""
+    return Fix(
+        "expandable-segments",
+        "Let the allocator grow segments instead of caching fixed-size blocks, so reserved-but-unallocated memory can "
+        "serve big requests. Set it before the first CUDA allocation (before `import torch`); if it was already set, "
+        "fragmentation is not the cause (torch prints this hint regardless, pytorch#173049)."
+        + (" Newer torch also reads the name PYTORCH_ALLOC_CONF." if alloc_conf_var == "PYTORCH_CUDA_ALLOC_CONF"
+           else ""),
+        f"export {alloc_conf_var}=expandable_segments:True",
+    )
+
+
+def fragmentation_fixes(r: OomReport) -> tuple[Fix, ...]:
+    """Allocator settings first (``max_split_size_mb`` only for torch that predates expandable segments)."""
+    old = (MAX_SPLIT_SIZE,) if r.format in ("torch<=2.0", "torch<1.5") else ()
+    return old + (expandable_segments(r.alloc_conf_var), CONSTANT_SHAPES, EMPTY_CACHE_STEPS)
+
+
+def other_process_fixes(r: OomReport) -> tuple[Fix, ...]:
+    """Free the card (naming the PIDs the message lists) or move to another one."""
+    pids = [str(p.pid) for p in r.processes if not p.is_self and p.pid is not None]
+    dev = r.device.split(":")[-1] if ":" in r.device else "0"
+    free_them = Fix(
+        "free-other-processes",
+        "Other processes hold memory on this GPU (a leftover notebook kernel, a previous run, an inference "
+        "server); stop them or wait for them" + (f": PIDs {', '.join(pids)}" if pids else "") + ".",
+        f"nvidia-smi --query-compute-apps=pid,used_memory --format=csv -i {dev}"
+        + (f"; kill {' '.join(pids)}" if pids else ""),
+    )
+    return free_them, PICK_FREE_GPU
+
+
+def huge_allocation_fixes(phase: str | None) -> tuple[Fix, ...]:
+    """The phase's own fixes (evaluation, saving) first, then the ones that shrink one big tensor."""
+    first = {"evaluation": EVAL_FIXES, "checkpoint-save": SAVE_FIXES}.get(phase or "", ())
+    return first + (CHUNKED_LOSS, ATTENTION_KERNEL, CHECK_SHAPES)
+
+
+def phase_capacity_fixes(phase: str | None) -> tuple[Fix, ...]:
+    """Plan fixes for an OOM in ``phase``. Under no_grad (evaluation) and while saving nothing is saved for backward:
+    gradient checkpointing and the train micro-batch do not matter there; weights and optimizer state do."""
+    if phase == "evaluation":
+        return EVAL_FIXES + (SEQ_LEN, LORA, OPTIMIZER_8BIT)
+    if phase == "checkpoint-save":
+        return SAVE_FIXES + (LORA, OPTIMIZER_8BIT)
+    if phase == "optimizer-step":
+        return OPTIMIZER_FIXES + (LORA, GRADIENT_CHECKPOINTING, MICRO_BATCH, SEQ_LEN)
+    if phase == "loss":
+        return (CHUNKED_LOSS, MICRO_BATCH, SEQ_LEN, GRADIENT_CHECKPOINTING, LORA) + OPTIMIZER_FIXES
+    return GENERIC_CAPACITY_FIXES
+
+
+def kind_capacity_fixes(kind: str) -> tuple[Fix, ...] | None:
+    """Fixes that replace the phase's for message kinds that are not a training step on a GPU (``None``: keep)."""
+    if kind in ("cpu-allocator", "cpu-oom-killer"):
+        return CPU_FIXES
+    if kind == "batch-size-exhausted":
+        return tuple(f for f in GENERIC_CAPACITY_FIXES if f is not MICRO_BATCH) + EVAL_FIXES[:1]
+    if kind == "quantized-offload":
+        return QUANT_OFFLOAD_FIXES
+    return None
+
+
+def already_applied(plan: Plan, fix_id: str) -> bool:
+    """True when ``plan`` already has what the fix proposes."""
+    return (
+        (fix_id == "gradient-checkpointing" and plan.gradient_checkpointing)
+        or (fix_id == "micro-batch" and plan.micro_batch == 1)
+        or (fix_id == "lora" and plan.method != "full" and plan.quant is not None)
+        or (fix_id == "optimizer-8bit" and plan.optimizer in ("adamw-8bit", "paged-adamw-8bit"))
+        or (fix_id == "fused-optimizer" and plan.optimizer_impl == "fused")
+    )
+
+
+def capacity_fixes(r: OomReport, outside_pytorch: bool, priced: tuple[Fix, ...],
+                   plan: Plan | None) -> tuple[Fix, ...]:
+    """Fixes for "the plan needs more than the card", best first.
+
+    ``outside_pytorch``: this process holds much memory outside PyTorch's allocator. ``priced``: the plan changes
+    priced by the memory model (``oomdoctor.explain.pricing``), which replace the generic plan fixes; without them,
+    the generic fixes ``plan`` (when known) already applies are dropped.
+    """
+    fixes = phase_capacity_fixes(r.phase)
+    if outside_pytorch:
+        fixes = (NON_PYTORCH_MEMORY,) + fixes
+    if r.allowed_bytes is not None:
+        fixes = (MEMORY_FRACTION,) + fixes
+    fixes = kind_capacity_fixes(r.kind) or fixes
+    if priced:
+        # Fixes the memory model cannot price (eval settings, save settings) stay first in their phases;
+        # elsewhere the priced fixes lead, largest saving first. Generic plan fixes give way to the priced ones.
+        unpriced = tuple(f for f in fixes if f.id not in PLAN_FIX_IDS)
+        return unpriced + priced if r.phase in ("evaluation", "checkpoint-save") else priced + unpriced
+    if plan is not None:
+        return tuple(f for f in fixes if not already_applied(plan, f.id))
+    return fixes
