@@ -181,3 +181,22 @@ def test_cli_messages_for_a_taken_dir_and_bad_numbers(tmp_path):
         bad_path.write_text(text.replace("learning_rate: ", f"learning_rate: {bad} #"))
         p = cli("train", bad_path, "--dry-run")
         assert p.returncode == 2 and "learning_rate" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.slow
+def test_resume_after_editing_the_model_config_is_refused_before_loading(tmp_path):
+    import json
+    import shutil
+
+    conf = tmp_path / "config.json"
+    shutil.copy(ROOT / tiny_cfg(tmp_path).model.config, conf)
+    out = tmp_path / "out"
+    cfg = tiny_cfg(out, max_steps=1)
+    cfg = replace(cfg, model=replace(cfg.model, config=str(conf)))
+    _train(cfg)
+    c = json.loads(conf.read_text())
+    c["intermediate_size"] = 2 * c["intermediate_size"]
+    conf.write_text(json.dumps(c))
+    with pytest.raises(BadInput, match="different run") as e:
+        _train(replace(cfg, max_steps=2), resume=True)
+    assert "model.shape" in str(e.value) and "intermediate_size" in str(e.value)

@@ -184,7 +184,27 @@ def _fingerprint(cfg: TrainConfig) -> dict:
 
     flat = {k: v for k, v in _flatten(asdict(cfg)).items() if k not in SAFE_TO_CHANGE}
     flat["effective_batch_size"] = cfg.effective_batch_size
+    flat["model.shape"] = _model_shape(cfg)
     return json.loads(json.dumps(flat, default=str))
+
+
+#: config.json keys that decide the shapes of the weights a checkpoint holds.
+SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "num_local_experts")
+
+
+def _model_shape(cfg: TrainConfig) -> str:
+    """The shape-deciding keys of the model's config.json (an edited config at the same path is a different run);
+    ``?`` when there is no local config to read (a hub id)."""
+    import json
+
+    ref = Path(cfg.model_ref or "")
+    f = ref / "config.json" if ref.is_dir() else ref
+    try:
+        c = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return "?"
+    return " ".join(f"{k}={c[k]}" for k in SHAPE_KEYS if k in c)
 
 
 def fingerprint_changes(saved: dict, now: dict) -> list[str]:
