@@ -115,3 +115,11 @@ def process_bytes(pid: int | None = None, index: int | None = None) -> int | Non
         return next((b for p, b in _device_processes(pynvml, h) if p == pid), None)
 
     return _with_nvml(query, index)
+
+
+def host_ram_bytes() -> int | None:
+    """Physical RAM of this machine (``sysconf``), None where the OS does not say: what CPU offload can use."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -129,3 +129,22 @@ def test_analytic_diagnose_imports_no_torch():
             "diagnose('meta-llama/Llama-2-7b-hf', gpu_mem=24*10**9)\n"
             "assert 'torch' not in sys.modules, 'torch imported by the analytic path'\n")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_fits_only_and_top(capsys):
+    code, out, _ = run_ok(["diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB", "--fits-only", "--top", "3",
+                           "--json"], capsys)
+    d = json.loads(out)
+    assert len(d["plans"]) == 3 and all(p["fits"] for p in d["plans"])
+    assert d["plans_priced"] > d["plans_fitting"] >= 3
+
+
+def test_smaller_model_never_contradicts_the_advice():
+    """A smaller model is suggested only when no change in the advice makes a plan fit."""
+    from oomdoctor.diagnose.report import diagnose
+
+    for cap in (6 * 10**9, 10**9):
+        rep = diagnose("meta-llama/Llama-2-7b-hf", {"seq_len": 512}, gpu_mem=cap)
+        rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single))
+                      for r in rep.results)
+        assert not (rescued and rep.smaller_model)

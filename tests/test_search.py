@@ -224,3 +224,32 @@ def test_verify_keeps_divisors_and_returns_zero_when_nothing_fits():
     trial, calls = _device(100, 5000, cap)  # even 1 does not fit
     best, steps = verify_and_refine(4, divisors(32), lambda b: 1000 + 90 * b, trial, cap, cap, max_trials=5)
     assert best == 0 and [s.micro_batch for s in steps][-1] == 1
+
+
+def test_ranking_like_an_expert_on_device_before_offload_and_the_fastest_of_the_tier():
+    """Llama-2-7B on 80 GB: full fine-tuning fits on the device (8-bit AdamW or pure bf16), so an optimizer offload
+    (PCIe-bound) is not chosen; within the tier the faster plan wins. Offload plans list the host RAM they need and
+    are out when the machine has less."""
+    spec = load_spec("meta-llama/Llama-2-7b-hf")
+    plans = enumerate_candidates({}, Plan(seq_len=2048))
+    res = search(spec, plans, card(80 * 10**9), estimator=analytic, host_ram=2**40)
+    best = res.best
+    assert best.plan.method == "full" and not best.plan.offload_optimizer
+    offloaded = [c for c in res.fitting if c.plan.offload_optimizer]
+    assert offloaded and all(c.rank > best.rank for c in offloaded)
+    assert all(c.memory.cpu_offloaded > 0 for c in offloaded)
+    same_tier = [c for c in res.fitting if fidelity_key(c.plan) == fidelity_key(best.plan)]
+    assert max(c.throughput.tokens_per_s for c in same_tier) == best.throughput.tokens_per_s
+    small = search(spec, plans, card(80 * 10**9), estimator=analytic, host_ram=2**30)
+    out = [c for c in small.candidates if c.why_not]
+    assert out and all(not c.fits and "host RAM" in c.why_not for c in out)
+    assert not any(c.plan.offload_optimizer for c in small.fitting)
+
+
+def test_qlora_7b_fits_a_16gb_t4_with_pure_bf16_and_paged_optimizers_in_the_search():
+    spec = load_spec("Qwen/Qwen2.5-7B")
+    plans = enumerate_candidates({}, Plan(seq_len=2048), bf16_supported=True)
+    assert any(p.method == "qlora" and p.precision == "bf16" for p in plans)
+    assert any(p.method == "qlora" and p.optimizer == "paged-adamw-8bit" for p in plans)
+    res = search(spec, plans, card(16 * 10**9), estimator=analytic)
+    assert res.best is not None and res.best.plan.method == "qlora"

@@ -43,6 +43,8 @@ def diagnose(
     micro_batch: Optional[int] = plan_option("micro_batch", "1"),
     seq_len: Optional[int] = plan_option("seq_len", "min(2048, model max)"),
     gpu_mem: Optional[str] = typer.Option(None, help="card size: 24GB (10^9), 24GiB (2^30), 24000MiB; default: NVML"),
+    fits_only: bool = typer.Option(False, "--fits-only", help="show only the plans that fit (needs a capacity)"),
+    top: Optional[int] = typer.Option(None, "--top", help="show only the first N plans (most faithful first)"),
     engine: str = typer.Option("analytic", help="analytic (formulas) | simulate (real step on fake tensors) | measure (GPU)"),
     plot: Optional[str] = typer.Option(None, help="write a picture: FILE.png or FILE.html"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
@@ -60,7 +62,7 @@ def diagnose(
         micro_batch=micro_batch, seq_len=seq_len,
     )
     capacity = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
-    report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine)
+    report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top)
     if plot:
         _write_plot(report, plot)
     if as_json:

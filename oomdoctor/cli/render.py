@@ -137,7 +137,8 @@ def print_diagnose(report) -> None:
     if report.capacity_bytes is None:
         return
     fitting = report.fitting
-    console.print(f"\n{len(fitting)} of {len(report.results)} plans fit.")
+    subset = "" if len(report.results) == report.priced else f" (showing {len(report.results)})"
+    console.print(f"\n{report.fitting_count} of {report.priced} plans fit{subset}.")
     if fitting:
         best = fitting[0]
         idx = report.results.index(best) + 1
@@ -152,10 +153,11 @@ def print_diagnose(report) -> None:
     if report.smaller_model:
         sm = report.smaller_model
         console.print(
-            f"\nNothing fits. A smaller model of the same family does: [bold]{sm.model_id}[/] "
+            f"\nNothing fits, not even with the changes above. A smaller model of the same family does: "
+            f"[bold]{sm.model_id}[/] "
             f"({sm.params / 1e9:.2f} B) with {sm.plan.label()} at {format_bytes(sm.memory.peak_device)}."
         )
-    elif not fitting:
+    elif not report.fitting_count:
         rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single))
                       for r in report.results)
         if not rescued:

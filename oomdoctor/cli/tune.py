@@ -142,14 +142,21 @@ def _print(r) -> None:
         con.print(f"verification: {r.verification}")
 
     alt = Table(title="ranking (fitting plans)", title_justify="left")
-    for col in ("#", "plan", "max micro", "micro x accum", "peak", "est. tok/s"):
+    for col in ("#", "plan", "max micro", "micro x accum", "peak", "host RAM", "est. tok/s"):
         alt.add_column(col)
     for c in r.search.fitting[:6]:
         alt.add_row(str(c.rank), c.plan.label(), str(c.batch.max_micro_batch),
                     f"{c.plan.micro_batch} x {c.plan.grad_accum}", format_bytes(c.memory.peak_device),
+                    format_bytes(c.memory.cpu_offloaded) if c.memory.cpu_offloaded else "-",
                     f"{c.throughput.tokens_per_s:,.0f}" if c.throughput else "-")
     con.print(alt)
-    nf = len(r.search.candidates) - len(r.search.fitting)
+    if r.memory.cpu_offloaded:
+        con.print(f"[yellow]the plan offloads to the CPU: it needs {format_bytes(r.memory.cpu_offloaded)} of host RAM "
+                  "(checked against this machine's RAM); no on-device plan of its quality tier fits[/]")
+    for c in r.search.candidates:
+        if c.why_not:
+            con.print(f"[dim]out: {c.plan.label()}: {c.why_not}[/]")
+    nf = sum(1 for c in r.search.candidates if not c.fits and not c.why_not)
     if nf:
         con.print(f"{nf} more plan(s) do not fit at micro-batch 1 (see `oomdoctor diagnose`).")
     for n in r.notes:

@@ -19,7 +19,7 @@ from oomdoctor.plan import DEFAULT_LORA_TARGETS, Plan, validate
 PRECISIONS_BY_METHOD: dict[str, tuple[str, ...]] = {
     "full": ("fp32", "bf16-mixed", "bf16"),
     "lora": ("bf16-mixed", "bf16"),
-    "qlora": ("bf16-mixed",),
+    "qlora": ("bf16-mixed", "bf16"),
 }
 #: Optimizers per method. For LoRA the optimizer state is tiny (2 x adapter params), so only the QLoRA paper's
 #: paged 8-bit AdamW is shown next to AdamW; full fine-tuning is where leaner optimizers pay.

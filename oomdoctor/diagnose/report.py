@@ -59,6 +59,10 @@ class DiagnoseReport:
     """Set when no plan fits and a smaller bundled model of the same family does."""
     notes: list[str] = field(default_factory=list)
     """Warnings about the inputs (a sequence longer than the model's positions...)."""
+    priced: int = 0
+    """Plans priced (``results`` may show fewer: ``--fits-only``, ``--top``)."""
+    fitting_count: int = 0
+    """Of the priced plans, those that fit."""
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -92,12 +96,18 @@ class DiagnoseReport:
             "plans": [r.to_dict() for r in self.results],
             "smaller_model": self.smaller_model.to_dict() if self.smaller_model else None,
             "notes": list(self.notes),
+            "plans_priced": self.priced,
+            "plans_fitting": self.fitting_count,
         }
 
 
 def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_mem: int | None = None,
-             engine: str = "analytic", advice: bool = True) -> DiagnoseReport:
-    """Price the matrix of plans for ``model`` (pins fix dimensions; see ``oomdoctor.diagnose.matrix``)."""
+             engine: str = "analytic", advice: bool = True, fits_only: bool = False,
+             top: int | None = None) -> DiagnoseReport:
+    """Price the matrix of plans for ``model`` (pins fix dimensions; see ``oomdoctor.diagnose.matrix``).
+    ``fits_only``: keep the plans that fit (needs a capacity); ``top``: keep the first N (most faithful first)."""
+    if top is not None and top < 1:
+        raise BadInput(f"--top must be >= 1, got {top}")
     spec = load_spec(model) if isinstance(model, str) else model
     pins = dict(pins or {})
     if "seq_len" not in pins and spec.max_position_embeddings:
@@ -123,7 +133,16 @@ def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_
         if advice and ok is False:
             adv = advise(spec, plan, budget, with_path=headline.get(plan.method) == plan or len(plans) == 1)
         report.results.append(PlanResult(plan, mem, ok, adv))
-    if budget is not None and not report.fitting and advice:
-        base = plans[0]
-        report.smaller_model = smaller_model_that_fits(spec, base, budget)
+    if fits_only and budget is None:
+        raise BadInput("--fits-only needs a capacity: no --gpu-mem given and no GPU found",
+                       f"pass --gpu-mem, e.g. `oomdoctor diagnose {spec.name} --gpu-mem 24GB --fits-only`")
+    rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single)) for r in report.results)
+    if budget is not None and not report.fitting and advice and not rescued:
+        # only when no change above makes a plan fit: the advice and this verdict never contradict each other
+        report.smaller_model = smaller_model_that_fits(spec, plans[0], budget)
+    report.priced, report.fitting_count = len(report.results), len(report.fitting)
+    if fits_only:
+        report.results = [r for r in report.results if r.fits]
+    if top is not None:
+        report.results = report.results[:top]
     return report

@@ -23,17 +23,24 @@ OPTIMIZER_RANK = {"adamw": 0, "paged-adamw": 0, "adamw-8bit": 1, "paged-adamw-8b
 
 
 def fidelity_key(plan: Plan) -> tuple[int, ...]:
-    """Lower is more faithful: method (full > LoRA > QLoRA), quantization bits, weight precision (fp32 master
-    weights > pure bf16), optimizer state precision (32-bit/bf16 > 8-bit > other optimizers), then plain > a
-    compute-for-memory trade (gradient checkpointing or offload). GC and offload change no numbers, so they come
-    last, as one criterion: between the two, the estimated throughput decides."""
-    trade = plan.gradient_checkpointing or plan.offload_optimizer or plan.offload_activations or plan.offload_params
+    """The quality tier of a plan (lower is more faithful), as an expert ranks plans before speed:
+
+    1. what is trained: full > LoRA > QLoRA, and the quantization bits of a frozen base;
+    2. on the device > CPU offload: offloading optimizer state, activations or weights is chosen only when no
+       on-device plan of the same tier fits (it changes no numbers but costs PCIe time, often 2-4x);
+    3. weight precision where it matters — a full fine-tune updates every weight, so fp32 master weights (fp32 or
+       bf16 autocast) beat pure bf16 (updates lost to bf16 rounding); LoRA/QLoRA train fp32 adapters on a frozen
+       base (peft keeps adapters fp32), so their base precision is left to throughput;
+    4. optimizer state precision (32-bit > 8-bit > other optimizers).
+
+    Gradient checkpointing changes no numbers either: it is left to throughput, which charges its recompute."""
+    offload = plan.offload_optimizer or plan.offload_activations or plan.offload_params
     return (
         METHOD_RANK[plan.method],
         QUANT_RANK.get(plan.quant, 9),
-        PRECISION_RANK.get(plan.precision, 9),
+        int(offload),
+        PRECISION_RANK.get(plan.precision, 9) if plan.method == "full" else 0,
         OPTIMIZER_RANK.get(plan.optimizer, 9),
-        int(trade),
     )
 
 
@@ -50,6 +57,8 @@ class Candidate:
     throughput: Throughput | None = None
     rank: int | None = None
     """1 = chosen; None for plans that do not fit."""
+    why_not: str | None = None
+    """Why a plan whose device memory fits is still out (the host RAM an offload needs)."""
 
     @property
     def fits(self) -> bool:
@@ -63,12 +72,15 @@ class Candidate:
             "peak_device_bytes": self.memory.peak_device,
             "batch": self.batch.to_dict() if self.batch else None,
             "throughput": self.throughput.to_dict() if self.throughput else None,
+            "host_ram_bytes": self.memory.cpu_offloaded,
+            "why_not": self.why_not,
         }
 
 
 def rank_key(c: Candidate, prefer: Prefer = "quality") -> tuple:
-    """Sort key (ascending = better). ``quality``: fidelity, then throughput. ``speed``: throughput, then
-    fidelity. Throughput is compared at 3 significant digits so estimation noise does not beat fidelity."""
+    """Sort key (ascending = better). ``quality``: the quality tier (:func:`fidelity_key`), then the fastest plan
+    of the tier. ``speed``: throughput, then the tier. Throughput is compared at 3 significant digits so
+    estimation noise does not beat the tier."""
     tps = c.throughput.tokens_per_s if c.throughput else 0.0
     tps_r = float(f"{tps:.3g}") if tps > 0 else 0.0
     if prefer == "speed":

@@ -14,6 +14,7 @@ from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, SearchTrace
 from oomdoctor.plan.budget import Budget
 from oomdoctor.tune.batch_search import Estimator, analytic_estimator, micro_batch_search
+from oomdoctor.units import format_bytes
 from oomdoctor.tune.ranking import PREFERS, Candidate, Prefer, rank_key
 from oomdoctor.tune.throughput import REFERENCE_PROFILE, HardwareProfile, estimate_throughput
 
@@ -80,8 +81,10 @@ def search(
     prefer: Prefer = "quality",
     profile: HardwareProfile = REFERENCE_PROFILE,
     micro_limit: int = DEFAULT_MICRO_LIMIT,
+    host_ram: int | None = None,
 ) -> SearchResult:
-    """Price every plan at micro-batch 1, size the micro-batch of those that fit ``budget`` and rank them."""
+    """Price every plan at micro-batch 1, size the micro-batch of those that fit ``budget`` and rank them.
+    ``host_ram``: bytes of host RAM; an offload plan whose host share (``cpu_offloaded``) exceeds it does not fit."""
     if prefer not in PREFERS:
         raise BadInput(f"--prefer {prefer!r}: use quality or speed")
     cands: list[Candidate] = []
@@ -94,10 +97,15 @@ def search(
         if choice is None:
             cands.append(Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None))
             continue
+        if host_ram is not None and mem.cpu_offloaded > host_ram:
+            cands.append(Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
+                                   why_not=f"offload needs {format_bytes(mem.cpu_offloaded)} of host RAM, the "
+                                           f"machine has {format_bytes(host_ram)}"))
+            continue
         sized = plan.with_(micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
         cands.append(Candidate(sized, mem, choice, estimate_throughput(spec, sized, profile, mem)))
     fitting = sorted((c for c in cands if c.fits), key=lambda c: rank_key(c, prefer))
-    rest = sorted((c for c in cands if not c.fits), key=lambda c: budget.needed(c.memory))
+    rest = sorted((c for c in cands if not c.fits), key=lambda c: (c.why_not is not None, budget.needed(c.memory)))
     for i, c in enumerate(fitting, 1):
         c.rank = i
     return SearchResult(fitting + rest, budget, prefer, evaluations)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomdoctor.errors import BadInput, DoesNotFit
-from oomdoctor.gpu import GpuInfo, detect_gpu
+from oomdoctor.gpu import GpuInfo, detect_gpu, host_ram_bytes
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
 from oomdoctor.model.load import load_spec
@@ -335,7 +335,7 @@ def tune(
     profile = profile_for(gpu_info.name if gpu_info else None)
     plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16)
     result = search(spec, plans, budget, global_batch=global_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
-                    profile=profile, micro_limit=micro_limit)
+                    profile=profile, micro_limit=micro_limit, host_ram=host_ram_bytes())
     if result.best is None:
         low = result.smallest
         raise DoesNotFit(

@@ -110,9 +110,9 @@ def _check_kind(key: str, value: Any, kind: Any, problems: list[str]) -> Any:
     if base == "list[str]":
         if isinstance(value, str) and value:
             return [s.strip() for s in value.split(",") if s.strip()]
-        if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
-            return list(value)
-        bad("a list of module names (e.g. [q_proj, v_proj]) or all-linear")
+        if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+            return list(value)  # empty: checked where it matters (LoRA targets by the plan's validation)
+        bad("a list of names (e.g. [q_proj, v_proj])")
         return None
     if base == "size":
         try:
