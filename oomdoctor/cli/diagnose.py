@@ -34,6 +34,7 @@ def diagnose(
     optimizer_impl: Optional[str] = plan_option("optimizer_impl"),
     attn: Optional[str] = plan_option("attn"),
     gradient_checkpointing: Optional[bool] = plan_option("gradient_checkpointing"),
+    loss: Optional[str] = plan_option("loss"),
     lora_r: Optional[int] = plan_option("lora_r"),
     lora_targets: Optional[str] = plan_option("lora_targets"),
     lora_on_head: Optional[bool] = plan_option("lora_on_head"),
@@ -57,7 +58,7 @@ def diagnose(
         raise BadInput(f"--plot {plot!r}: use a .png or .html file name")
     pins = pins_from(
         method=method, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
-        gradient_checkpointing=gradient_checkpointing, lora_r=lora_r, lora_targets=lora_targets,
+        gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r, lora_targets=lora_targets,
         lora_on_head=lora_on_head, quant=quant, double_quant=double_quant, offload=offload,
         micro_batch=micro_batch, seq_len=seq_len,
     )

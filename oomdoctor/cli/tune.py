@@ -46,6 +46,7 @@ def tune(
     optimizer_impl: Optional[str] = plan_option("optimizer_impl"),
     attn: Optional[str] = plan_option("attn"),
     gradient_checkpointing: Optional[bool] = plan_option("gradient_checkpointing"),
+    loss: Optional[str] = plan_option("loss"),
     lora_r: Optional[int] = plan_option("lora_r"),
     lora_targets: Optional[str] = plan_option("lora_targets"),
     lora_on_head: Optional[bool] = plan_option("lora_on_head"),
@@ -76,7 +77,7 @@ def tune(
     cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
     pins = pins_from(
         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
-        gradient_checkpointing=gradient_checkpointing, lora_r=lora_r, lora_targets=lora_targets,
+        gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r, lora_targets=lora_targets,
         lora_on_head=lora_on_head, quant=quant, double_quant=double_quant, offload=offload,
     )
     if output is not None and os.path.exists(output) and not force:

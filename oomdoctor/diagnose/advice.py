@@ -100,6 +100,14 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
             0,
             dict(optimizer_impl="fused"),
         ))
+    if plan.loss != "chunked" and spec.arch_kind == "decoder":
+        c.append((
+            "loss:chunked",
+            "chunked cross-entropy: the LM head and loss run over token chunks recomputed in backward, never the "
+            "whole batch x seq x vocab logits (Liger / cut-cross-entropy memory; one more LM-head forward)",
+            0,
+            dict(loss="chunked"),
+        ))
     if not plan.gradient_checkpointing:
         c.append((
             "gradient-checkpointing",

@@ -14,9 +14,9 @@ ENGINES = ("analytic", "simulate", "measure")
 def estimate(spec, plan, engine: str = "analytic") -> MemoryBreakdown:
     """Memory breakdown of training ``spec`` with ``plan`` according to ``engine`` (BadInput for LoRA targets that
     adapt nothing)."""
-    from oomdoctor.memory.context import check_lora_targets
+    from oomdoctor.memory.context import check_plan_for_model
 
-    check_lora_targets(spec, plan)
+    check_plan_for_model(spec, plan)
     if engine == "analytic":
         from oomdoctor.memory.analytic import estimate_analytic
 

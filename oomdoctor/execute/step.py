@@ -3,6 +3,7 @@
 A step is what ``transformers.Trainer`` (with accelerate) does per optimizer step, for any number of micro-batches:
 
 1. per micro-batch (:meth:`TrainStep.forward_backward`): forward with labels under autocast for ``*-mixed`` plans
+   (``loss: chunked``: the decoder, then the LM head and loss chunk by chunk, ``oomdoctor.execute.loss``)
    (``torch.autocast`` on the tensors' device), saved tensors moved to host memory when the plan offloads
    activations; the loss is token-weighted over the whole optimizer step when ``num_items_in_batch`` is given
    (transformers' ``num_items_in_batch``: ``sum(token losses) / N``, so splitting a micro-batch changes nothing but
@@ -131,11 +132,16 @@ class TrainStep:
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
             with self._autocast(), self.offload():
-                out = self.model(**kwargs)
-            loss = out["loss"] if isinstance(out, dict) else out.loss
-            if self.plan.is_mixed and self.fp32_outputs:
-                self._fp32_logits_copy(out)
-            del out
+                if self.plan.loss == "chunked":
+                    from oomdoctor.execute.loss import chunked_causal_lm_loss
+
+                    loss = chunked_causal_lm_loss(self.model, batch, num_items_in_batch)
+                else:
+                    out = self.model(**kwargs)
+                    loss = out["loss"] if isinstance(out, dict) else out.loss
+                    if self.plan.is_mixed and self.fp32_outputs:
+                        self._fp32_logits_copy(out)
+                    del out
             if loss_divisor > 1:
                 loss = loss / loss_divisor
             scaled = self.scaler.scale(loss) if self.scaler is not None else loss
@@ -157,6 +163,10 @@ class TrainStep:
         self.model.eval()
         try:
             with self.hooks.phase(EVAL_PHASE), torch.no_grad(), self._autocast():
+                if self.plan.loss == "chunked":
+                    from oomdoctor.execute.loss import chunked_causal_lm_loss
+
+                    return chunked_causal_lm_loss(self.model, batch, 1).float()
                 out = self.model(**batch, num_items_in_batch=1)  # sum over tokens: ForCausalLMLoss divides by 1
                 loss = (out["loss"] if isinstance(out, dict) else out.loss).float()
                 del out

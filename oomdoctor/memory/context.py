@@ -107,6 +107,15 @@ def lora_targets_match(name: str, targets: tuple[str, ...]) -> bool:
     return name in targets
 
 
+def check_plan_for_model(spec: ModelSpec, plan: Plan) -> None:
+    """Refuse what cannot run on this model: the chunked loss on a model that is not a decoder-only causal LM, and
+    LoRA targets that adapt nothing (peft raises on them too)."""
+    if plan.loss == "chunked" and spec.arch_kind != "decoder":
+        raise BadInput(f"loss chunked: {spec.name} is not a decoder-only causal LM ({spec.arch_kind})",
+                       "use the standard loss")
+    check_lora_targets(spec, plan)
+
+
 def check_lora_targets(spec: ModelSpec, plan: Plan) -> None:
     """Refuse LoRA targets that adapt nothing (peft raises on them too): BadInput listing the model's linears."""
     if not plan.uses_lora or plan.lora_on_head:

@@ -16,8 +16,12 @@ bytes of the loss's log-probabilities, fp32 for causal LMs):
 * backward peak (``_log_softmax_backward_data``): log-probabilities + their gradient + the logits' gradient,
   ``3·ce·T·V``; then the gradient is cast back to ``lb`` for the head's backward.
 
-Limits: HF computes logits for every position (``logits_to_keep=0``), labels of -100 still cost memory; chunked /
-fused linear-cross-entropy (Liger, ``trl`` ``chunked_nll``) is not modelled; T5-style seq2seq losses
+``loss: chunked`` (``oomdoctor.execute.loss``): the same terms for one chunk of ``C`` tokens
+(``chunk_tokens``: about ``T·H / V`` tokens, so a chunk's logits are the size of the hidden states) and nothing kept
+from the forward into backward.
+
+Limits: HF computes logits for every position (``logits_to_keep=0``), labels of -100 still cost memory; Liger's
+fused kernel (which computes the gradient in the forward) is priced as the pure-torch chunked loss; T5-style seq2seq losses
 (``CrossEntropyLoss`` on the logits without upcast) are priced in the logits dtype with the decoder length taken
 equal to ``seq_len``; encoder classifiers have a ``B x num_labels`` head (negligible).
 """
@@ -26,7 +30,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 from oomdoctor.memory.context import Ctx
+
+
+def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk of the chunked loss (Liger's ``LigerFusedLinearCrossEntropyFunction`` rule):
+    ``next_power_of_2(ceil(tokens / ceil(vocab / hidden)))``, at least 1 — a chunk of logits holds about as many
+    elements as the hidden states. ``oomdoctor.execute.loss`` runs with this size."""
+    chunks = max(1, math.ceil(vocab / max(hidden, 1)))
+    n = max(1, math.ceil(tokens / chunks))
+    return 1 << (n - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,10 @@ def logits_memory(c: Ctx) -> LogitsMemory:
         n = max(spec.num_labels, 2) * c.B * 4
         return LogitsMemory(3 * n, n, 3 * n)
     T, V = c.T, spec.vocab_size
+    if c.plan.loss == "chunked" and spec.arch_kind == "decoder":
+        # oomdoctor.execute.loss: the same tensors for one chunk of C tokens at a time; nothing is kept from the
+        # forward (each chunk is recomputed in backward, where it peaks like the standard loss does)
+        T = chunk_tokens(T, spec.hidden_size, V)
     lb = 2 if c.mixed else c.ab  # autocast runs the head's matmul in bf16/fp16
     if spec.arch_kind == "decoder":
         upcast = 4 if lb != 4 else 0  # ForCausalLMLoss: logits.float()
@@ -54,7 +73,7 @@ def logits_memory(c: Ctx) -> LogitsMemory:
     fwd = (lb + upcast + ce) * T * V
     # peft LoRA on the head adds fp32 T x V transients (lora_B output, the promoted sum) that peak at ~lb+8 bytes
     # per logit, no more than the loss's lb+4+4: the loss stays the forward peak.
-    saved = ce * T * V
+    saved = ce * T * V if c.plan.loss != "chunked" else 0
     bwd = 3 * ce * T * V
     if spec.config.get("final_logit_softcapping") is not None:
         # Gemma-2: logits / cap -> tanh (keeps its output for backward) -> * cap: one more lb·T·V kept until the
@@ -62,4 +81,9 @@ def logits_memory(c: Ctx) -> LogitsMemory:
         fwd += lb * T * V
         saved += lb * T * V
         bwd += lb * T * V
+    if c.plan.loss == "chunked" and spec.arch_kind == "decoder" and c.full:
+        # the head's weight gradient arrives chunk by chunk: autograd sums the partials, so next to the running sum
+        # one partial of vocab x hidden is alive; measured with the simulated engine (CPU) as one fp32-sized buffer
+        # in fp32 and in bf16 (the bf16 matmul's fp32 output) — on CUDA a bf16 partial is half of that
+        bwd += 4 * V * spec.hidden_size
     return LogitsMemory(fwd, saved, bwd)

@@ -20,6 +20,7 @@ Attn = Literal["eager", "sdpa", "flash"]
 Quant = Literal["int8", "nf4", "fp4"]
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 Sharding = Literal["none", "ddp", "fsdp", "zero2", "zero3"]
+Loss = Literal["standard", "chunked"]
 
 METHODS: tuple[str, ...] = choices("method")
 PRECISIONS: tuple[str, ...] = choices("precision")
@@ -28,6 +29,7 @@ ATTNS: tuple[str, ...] = choices("attn")
 QUANTS: tuple[str, ...] = choices("quant")
 OPTIMIZER_IMPLS: tuple[str, ...] = choices("optimizer_impl")
 SHARDINGS: tuple[str, ...] = choices("sharding")
+LOSSES: tuple[str, ...] = choices("loss")
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULTS["lora_targets"]
 
@@ -55,6 +57,8 @@ class Plan:
     """See ``TECHNIQUES``: attention kernel."""
     gradient_checkpointing: bool = DEFAULTS["gradient_checkpointing"]
     """See ``TECHNIQUES``: recompute activations in backward."""
+    loss: Loss = DEFAULTS["loss"]
+    """See ``TECHNIQUES``: standard | chunked cross-entropy."""
     lora_r: int = DEFAULTS["lora_r"]
     """See ``TECHNIQUES``: LoRA rank."""
     lora_alpha: int = DEFAULTS["lora_alpha"]
@@ -133,6 +137,8 @@ class Plan:
         parts.append(self.optimizer + (f"({self.optimizer_impl})" if shows_impl else ""))
         if self.gradient_checkpointing:
             parts.append("GC")
+        if self.loss == "chunked":
+            parts.append("chunked-CE")
         offl = [n for n, on in (("opt", self.offload_optimizer), ("act", self.offload_activations), ("params", self.offload_params)) if on]
         if offl:
             parts.append("offload:" + "+".join(offl))
@@ -173,6 +179,7 @@ def validate(plan: Plan) -> Plan:
     _check_choice(problems, "precision", plan.precision, PRECISIONS)
     _check_choice(problems, "optimizer", plan.optimizer, OPTIMIZERS)
     _check_choice(problems, "optimizer_impl", plan.optimizer_impl, OPTIMIZER_IMPLS)
+    _check_choice(problems, "loss", plan.loss, LOSSES)
     _check_choice(problems, "attn", plan.attn, ATTNS)
     _check_choice(problems, "sharding", plan.sharding, SHARDINGS)
     if plan.quant is not None:

@@ -164,6 +164,15 @@ TECHNIQUES: tuple[Technique, ...] = (
         flag="--gradient-checkpointing/--no-gradient-checkpointing",
     ),
     Technique(
+        "loss", "choice", "standard", "transformers ForCausalLMLoss (logits of every token, upcast to fp32)",
+        "causal-LM loss: standard materializes batch x seq x vocab logits (+ fp32 upcast, log-probabilities); "
+        "chunked runs the LM head and cross-entropy over token chunks, each recomputed in backward (the memory "
+        "of Liger's fused linear cross-entropy / Apple's cut-cross-entropy, in pure torch)",
+        "standard: ~12 B x tokens x vocab at the loss (often the peak with 128k-256k vocabularies) | chunked: "
+        "one chunk of about tokens x hidden logits; costs one more LM-head forward",
+        choices=("standard", "chunked"),
+    ),
+    Technique(
         "lora_r", "int>=1", 8, _PEFT,
         "LoRA rank r", "r x (in+out) trainable params per adapted linear (grads + optimizer state on those only)",
         yaml_key="r",

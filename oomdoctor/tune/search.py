@@ -49,15 +49,19 @@ class SearchResult:
         return min(self.candidates, key=lambda c: self.budget.needed(c.memory))
 
 
-def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_supported: bool = True) -> list[Plan]:
+def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_supported: bool = True,
+                         chunked_loss: bool = True) -> list[Plan]:
     """Plans tune considers: the technique matrix (``oomdoctor.diagnose.matrix``) for the pins, minus optimizer swaps
-    (Adafactor/Lion/SGD) unless the optimizer is pinned; on GPUs without bf16 the bf16 plans become fp16-mixed."""
+    (Adafactor/Lion/SGD) unless the optimizer is pinned, plus each plan with the chunked loss (``chunked_loss``:
+    the model is a decoder) unless the loss is pinned; on GPUs without bf16 the bf16 plans become fp16-mixed."""
     from oomdoctor.diagnose.matrix import enumerate_plans
 
     pins = dict(pins or {})
     plans = enumerate_plans(pins, base)
     if "optimizer" not in pins:
         plans = [p for p in plans if p.optimizer in ADAMW_FAMILY]
+    if "loss" not in pins and chunked_loss:  # the chunked loss changes no numbers: searched next to every plan
+        plans = plans + [p.with_(loss="chunked") for p in plans if p.loss != "chunked"]
     if not bf16_supported and "precision" not in pins:
         out: list[Plan] = []
         for p in plans:

@@ -147,6 +147,8 @@ def estimate_throughput(spec: ModelSpec, plan: Plan, profile: HardwareProfile,
     if plan.gradient_checkpointing:
         per_token += fwd
         passes += 1
+    if plan.loss == "chunked" and spec.arch_kind == "decoder":
+        per_token += 2 * spec.hidden_size * spec.vocab_size  # each chunk's LM head runs again in backward
     peak = profile.fp32_flops if plan.precision == "fp32" else profile.bf16_flops
     tokens_micro = plan.micro_batch * s
     compute_micro = tokens_micro * per_token / (peak * profile.mfu)

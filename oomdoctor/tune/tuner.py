@@ -333,7 +333,8 @@ def tune(
     if method is not None:
         all_pins["method"] = method
     profile = profile_for(gpu_info.name if gpu_info else None)
-    plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16)
+    plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16,
+                                 chunked_loss=spec.arch_kind == "decoder")
     result = search(spec, plans, budget, global_batch=global_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
                     profile=profile, micro_limit=micro_limit, host_ram=host_ram_bytes())
     if result.best is None:

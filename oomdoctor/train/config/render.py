@@ -49,6 +49,7 @@ def config_from_plan(model: str, plan: Plan, **extra: Any) -> TrainConfig:
         optim_impl=plan.optimizer_impl,
         sgd_momentum=plan.sgd_momentum,
         gradient_checkpointing=plan.gradient_checkpointing,
+        loss=plan.loss,
         r=plan.lora_r,
         lora_alpha=plan.lora_alpha,
         lora_dropout=plan.lora_dropout,

@@ -112,6 +112,8 @@ class TrainConfig:
     """Plan ``optimizer_impl``."""
     gradient_checkpointing: bool = default("gradient_checkpointing")
     """Plan ``gradient_checkpointing``."""
+    loss: str = default("loss")
+    """Plan ``loss``."""
     r: int = default("r")
     """Plan ``lora_r``."""
     lora_alpha: int = default("lora_alpha")
@@ -232,6 +234,7 @@ def to_plan(cfg: TrainConfig, micro_batch: int | None = None) -> Plan:
             sgd_momentum=cfg.sgd_momentum,
             attn=_ATTN_FROM_HF[cfg.model.attn_implementation],  # type: ignore[arg-type]
             gradient_checkpointing=cfg.gradient_checkpointing,
+            loss=cfg.loss,  # type: ignore[arg-type]
             lora_r=cfg.r,
             lora_alpha=cfg.lora_alpha,
             lora_dropout=cfg.lora_dropout,
