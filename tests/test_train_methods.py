@@ -129,17 +129,17 @@ def test_prompt_response_masking(tmp_path):
     from oomdoctor.train.config import DatasetConfig
     from oomdoctor.train.data import IGNORE, tokenize
     from oomdoctor.execute.load import load_tokenizer
-    from train_util import ROOT
+    from oomdoctor.resources import tiny_dir
 
     cfg = tiny_cfg(tmp_path)
     tok = load_tokenizer(cfg.model)
-    data = tokenize(DatasetConfig(path=str(ROOT / "data/tiny/sft.jsonl")), tok, 64)
+    data = tokenize(DatasetConfig(path=str(tiny_dir() / "sft.jsonl")), tok, 64)
     assert data.kind == "prompt_response"
     ids, labels = data.samples[0]
     n_prompt = sum(1 for t in labels if t == IGNORE)
     assert 0 < n_prompt < len(labels)
     assert labels[:n_prompt] == [IGNORE] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
-    res = train(tiny_cfg(tmp_path / "sft", dataset=DatasetConfig(path=str(ROOT / "data/tiny/sft.jsonl"))))
+    res = train(tiny_cfg(tmp_path / "sft", dataset=DatasetConfig(path=str(tiny_dir() / "sft.jsonl"))))
     _finite_and_learning(res)
 
 

@@ -208,7 +208,7 @@ def test_gpu_verification_probes_in_a_child(tiny_config_path):
 def test_json_contract(tiny_spec, tmp_path):
     r = tune(tiny_spec, gpu_mem=10**9, seq_len=128, global_batch=16, gpu=None, verify_mode="simulate",
              pins={"method": "lora", "gradient_checkpointing": False, "optimizer": "adamw", "precision": "bf16-mixed"})
-    write_config(r, "data/tiny/model/config.json", tmp_path / "plan.yaml")
+    write_config(r, "bundled:tiny/model/config.json", tmp_path / "plan.yaml")
     d = json.loads(json.dumps(r.to_dict()))
     assert {"plan", "memory", "trials", "config_path"} <= set(d)
     assert d["budget"] == {"capacity_bytes": 10**9, "source": "--gpu-mem", "margin_bytes": 0, "margin_form": "default",
@@ -229,7 +229,7 @@ def test_emitted_config_loads_and_matches_the_plan(tiny_spec, tmp_path):
     from oomdoctor.train.config import load_train_config
 
     r = tune(tiny_spec, gpu_mem=10**9, seq_len=128, global_batch=12, gpu=None, verify_mode="none", method="lora")
-    out = write_config(r, "data/tiny/model/config.json", tmp_path / "sub" / "plan.yaml")
+    out = write_config(r, "bundled:tiny/model/config.json", tmp_path / "sub" / "plan.yaml")
     cfg = load_train_config(out)
     assert cfg.micro_batch_size == r.plan.micro_batch
     assert cfg.gradient_accumulation_steps == r.plan.grad_accum
@@ -241,10 +241,12 @@ def test_emitted_config_loads_and_matches_the_plan(tiny_spec, tmp_path):
         r.plan.method, r.plan.precision, r.plan.optimizer, r.plan.gradient_checkpointing)
     text = out.read_text()
     assert "oomdoctor tune" in text and "point it at your data" in text
+    # bundled files keep their bundled: names (they resolve after a wheel install, from any directory)
+    assert "config: bundled:tiny/model/config.json" in text and "path: bundled:tiny/train.jsonl" in text
     # never overwrite silently
     with pytest.raises(BadInput):
-        write_config(r, "data/tiny/model/config.json", out)
-    write_config(r, "data/tiny/model/config.json", out, overwrite=True)
+        write_config(r, "bundled:tiny/model/config.json", out)
+    write_config(r, "bundled:tiny/model/config.json", out, overwrite=True)
     assert not list(out.parent.glob(".*.tmp"))  # atomic write leaves no temp file
 
 
