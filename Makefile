@@ -23,6 +23,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PYTHON) scripts/bench_diagnose.py
+	$(PYTHON) benchmarks/latency.py
 
 clean:
 	rm -rf $(STAMP) runs .pytest_cache
