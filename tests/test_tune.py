@@ -170,18 +170,27 @@ def test_verify_steps_down_and_falls_back_with_a_real_engine_prober(tiny_spec):
     assert real_peak(plan.with_(micro_batch=plan.micro_batch * 2)) > budget  # the largest divisor that fits
 
 
-def test_probe_child_process_on_cpu_with_cap(tiny_config_path):
-    """The GPU probe's child-process path, run on CPU with the LiveBytes cap; failures become results, not raises."""
-    from oomdoctor.engines.probe import probe_in_process, run_probe
+def test_probe_in_process_on_cpu_with_cap(tiny_config_path):
+    """What the probe's child runs, in-process on CPU with the LiveBytes cap: failures become results, not raises."""
+    from oomdoctor.engines.probe import probe_in_process
 
     plan = Plan(method="full", precision="fp32", seq_len=64, micro_batch=2, grad_accum=2)
-    ok = run_probe(tiny_config_path, plan, device="cpu", cap_bytes=10**9, timeout_s=300)
+    ok = probe_in_process(tiny_config_path, plan, device="cpu", cap_bytes=10**9)
     assert ok.outcome == "fits" and ok.steps == 2 and ok.peak_allocated_bytes > 0
-    # same step in-process under half that cap: an OOM result (the child runs exactly this function)
     oom = probe_in_process(tiny_config_path, plan, device="cpu", cap_bytes=ok.peak_allocated_bytes // 2)
     assert oom.outcome == "oom" and "out of memory" in oom.message and oom.steps < 2
     bad = probe_in_process(tiny_config_path + ".missing", plan, device="cpu", cap_bytes=10**9)
     assert bad.outcome == "error"
+
+
+@pytest.mark.slow
+def test_probe_child_process_on_cpu_with_cap(tiny_config_path):
+    """The GPU probe's child-process path, run on CPU with the LiveBytes cap (a fresh interpreter per trial)."""
+    from oomdoctor.engines.probe import run_probe
+
+    plan = Plan(method="full", precision="fp32", seq_len=64, micro_batch=2, grad_accum=2)
+    ok = run_probe(tiny_config_path, plan, device="cpu", cap_bytes=10**9, timeout_s=300)
+    assert ok.outcome == "fits" and ok.steps == 2 and ok.peak_allocated_bytes > 0
     crashed = run_probe(tiny_config_path, plan, device="cpu", python="false", timeout_s=30)  # child dies: no result
     assert crashed.outcome == "error" and "exit code" in crashed.message
 
