@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
-from oomdoctor.resources import tiny_dir
-
-OUT = tiny_dir()
+#: The package's tiny tree (what ``oomdoctor.resources.tiny_dir()`` reads; written here in the checkout).
+OUT = Path(__file__).resolve().parent.parent / "oomdoctor" / "data" / "tiny"
 VOCAB = 512
 
 NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]
