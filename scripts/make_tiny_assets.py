@@ -1,12 +1,13 @@
-"""Generate the bundled tiny training assets under data/tiny/ (committed; re-run to regenerate, deterministic).
+"""Generate the bundled tiny training assets under oomdoctor/data/tiny/ (package data, named ``bundled:tiny/...``;
+committed; re-run to regenerate, deterministic).
 
-- ``data/tiny/train.jsonl``: short generated English-like texts (``{"text": ...}``), learnable patterns so the loss
-  of a 2-layer model visibly goes down within a minute on CPU.
-- ``data/tiny/sft.jsonl``: prompt/response pairs (``{"prompt": ..., "response": ...}``), e.g. small arithmetic.
-- ``data/tiny/tokenizer/``: a BPE tokenizer trained with the ``tokenizers`` library on that text (vocab 512), saved
+- ``train.jsonl``: short generated English-like texts (``{"text": ...}``), learnable patterns so the loss of a
+  2-layer model visibly goes down within a minute on CPU.
+- ``sft.jsonl``: prompt/response pairs (``{"prompt": ..., "response": ...}``), e.g. small arithmetic.
+- ``tokenizer/``: a BPE tokenizer trained with the ``tokenizers`` library on that text (vocab 512), saved
   as ``tokenizer.json`` + ``tokenizer_config.json`` (loadable by ``transformers.AutoTokenizer`` /
   ``PreTrainedTokenizerFast``), with ``<pad>``, ``<s>``, ``</s>``, ``<unk>`` specials.
-- ``data/tiny/model/config.json``: a Llama-shaped config (2 layers, hidden 64) whose vocab matches the tokenizer.
+- ``model/config.json``: a Llama-shaped config (2 layers, hidden 64) whose vocab matches the tokenizer.
 
 Usage: ``python scripts/make_tiny_assets.py`` (from the repo root).
 """
@@ -17,8 +18,8 @@ import json
 import random
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "data" / "tiny"
+#: The package's tiny tree (what ``oomdoctor.resources.tiny_dir()`` reads; written here in the checkout).
+OUT = Path(__file__).resolve().parent.parent / "oomdoctor" / "data" / "tiny"
 VOCAB = 512
 
 NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"]

@@ -234,7 +234,16 @@ ARCH_CASES: list[tuple[str, dict, Plan]] = [
 ]
 
 
-@pytest.mark.parametrize("name,cfg,plan", ARCH_CASES, ids=[c[0] for c in ARCH_CASES])
+#: Cases left to the full suite (`make test`): the fast one keeps a representative of every engine path.
+SLOW_CASES = {"qwen2 full bf16", "qwen3 lora bf16 GC", "qlora nf4 bf16-mixed", "lora bf16-mixed GC"}
+
+
+def _params(cases: list[tuple]) -> list:
+    """``cases`` as pytest params named by their first field, the ``SLOW_CASES`` marked slow."""
+    return [pytest.param(*c, id=c[0], marks=[pytest.mark.slow] if c[0] in SLOW_CASES else []) for c in cases]
+
+
+@pytest.mark.parametrize("name,cfg,plan", _params(ARCH_CASES))
 def test_other_architectures_match_real_cpu_step(name, cfg, plan):
     real, est, err, _rp, _ep = compare(cfg, plan)
     assert abs(err) <= TOLERANCE, f"{name}: analytic {est:,} vs real {real:,} ({err:+.2%})"
@@ -275,7 +284,7 @@ SIM_CASES: list[tuple[str, Plan]] = [
 ]
 
 
-@pytest.mark.parametrize("name,plan", SIM_CASES, ids=[c[0] for c in SIM_CASES])
+@pytest.mark.parametrize("name,plan", _params(SIM_CASES))
 def test_analytic_matches_simulate_on_cuda_only_plans(name, plan):
     simulate = pytest.importorskip("oomdoctor.engines.simulate")
     spec = build_spec(LLAMA7B_SCALED, "7b-scaled")

@@ -52,8 +52,8 @@ def test_train_run_budget_order(tmp_path):
     from oomdoctor.train.config import config_from_plan
     from oomdoctor.train.loop import run_budget
 
-    cfg = config_from_plan("data/tiny/model/config.json", Plan(seq_len=64), init="random",
-                           tokenizer="data/tiny/tokenizer", dataset="data/tiny/train.jsonl", gpu_mem=3 * GB)
+    cfg = config_from_plan("bundled:tiny/model/config.json", Plan(seq_len=64), init="random",
+                           tokenizer="bundled:tiny/tokenizer", dataset="bundled:tiny/train.jsonl", gpu_mem=3 * GB)
     assert run_budget(cfg, 2 * GB, on_cpu=True).source == "--gpu-mem"
     b = run_budget(cfg, None, on_cpu=True)
     assert (b.capacity_bytes, b.source, b.counted) == (3 * GB, "config gpu_mem", "peak_allocated")
@@ -155,7 +155,7 @@ def _verdicts(model: str, plan: Plan, capacity: int, tmp_path) -> tuple[bool, bo
         tuned = t.plan == plan
     except DoesNotFit:
         tuned = False
-    cfg = config_from_plan(model, plan, dataset="data/tiny/train.jsonl", global_batch_size=plan.micro_batch)
+    cfg = config_from_plan(model, plan, dataset="bundled:tiny/train.jsonl", global_batch_size=plan.micro_batch)
     d = dry_run(cfg, gpu_mem=capacity)
     assert d.plan == plan
     return rep.results[0].fits, tuned, d.fits

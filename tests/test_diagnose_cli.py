@@ -116,8 +116,9 @@ def test_malformed_config_exits_2(tmp_path, capsys):
     assert code == 2 and "not valid JSON" in err
 
 
-def test_help_is_fast_and_imports_no_torch():
-    code = ("import sys, time; t=time.perf_counter(); from oomdoctor.cli import main\n"
+def test_help_imports_no_torch():
+    """``--help`` stays instant because nothing heavy loads at start-up (its time: benchmarks/latency.py)."""
+    code = ("import sys; from oomdoctor.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit: pass\n"
             "assert 'torch' not in sys.modules, 'torch imported at start-up'\n"
             "assert 'transformers' not in sys.modules\n")

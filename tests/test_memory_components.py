@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -268,9 +267,10 @@ def test_every_bundled_model_prices_every_method():
             assert e.peak_allocated > e.parameters > 0, mid
 
 
-def test_fast_and_torch_free():
+def test_analytic_path_is_torch_free():
+    """192 analytic estimates of a 70B in a fresh interpreter never import torch (their speed: benchmarks/latency.py)."""
     code = (
-        "import sys, time, itertools\n"
+        "import sys, itertools\n"
         "from oomdoctor.model.architectures import build_spec\n"
         "from oomdoctor.plan import Plan, validate\n"
         "from oomdoctor.memory.analytic import estimate_analytic\n"
@@ -279,17 +279,10 @@ def test_fast_and_torch_free():
         "plans = [validate(Plan(method=m, precision=p, optimizer=o, gradient_checkpointing=g, micro_batch=b))"
         " for m, p, o, g, b in itertools.product(('full','lora','qlora'), ('bf16-mixed','bf16'),"
         " ('adamw','adamw-8bit','paged-adamw-8bit','adafactor'), (False, True), (1, 2, 4, 8))]\n"
-        "t = time.perf_counter()\n"
-        "for p in plans: estimate_analytic(s, p)\n"
-        "dt = time.perf_counter() - t\n"
+        "peaks = [estimate_analytic(s, p).peak_allocated for p in plans]\n"
         "assert 'torch' not in sys.modules, 'analytic path imported torch'\n"
-        "print(len(plans), dt)\n"
+        "print(len(peaks), min(peaks) > 0)\n"
     )
-    t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    wall = time.perf_counter() - t0
     assert out.returncode == 0, out.stderr
-    n, dt = out.stdout.split()
-    assert int(n) == 192
-    assert float(dt) < 1.0  # ~0.25 ms per plan measured; generous for a loaded CI box
-    assert wall < 10
+    assert out.stdout.split() == ["192", "True"]

@@ -127,6 +127,7 @@ def test_plot_with_real_analytic_breakdowns(tmp_path):
     assert _png_size(path.read_bytes())[0] > 800
 
 
+@pytest.mark.slow
 def test_diagnose_cli_writes_plot(tmp_path):
     out = tmp_path / "d.png"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OOMDOCTOR_OFFLINE": "1"}
@@ -141,6 +142,7 @@ def test_diagnose_cli_writes_plot(tmp_path):
     assert len(data) > 20_000 and w > 800 and h > 300
 
 
+@pytest.mark.slow
 def test_diagnose_simulate_writes_timeline_html(tmp_path):
     """`diagnose --engine simulate --plot x.html` on a tiny model: the live-bytes timeline of two real steps."""
     import json

@@ -40,13 +40,15 @@ def _same(spec, plan, **kw):
         pytest.param(Plan(method="lora", seq_len=SEQ, gradient_checkpointing=True, precision="fp16-mixed"),
                      marks=pytest.mark.slow),
         Plan(method="qlora", quant="nf4", double_quant=True, seq_len=SEQ, gradient_checkpointing=True),
-        Plan(method="qlora", quant="int8", seq_len=SEQ),
+        pytest.param(Plan(method="qlora", quant="int8", seq_len=SEQ), marks=pytest.mark.slow),
         pytest.param(Plan(method="full", precision="bf16", optimizer="adamw-8bit", seq_len=SEQ), marks=pytest.mark.slow),
-        Plan(method="full", precision="fp32", optimizer="adafactor", seq_len=SEQ),
+        pytest.param(Plan(method="full", precision="fp32", optimizer="adafactor", seq_len=SEQ),
+                     marks=pytest.mark.slow),
         pytest.param(Plan(method="full", seq_len=SEQ, offload_optimizer=True, offload_activations=True),
                      marks=pytest.mark.slow),
-        Plan(method="full", precision="fp32", seq_len=SEQ, grad_accum=2),
-        Plan(method="lora", seq_len=SEQ, grad_accum=4, offload_activations=True),
+        pytest.param(Plan(method="full", precision="fp32", seq_len=SEQ, grad_accum=2), marks=pytest.mark.slow),
+        pytest.param(Plan(method="lora", seq_len=SEQ, grad_accum=4, offload_activations=True),
+                     marks=pytest.mark.slow),
     ],
     ids=lambda p: (p.label() + (f" | accum {p.grad_accum}" if p.grad_accum > 1 else "")) if hasattr(p, "label") else str(p),
 )
@@ -65,6 +67,7 @@ def test_tied_embeddings_stay_tied(tiny_config):
     assert r.param_bytes < untied.param_bytes
 
 
+@pytest.mark.slow
 def test_qlora_real_bitsandbytes_model_step_matches_standin(tiny_config, tmp_path):
     """A real bnb 4-bit model (loaded on CPU) trained one LoRA step counts the same bytes as the stand-in replay
     (with bnb's fused op, as on CPU)."""
@@ -146,6 +149,7 @@ def test_decomposed_4bit_counts_the_cuda_dequantize_temporary():
     assert peaks[True] - peaks[False] == 512 * 1024 * 2  # the bf16 dequantized weight
 
 
+@pytest.mark.slow
 def test_extrapolation_matches_full_simulation(tiny_config):
     """Simulating 2 and 3 blocks and extrapolating equals simulating all blocks."""
     from oomdoctor.engines.simulate import simulate_plan
@@ -179,6 +183,7 @@ def test_breakdown_contract_and_estimate_entry_point(tiny_spec):
     assert d["peak_allocated_bytes"] == bd.peak_allocated
 
 
+@pytest.mark.slow
 def test_optimizer_state_bytes(tiny_spec):
     """Optimizer state at steady state, per optimizer, for a LoRA plan (trainable numel known)."""
     from oomdoctor.engines.simulate import simulate_plan
@@ -228,6 +233,7 @@ def test_timeline_for_plots(tiny_spec):
     assert max(sum(c.values()) for _, _, c in r.timeline) == r.breakdown.peak_allocated
 
 
+@pytest.mark.slow
 def test_periodic_blocks_extrapolate_by_period():
     """Gemma 2 alternates sliding-window and global attention: extrapolate in whole periods (2 blocks)."""
     from oomdoctor.engines.simulate import layer_period, simulate_plan

@@ -38,6 +38,7 @@ def test_matrix_covers_the_issue():
     assert min(p.micro_batch for p in plans) == 1 and max(p.micro_batch for p in plans) == 8
 
 
+@pytest.mark.slow
 def test_real_bnb_layers_from_random_weights_train(tiny_spec):
     """The GPU path builds real bitsandbytes layers quantized from random weights; check it on the CPU."""
     from oomdoctor.execute.build import build_model

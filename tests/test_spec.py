@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -237,8 +236,9 @@ def test_hub_fetches_only_config_json(tmp_path):
     assert repo_requests and all(p.endswith("/resolve/main/config.json") for p in repo_requests)
 
 
-def test_unreachable_hub_answers_fast(monkeypatch):
-    """No HF_HUB_OFFLINE, but nothing listens at the endpoint: one connection attempt, not minutes of retries."""
+def test_unreachable_hub_gives_a_clear_error(monkeypatch):
+    """No HF_HUB_OFFLINE, but nothing listens at the endpoint: one connection attempt (no download retries), a clear
+    message. How fast it answers: benchmarks/latency.py."""
     import socket
 
     with socket.socket() as s:  # a port that was free a moment ago: connection refused
@@ -248,9 +248,7 @@ def test_unreachable_hub_answers_fast(monkeypatch):
     env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("OOMDOCTOR_OFFLINE", None)
-    t = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
-    assert time.monotonic() - t < 15
     assert "hub is not reachable" in out.stdout
 
 

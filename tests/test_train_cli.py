@@ -45,6 +45,7 @@ def test_dry_run_bad_inputs_exit_2():
     assert p.returncode == 2 and "cannot read" in p.stderr
 
 
+@pytest.mark.slow
 def test_bundled_tiny_run_json_summary(tmp_path):
     """The bundled config trains (loss goes down) and the --json summary carries the documented keys; the
     measured peak is close to the memory model's prediction."""

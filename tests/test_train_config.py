@@ -23,8 +23,8 @@ from oomdoctor.train.config import (
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "train" / "tiny-cpu.yaml"
 GOOD = {
-    "model": {"config": "data/tiny/model/config.json", "init": "random", "tokenizer": "data/tiny/tokenizer"},
-    "dataset": {"path": "data/tiny/train.jsonl"},
+    "model": {"config": "bundled:tiny/model/config.json", "init": "random", "tokenizer": "bundled:tiny/tokenizer"},
+    "dataset": {"path": "bundled:tiny/train.jsonl"},
 }
 
 

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from train_util import ROOT, load_weights, max_abs_diff, tiny_cfg
+from train_util import load_weights, max_abs_diff, tiny_cfg
 
 from oomdoctor.errors import BadInput
+from oomdoctor.resources import tiny_dir
 from oomdoctor.train.config import DatasetConfig, ModelConfig
 from oomdoctor.train.data import IGNORE, SampleOrder, collate, count_targets, load_records, tokenize
 
@@ -21,14 +22,14 @@ def tok():
 
 
 def test_formats_agree(tmp_path, tok):
-    texts = [json.loads(line)["text"] for line in (ROOT / "data/tiny/train.jsonl").read_text().splitlines()[:20]]
+    texts = [json.loads(line)["text"] for line in (tiny_dir() / "train.jsonl").read_text().splitlines()[:20]]
     (tmp_path / "a.txt").write_text("\n".join(texts) + "\n")
     (tmp_path / "a.json").write_text(json.dumps({"train": [{"body": t} for t in texts]}))
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet")
-    ref = tokenize(DatasetConfig(path=str(ROOT / "data/tiny/train.jsonl"), max_samples=20), tok, 64).samples
+    ref = tokenize(DatasetConfig(path=str(tiny_dir() / "train.jsonl"), max_samples=20), tok, 64).samples
     for ds in (DatasetConfig(path=str(tmp_path / "a.txt")),
                DatasetConfig(path=str(tmp_path / "a.json"), text_field="body"),
                DatasetConfig(path=str(tmp_path / "a.parquet"))):
@@ -41,9 +42,9 @@ def test_formats_agree(tmp_path, tok):
 
 
 def test_packing_and_padding(tok):
-    packed = tokenize(DatasetConfig(path=str(ROOT / "data/tiny/train.jsonl"), packing=True), tok, 64)
+    packed = tokenize(DatasetConfig(path=str(tiny_dir() / "train.jsonl"), packing=True), tok, 64)
     assert packed.packed and all(len(ids) == 64 for ids, _ in packed.samples)
-    plain = tokenize(DatasetConfig(path=str(ROOT / "data/tiny/train.jsonl")), tok, 16)
+    plain = tokenize(DatasetConfig(path=str(tiny_dir() / "train.jsonl")), tok, 16)
     assert plain.truncated > 0 and all(len(ids) <= 16 for ids, _ in plain.samples)
     batch = collate(plain.samples[:3], plain.pad_id, pad_to_multiple_of=8)
     assert batch["input_ids"].shape[1] % 8 == 0

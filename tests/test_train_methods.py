@@ -129,23 +129,29 @@ def test_prompt_response_masking(tmp_path):
     from oomdoctor.train.config import DatasetConfig
     from oomdoctor.train.data import IGNORE, tokenize
     from oomdoctor.execute.load import load_tokenizer
-    from train_util import ROOT
+    from oomdoctor.resources import tiny_dir
 
     cfg = tiny_cfg(tmp_path)
     tok = load_tokenizer(cfg.model)
-    data = tokenize(DatasetConfig(path=str(ROOT / "data/tiny/sft.jsonl")), tok, 64)
+    data = tokenize(DatasetConfig(path=str(tiny_dir() / "sft.jsonl")), tok, 64)
     assert data.kind == "prompt_response"
     ids, labels = data.samples[0]
     n_prompt = sum(1 for t in labels if t == IGNORE)
     assert 0 < n_prompt < len(labels)
     assert labels[:n_prompt] == [IGNORE] * n_prompt and labels[n_prompt:] == ids[n_prompt:]
-    res = train(tiny_cfg(tmp_path / "sft", dataset=DatasetConfig(path=str(ROOT / "data/tiny/sft.jsonl"))))
+    res = train(tiny_cfg(tmp_path / "sft", dataset=DatasetConfig(path=str(tiny_dir() / "sft.jsonl"))))
     _finite_and_learning(res)
 
 
-@pytest.mark.parametrize("gc", [False, True], ids=["no-gc", "gc"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
-@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+#: Every method x precision x gradient checkpointing; ``make test-fast`` runs one per method and precision.
+_PEAK_GRID = [(m, p, gc) for m in ("full", "lora", "qlora") for p in ("fp32", "bf16-mixed", "bf16") for gc in (False, True)]
+_PEAK_FAST = {("full", "fp32", False), ("full", "bf16-mixed", True), ("lora", "bf16", True), ("lora", "fp32", True),
+              ("qlora", "bf16", True), ("qlora", "fp32", False)}
+
+
+@pytest.mark.parametrize("method,precision,gc", [
+    pytest.param(*c, id=f"{c[0]}-{c[1]}-{'gc' if c[2] else 'no-gc'}",
+                 marks=[] if c in _PEAK_FAST else [pytest.mark.slow]) for c in _PEAK_GRID])
 def test_measured_peak_matches_the_prediction(tmp_path, method, precision, gc):
     """What train really allocates is what diagnose/tune priced: train builds, steps and optimizes through the
     executor the engines price (e.g. peft's fp32 adapters on a pure-bf16 base; k-bit preparation's fp32 upcast under

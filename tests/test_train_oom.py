@@ -47,6 +47,7 @@ def test_recovered_run_equals_undisturbed_run(tmp_path, reference):
     assert max_abs_diff(load_weights(res.checkpoint), load_weights(r8.checkpoint)) < 1e-5
 
 
+@pytest.mark.slow
 def test_guard_replays_step_after_partial_backward():
     """An OOM in the middle of backward (some .grad already accumulated) replays the step at the smaller size:
     the final gradient equals the unsplit one."""
@@ -99,6 +100,7 @@ def test_guard_replays_step_after_partial_backward():
     assert "retry cap" in ei.value.reason
 
 
+@pytest.mark.slow
 def test_micro_batch_one_fails_saves_checkpoint_and_exits_4(tmp_path, reference):
     _, r4 = reference
     cap = r4.measured_peak_bytes // 3  # the weights fit, one sample's step does not
@@ -116,6 +118,7 @@ def test_micro_batch_one_fails_saves_checkpoint_and_exits_4(tmp_path, reference)
     assert len(res.losses) == 3 and saved_step < 3
 
 
+@pytest.mark.slow
 def test_cli_gpu_mem_cap_json(tmp_path, reference):
     r8, r4 = reference
     cap = (r8.measured_peak_bytes + r4.measured_peak_bytes) // 2

@@ -25,6 +25,7 @@ def _cfg(out, **kw):
                     lr_scheduler_type="cosine", **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_sigkill_then_resume_matches_uninterrupted(tmp_path, method):
     extra = {"method": "lora", "r": 4, "lora_alpha": 8, "learning_rate": 1e-2} if method == "lora" else {}

@@ -170,18 +170,27 @@ def test_verify_steps_down_and_falls_back_with_a_real_engine_prober(tiny_spec):
     assert real_peak(plan.with_(micro_batch=plan.micro_batch * 2)) > budget  # the largest divisor that fits
 
 
-def test_probe_child_process_on_cpu_with_cap(tiny_config_path):
-    """The GPU probe's child-process path, run on CPU with the LiveBytes cap; failures become results, not raises."""
-    from oomdoctor.engines.probe import probe_in_process, run_probe
+def test_probe_in_process_on_cpu_with_cap(tiny_config_path):
+    """What the probe's child runs, in-process on CPU with the LiveBytes cap: failures become results, not raises."""
+    from oomdoctor.engines.probe import probe_in_process
 
     plan = Plan(method="full", precision="fp32", seq_len=64, micro_batch=2, grad_accum=2)
-    ok = run_probe(tiny_config_path, plan, device="cpu", cap_bytes=10**9, timeout_s=300)
+    ok = probe_in_process(tiny_config_path, plan, device="cpu", cap_bytes=10**9)
     assert ok.outcome == "fits" and ok.steps == 2 and ok.peak_allocated_bytes > 0
-    # same step in-process under half that cap: an OOM result (the child runs exactly this function)
     oom = probe_in_process(tiny_config_path, plan, device="cpu", cap_bytes=ok.peak_allocated_bytes // 2)
     assert oom.outcome == "oom" and "out of memory" in oom.message and oom.steps < 2
     bad = probe_in_process(tiny_config_path + ".missing", plan, device="cpu", cap_bytes=10**9)
     assert bad.outcome == "error"
+
+
+@pytest.mark.slow
+def test_probe_child_process_on_cpu_with_cap(tiny_config_path):
+    """The GPU probe's child-process path, run on CPU with the LiveBytes cap (a fresh interpreter per trial)."""
+    from oomdoctor.engines.probe import run_probe
+
+    plan = Plan(method="full", precision="fp32", seq_len=64, micro_batch=2, grad_accum=2)
+    ok = run_probe(tiny_config_path, plan, device="cpu", cap_bytes=10**9, timeout_s=300)
+    assert ok.outcome == "fits" and ok.steps == 2 and ok.peak_allocated_bytes > 0
     crashed = run_probe(tiny_config_path, plan, device="cpu", python="false", timeout_s=30)  # child dies: no result
     assert crashed.outcome == "error" and "exit code" in crashed.message
 
@@ -208,7 +217,7 @@ def test_gpu_verification_probes_in_a_child(tiny_config_path):
 def test_json_contract(tiny_spec, tmp_path):
     r = tune(tiny_spec, gpu_mem=10**9, seq_len=128, global_batch=16, gpu=None, verify_mode="simulate",
              pins={"method": "lora", "gradient_checkpointing": False, "optimizer": "adamw", "precision": "bf16-mixed"})
-    write_config(r, "data/tiny/model/config.json", tmp_path / "plan.yaml")
+    write_config(r, "bundled:tiny/model/config.json", tmp_path / "plan.yaml")
     d = json.loads(json.dumps(r.to_dict()))
     assert {"plan", "memory", "trials", "config_path"} <= set(d)
     assert d["budget"] == {"capacity_bytes": 10**9, "source": "--gpu-mem", "margin_bytes": 0, "margin_form": "default",
@@ -229,7 +238,7 @@ def test_emitted_config_loads_and_matches_the_plan(tiny_spec, tmp_path):
     from oomdoctor.train.config import load_train_config
 
     r = tune(tiny_spec, gpu_mem=10**9, seq_len=128, global_batch=12, gpu=None, verify_mode="none", method="lora")
-    out = write_config(r, "data/tiny/model/config.json", tmp_path / "sub" / "plan.yaml")
+    out = write_config(r, "bundled:tiny/model/config.json", tmp_path / "sub" / "plan.yaml")
     cfg = load_train_config(out)
     assert cfg.micro_batch_size == r.plan.micro_batch
     assert cfg.gradient_accumulation_steps == r.plan.grad_accum
@@ -241,10 +250,12 @@ def test_emitted_config_loads_and_matches_the_plan(tiny_spec, tmp_path):
         r.plan.method, r.plan.precision, r.plan.optimizer, r.plan.gradient_checkpointing)
     text = out.read_text()
     assert "oomdoctor tune" in text and "point it at your data" in text
+    # bundled files keep their bundled: names (they resolve after a wheel install, from any directory)
+    assert "config: bundled:tiny/model/config.json" in text and "path: bundled:tiny/train.jsonl" in text
     # never overwrite silently
     with pytest.raises(BadInput):
-        write_config(r, "data/tiny/model/config.json", out)
-    write_config(r, "data/tiny/model/config.json", out, overwrite=True)
+        write_config(r, "bundled:tiny/model/config.json", out)
+    write_config(r, "bundled:tiny/model/config.json", out, overwrite=True)
     assert not list(out.parent.glob(".*.tmp"))  # atomic write leaves no temp file
 
 

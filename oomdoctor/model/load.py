@@ -2,7 +2,7 @@
 
 ``load_spec(MODEL)`` accepts a Hugging Face id (resolved offline from the bundled registry ``configs/models/``;
 fetched from the hub, ``config.json`` only, when the hub is reachable), a local directory holding ``config.json``,
-or a path to a ``config.json``.
+a path to a ``config.json``, or a bundled file (``bundled:tiny/model/config.json``, see :mod:`oomdoctor.resources`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 from oomdoctor.errors import BadInput
 from oomdoctor.model.spec import ModelSpec
+from oomdoctor.resources import bundled_path, is_bundled, models_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 #: Bundled configs: ``configs/models/<org>__<name>.json`` (a verbatim HF config.json) + ``registry.json`` (metadata).
-MODELS_DIR = Path(os.environ.get("OOMDOCTOR_MODELS_DIR", REPO_ROOT / "configs" / "models"))
+MODELS_DIR = models_dir()
 
 
 # ---------------------------------------------------------------------------------------------- registry
@@ -194,7 +194,7 @@ def _fetch_from_hub(model_id: str) -> dict | None:
 
 def load_config(model: str) -> tuple[dict, str, dict | None]:
     """Resolve MODEL to (config dict, source, registry entry or None)."""
-    p = Path(model).expanduser()
+    p = bundled_path(model) if is_bundled(model) else Path(model).expanduser()
     if p.is_dir():
         cfg_path = p / "config.json"
         if not cfg_path.exists():

@@ -33,6 +33,7 @@ from oomdoctor.model.load import load_spec
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, choose_micro_batch, divisors
 from oomdoctor.plan.budget import Budget, resolve_budget
+from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_bundled
 from oomdoctor.tune.batch_search import Estimator, analytic_estimator, verify_and_refine
 from oomdoctor.tune.ranking import Candidate
 from oomdoctor.tune.search import SearchResult, enumerate_candidates, search
@@ -47,10 +48,11 @@ ALLOC_CONF = "expandable_segments:True"
 #: Default file ``tune`` writes (a numbered sibling is used when it exists; see :func:`default_output_path`).
 DEFAULT_OUTPUT = "oomdoctor-plan.yaml"
 
-#: The bundled sample dataset the emitted config points at unless ``--dataset`` is given.
-SAMPLE_DATASET = "data/tiny/train.jsonl"
+#: The bundled sample dataset the emitted config points at unless ``--dataset`` is given (a ``bundled:`` name:
+#: resolves after a wheel install, from any directory).
+SAMPLE_DATASET = TINY_DATASET
 #: Tokenizer used with ``init: random`` configs (config-only models) unless ``--tokenizer`` is given.
-SAMPLE_TOKENIZER = "data/tiny/tokenizer"
+SAMPLE_TOKENIZER = TINY_TOKENIZER
 
 VERIFY_MODES: tuple[str, ...] = ("auto", "gpu", "simulate", "none")
 
@@ -436,18 +438,21 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
     """The ``oomdoctor train`` YAML for the tuned plan, through the train renderer (every key commented).
 
     A hub id or a weights directory becomes ``model.path`` (pretrained); a bare config (``config.json`` or a
-    directory without weights) becomes ``init: random`` with a tokenizer. ``gpu_mem`` is the tuned capacity so
-    that ``oomdoctor train --dry-run`` checks the same budget."""
+    directory without weights; ``bundled:tiny/model/config.json`` stays a ``bundled:`` name) becomes ``init: random``
+    with a tokenizer. ``gpu_mem`` is the tuned capacity so that ``oomdoctor train --dry-run`` checks the same
+    budget."""
     from oomdoctor.train.config import config_from_plan, render_yaml
 
-    p = Path(model_ref).expanduser()
+    bundled = is_bundled(model_ref)
+    p = bundled_path(model_ref) if bundled else Path(model_ref).expanduser()
     local = p.exists()
+    config_only = local and not _is_weights_dir(str(p))
+    # a bundled name stays as written (it resolves wherever the package is installed); local paths become absolute
+    ref = model_ref if bundled or not local else str(p.resolve())
     kwargs: dict[str, Any] = dict(extra)
-    if local and not _is_weights_dir(model_ref):
+    if config_only:
         kwargs.update(init="random", tokenizer=tokenizer or SAMPLE_TOKENIZER)
-        ref = str(p.resolve())
     else:
-        ref = str(p.resolve()) if local else model_ref
         if tokenizer:
             kwargs["tokenizer"] = tokenizer
     kwargs.setdefault("dataset", dataset or SAMPLE_DATASET)
@@ -467,7 +472,7 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
     ]
     if not dataset and "dataset" not in extra:
         lines.append(f"dataset.path is the bundled sample ({SAMPLE_DATASET}): point it at your data.")
-    if local and not _is_weights_dir(model_ref) and not tokenizer:
+    if config_only and not tokenizer:
         lines.append(f"model: built from the config with random weights and the bundled sample tokenizer "
                      f"({SAMPLE_TOKENIZER}) - a smoke run; point model.path at real weights to fine-tune.")
     return render_yaml(cfg, header="\n".join(lines))

@@ -5,8 +5,8 @@ Layout (documented in docs/train.md): training knobs are **flat** top-level keys
 ``model:`` and ``dataset:``, because they describe objects::
 
     model:   {path: ./my-llama}                       # local dir with weights (or a hub id, downloaded by HF)
-    model:   {config: configs/x/config.json, init: random, tokenizer: data/tiny/tokenizer}
-    dataset: {path: data/tiny/train.jsonl, packing: true}
+    model:   {config: configs/x/config.json, init: random, tokenizer: bundled:tiny/tokenizer}
+    dataset: {path: bundled:tiny/train.jsonl, packing: true}
     method: lora
     precision: bf16-mixed            # or HF booleans  bf16: true / fp16: true  (mixed precision)
     per_device_train_batch_size: 4   # alias micro_batch_size / micro_batch; int or "auto"

@@ -16,6 +16,7 @@ from typing import Any
 
 from oomdoctor.errors import BadInput, ConfigErrors
 from oomdoctor.plan.techniques import DEFAULTS, HF_ATTN_NAMES, HF_OPTIM_NAMES, OPTIM_VALUES, PAGED_OPTIMIZERS, technique
+from oomdoctor.resources import bundled_path, is_bundled, resolve_path
 from oomdoctor.train.config.schema import (
     REPORT_TO,
     DATASET,
@@ -28,8 +29,6 @@ from oomdoctor.train.config.schema import (
 )
 from oomdoctor.train.config.sections import DatasetConfig, ModelConfig, TrainConfig
 from oomdoctor.units import parse_size
-
-REPO_ROOT = Path(__file__).resolve().parent.parent.parent.parent
 
 _TOP_KINDS = {k.name: k.kind for k in TOP.values()}
 _MODEL_KINDS = {k.name: k.kind for k in MODEL.values()}
@@ -161,15 +160,9 @@ def _section(raw: Any, kinds: dict[str, Any], prefix: str, problems: list[str], 
 
 
 def _resolve_path(p: str, base_dirs: list[Path]) -> str | None:
-    """First existing candidate of ``p`` relative to the current directory, the config's directory, the repo."""
-    path = Path(os.path.expanduser(p))
-    if path.is_absolute():
-        return str(path) if path.exists() else None
-    for base in base_dirs:
-        cand = base / path
-        if cand.exists():
-            return str(cand.resolve())
-    return None
+    """``p`` resolved by :func:`oomdoctor.resources.resolve_path` (``bundled:...``, the current directory, the
+    config's directory), or None."""
+    return resolve_path(p, base_dirs)
 
 
 def _looks_like_hub_id(p: str) -> bool:
@@ -224,7 +217,7 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
     problems: list[str] = []
     if not isinstance(raw, dict):
         raise ConfigErrors(source, [f"the top level must be a mapping of keys, got {type(raw).__name__}"])
-    bases = [Path.cwd()] + ([base_dir] if base_dir else []) + [REPO_ROOT]
+    bases = [Path.cwd()] + ([base_dir] if base_dir else [])
     if raw.get("max_steps") == -1:  # HF's "unset"
         raw = {k: v for k, v in raw.items() if k != "max_steps"}
     if raw.get("report_to") in ("none", ["none"]):
@@ -402,7 +395,7 @@ def load_train_config(path: str | os.PathLike) -> TrainConfig:
     """Read and validate a train YAML; raises :class:`ConfigErrors` listing every problem (exit 2)."""
     import yaml
 
-    p = Path(path)
+    p = bundled_path(path) if is_bundled(str(path)) else Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
@@ -424,4 +417,4 @@ def load_train_config(path: str | os.PathLike) -> TrainConfig:
 
 
 
-__all__ = ["REPO_ROOT", "load_train_config", "parse_train_config"]
+__all__ = ["load_train_config", "parse_train_config"]
