@@ -153,6 +153,26 @@ def test_messages_and_assistant_only_loss(tmp_path, tok):
         tokenize(DatasetConfig(path=CHAT, chat_template=str(tmp_path / "missing.jinja")), tok, 64)
 
 
+def test_dataset_keys_in_yaml(tmp_path):
+    """TRL spellings are accepted; a chat_template file is found next to the YAML; a missing one is reported."""
+    from oomdoctor.errors import ConfigErrors
+    from oomdoctor.train.config import load_train_config
+
+    (tmp_path / "t.jinja").write_text(CHATML)
+    head = f"model: {{config: {ROOT}/data/tiny/model/config.json, tokenizer: {ROOT}/data/tiny/tokenizer}}\n"
+    y = tmp_path / "c.yaml"
+    y.write_text(head + f"dataset: {{path: {CHAT}, dataset_text_field: body, chat_template: t.jinja, "
+                        "assistant_only_loss: true, completion_only_loss: false, packing: true}\n")
+    d = load_train_config(y).dataset
+    assert (d.text_field, d.chat_template, d.assistant_only_loss, d.completion_only_loss, d.packing_strategy) == (
+        "body", str(tmp_path / "t.jinja"), True, False, "bfd")
+    y.write_text(head + f"dataset: {{path: {CHAT}, chat_template: nope.jinja, packing_strategy: bdf, type: chat}}\n")
+    with pytest.raises(ConfigErrors) as err:
+        load_train_config(y)
+    msg = str(err.value)
+    assert "dataset.chat_template: 'nope.jinja'" in msg and "did you mean 'bfd'" in msg and "dataset.type" in msg
+
+
 def test_conversational_prompt_completion(tmp_path, tok):
     rec = {"prompt": [{"role": "user", "content": "what color is the red fox?"}],
            "completion": [{"role": "assistant", "content": "the fox is red."}]}
