@@ -1,9 +1,12 @@
 """Generate the bundled tiny training assets under oomdoctor/data/tiny/ (package data, named ``bundled:tiny/...``;
 committed; re-run to regenerate, deterministic).
 
-- ``train.jsonl``: short generated English-like texts (``{"text": ...}``), learnable patterns so the loss of a
-  2-layer model visibly goes down within a minute on CPU.
+- ``train.jsonl``: short generated English-like texts (``{"text": ...}``), learnable patterns so the loss
+  of a 2-layer model visibly goes down within a minute on CPU.
 - ``sft.jsonl``: prompt/response pairs (``{"prompt": ..., "response": ...}``), e.g. small arithmetic.
+- ``chat.jsonl``: TRL ``messages`` conversations (user/assistant turns, some with a system turn) from the
+  same small arithmetic/color questions, for chat runs (``configs/train/tiny-chat-cpu.yaml``); drawn from its own
+  generator and not part of the tokenizer corpus, so the other assets do not change.
 - ``tokenizer/``: a BPE tokenizer trained with the ``tokenizers`` library on that text (vocab 512), saved
   as ``tokenizer.json`` + ``tokenizer_config.json`` (loadable by ``transformers.AutoTokenizer`` /
   ``PreTrainedTokenizerFast``), with ``<pad>``, ``<s>``, ``</s>``, ``<unk>`` specials.
@@ -57,6 +60,17 @@ def sft_sample(rng: random.Random) -> dict:
     return {"prompt": f"question: what color is the {c} {a}? answer:", "response": f" the {a} is {c}."}
 
 
+def chat_sample(rng: random.Random) -> dict:
+    turns = []
+    if rng.random() < 0.3:
+        turns.append({"role": "system", "content": "you answer in one short sentence."})
+    for _ in range(rng.randint(1, 2)):
+        q = sft_sample(rng)
+        turns.append({"role": "user", "content": q["prompt"].removeprefix("question: ").removesuffix(" answer:")})
+        turns.append({"role": "assistant", "content": q["response"].strip()})
+    return {"messages": turns}
+
+
 def main() -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -70,6 +84,11 @@ def main() -> None:
     with open(OUT / "sft.jsonl", "w") as f:
         for r in sft:
             f.write(json.dumps(r) + "\n")
+
+    chat_rng = random.Random(1)
+    with open(OUT / "chat.jsonl", "w") as f:
+        for _ in range(48):
+            f.write(json.dumps(chat_sample(chat_rng)) + "\n")
 
     specials = ["<unk>", "<pad>", "<s>", "</s>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

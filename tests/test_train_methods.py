@@ -134,8 +134,8 @@ def test_prompt_response_masking(tmp_path):
     cfg = tiny_cfg(tmp_path)
     tok = load_tokenizer(cfg.model)
     data = tokenize(DatasetConfig(path=str(tiny_dir() / "sft.jsonl")), tok, 64)
-    assert data.kind == "prompt_response"
-    ids, labels = data.samples[0]
+    assert data.kind == "prompt_completion"
+    ids, labels = data.samples[0].input_ids, data.samples[0].labels
     n_prompt = sum(1 for t in labels if t == IGNORE)
     assert 0 < n_prompt < len(labels)
     assert labels[:n_prompt] == [IGNORE] * n_prompt and labels[n_prompt:] == ids[n_prompt:]

@@ -356,7 +356,9 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     source = ModelSource(path=cfg.model.path, config=cfg.model.config, init=cfg.model.init,
                          tokenizer=cfg.model.tokenizer)
     tok = load_tokenizer(source)
-    data, held = eval_samples(cfg.dataset, tok, cfg.seq_len, tokenize(cfg.dataset, tok, cfg.seq_len), cfg.seed)
+    data = tokenize(cfg.dataset, tok, cfg.seq_len)
+    notes += data.notes
+    data, held = eval_samples(cfg.dataset, tok, cfg.seq_len, data, cfg.seed)
     if data.truncated:
         notes.append(f"{data.truncated} samples truncated to seq_len {cfg.seq_len}")
     micro = cfg.micro_batch_size
@@ -496,7 +498,7 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     import torch
 
     from oomdoctor.execute.oom import OOMAtMicroBatchOne, free_memory, is_oom
-    from oomdoctor.train.data import collate, count_targets
+    from oomdoctor.train.data import collate, count_targets, flattens
 
     cfg, data = run.cfg, run.data
     idx = run.order.take(state.samples_seen, run.effective_batch)
@@ -505,7 +507,8 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     tokens = [0]
 
     def run_chunk(chunk: list):
-        batch = collate(chunk, data.pad_id, cfg.dataset.pad_to_multiple_of)
+        batch = collate(chunk, data.pad_id, cfg.dataset.pad_to_multiple_of, data.reset_positions,
+                        flattens(cfg.model.attn_implementation))
         batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
         tokens[0] += int(batch["input_ids"].numel())
         return run.step.forward_backward(batch, num_items_in_batch=n_targets)  # a tensor: no sync here

@@ -20,6 +20,7 @@ from oomdoctor.resources import bundled_path, is_bundled, resolve_path
 from oomdoctor.train.config.schema import (
     REPORT_TO,
     DATASET,
+    DATASET_ALIASES,
     MODEL,
     PLAN_ONLY,
     PLAN_ONLY_KINDS,
@@ -267,7 +268,7 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
     elif not isinstance(data_raw, dict):
         problems.append(f"dataset: expected a mapping (path/format/packing/...), got {type(data_raw).__name__}")
     else:
-        data = _section(data_raw, _DATA_KINDS, "dataset.", problems)
+        data = _section(data_raw, _DATA_KINDS, "dataset.", problems, DATASET_ALIASES)
 
     _apply_plan_only(plan_only, top, model if isinstance(model_raw, (dict, str)) else None, problems)
 
@@ -327,6 +328,13 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
             data[key] = resolved[0] if isinstance(p, str) else resolved
     elif data and data.get("path") is None:
         problems.append("dataset.path: missing")
+    tmpl = data.get("chat_template")
+    if tmpl and check_paths and tmpl != "chatml" and "{{" not in tmpl and "{%" not in tmpl:
+        res = _resolve_path(tmpl, bases)
+        if res is None or not Path(res).is_file():
+            problems.append(f"dataset.chat_template: {tmpl!r} is neither a jinja template, chatml, nor a file")
+        else:
+            data["chat_template"] = res
 
     # combinations
     method = top.get("method", "full")

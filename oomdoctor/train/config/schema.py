@@ -177,17 +177,32 @@ DATASET_KEYS: tuple[Key, ...] = (
         "list of files"),
     Key("format", ("choice", ("auto", "jsonl", "json", "text", "parquet")), "auto",
         "auto (from the extension) | jsonl | json | text (one sample per line) | parquet"),
-    Key("type", ("choice", ("auto", "text", "prompt_response")), "auto",
-        "text (train on all tokens) | prompt_response (the prompt is masked from the loss) | auto (prompt_response "
-        "when records carry prompt_field and response_field)"),
-    Key("text_field", "str", "text", "record field with the text"),
+    Key("type", ("choice", ("auto", "text", "prompt_completion", "messages", "prompt_response")), "auto",
+        "auto (messages when records hold a `messages` list, prompt_completion when they hold prompt_field and "
+        "completion_field, else text) | text (train on all tokens) | prompt_completion (prompt + completion: "
+        "strings, or message lists rendered with the chat template) | messages (conversations rendered with the "
+        "chat template); prompt_response is the older name of prompt_completion"),
+    Key("text_field", "str", "text", "record field with the text", aliases=("dataset_text_field",)),
     Key("prompt_field", "str", "prompt", "record field with the prompt"),
-    Key("response_field", "str", "response", "record field with the response"),
-    Key("packing", "bool", False, "concatenate samples into full seq_len blocks (no padding)",
-        "true: every sequence filled to seq_len (constant, worst-case memory); false: padded per micro-batch"),
+    Key("completion_field", "str", "completion", "record field with the completion (left at completion, records "
+        "with a `response` field are read too)", aliases=("response_field",)),
+    Key("chat_template", "str|null", None, "jinja chat template for messages / conversational records: a template "
+        "string, a file, or chatml (the bundled default); null: the tokenizer's own, else chatml"),
+    Key("assistant_only_loss", "bool", False, "conversations: loss only on assistant replies (the template's "
+        "{% generation %} spans; the bundled chatml template has them)"),
+    Key("completion_only_loss", "bool|null", None, "prompt/completion records: mask the prompt from the loss "
+        "(null: true for prompt_completion, as TRL)"),
+    Key("packing", "bool", False, "pack several samples into each seq_len row (packing_strategy); they do not "
+        "attend to each other with bfd",
+        "true: rows close to seq_len (near worst-case memory, little padding); false: padded per micro-batch"),
+    Key("packing_strategy", ("choice", ("bfd", "wrapped")), "bfd",
+        "bfd: whole samples packed best-fit-decreasing (longer ones truncated), position_ids restart per sample and "
+        "no attention_mask, so each attends only to itself | wrapped: the concatenated stream cut every seq_len "
+        "tokens (samples split and attend across boundaries)"),
     Key("shuffle", "bool", True, "shuffle samples each epoch (seeded by seed; the order is part of the checkpoint)"),
     Key("pad_to_multiple_of", "int>=1|null", None, "round padded lengths up to this multiple"),
-    Key("add_eos", "bool", True, "append the tokenizer's EOS token to each sample"),
+    Key("add_eos", "bool", True, "append the tokenizer's EOS token to text and prompt/completion samples when not "
+        "already last (conversations end as the chat template writes them)"),
     Key("max_samples", "int>=1|null", None, "use only the first N samples"),
     Key("eval_split", "prob|null", None, "hold back this fraction of the samples (0.05 = 5 %) as the eval set "
         "(seeded; never trained on)"),
@@ -197,6 +212,8 @@ DATASET_KEYS: tuple[Key, ...] = (
 TOP: dict[str, Key] = {k.name: k for k in TOP_KEYS}
 MODEL: dict[str, Key] = {k.name: k for k in MODEL_KEYS}
 DATASET: dict[str, Key] = {k.name: k for k in DATASET_KEYS}
+#: Accepted synonyms -> canonical ``dataset:`` key.
+DATASET_ALIASES: dict[str, str] = {a: k.name for k in DATASET_KEYS for a in k.aliases}
 #: Accepted synonyms -> canonical top-level key.
 TOP_ALIASES: dict[str, str] = {a: k.name for k in TOP_KEYS for a in k.aliases}
 #: HF TrainingArguments booleans resolved into ``precision``.
@@ -214,5 +231,5 @@ def default(name: str, section: dict[str, Key] = TOP) -> Any:
     return list(v) if isinstance(v, list) else v
 
 
-__all__ = ["DATASET", "DATASET_KEYS", "GROUPS", "REPORT_TO", "Key", "MODEL", "MODEL_KEYS", "PLAN_ONLY", "PLAN_ONLY_KINDS",
+__all__ = ["DATASET", "DATASET_ALIASES", "DATASET_KEYS", "GROUPS", "REPORT_TO", "Key", "MODEL", "MODEL_KEYS", "PLAN_ONLY", "PLAN_ONLY_KINDS",
            "PRECISION_BOOLS", "TOP", "TOP_ALIASES", "TOP_KEYS", "default"]

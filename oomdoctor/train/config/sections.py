@@ -43,13 +43,21 @@ class DatasetConfig:
     type: str = default("type", DATASET)
     """Sample type."""
     text_field: str = default("text_field", DATASET)
-    """Text field."""
+    """Text field (TRL ``dataset_text_field``)."""
     prompt_field: str = default("prompt_field", DATASET)
     """Prompt field."""
-    response_field: str = default("response_field", DATASET)
-    """Response field."""
+    completion_field: str = default("completion_field", DATASET)
+    """Completion field (``response`` is read too when left at ``completion``)."""
+    chat_template: str | None = default("chat_template", DATASET)
+    """Jinja template, a file holding one, ``chatml``, or None (the tokenizer's, else chatml)."""
+    assistant_only_loss: bool = default("assistant_only_loss", DATASET)
+    """Loss only on assistant replies of conversations."""
+    completion_only_loss: bool | None = default("completion_only_loss", DATASET)
+    """Mask the prompt of prompt/completion records (None: true for prompt_completion)."""
     packing: bool = default("packing", DATASET)
-    """Pack samples into full blocks."""
+    """Pack samples into rows of at most seq_len."""
+    packing_strategy: str = default("packing_strategy", DATASET)
+    """``bfd`` (isolated samples) or ``wrapped``."""
     shuffle: bool = default("shuffle", DATASET)
     """Shuffle each epoch."""
     pad_to_multiple_of: int | None = default("pad_to_multiple_of", DATASET)
