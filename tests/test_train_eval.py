@@ -8,18 +8,19 @@ from dataclasses import replace
 import pytest
 
 from oomdoctor.errors import BadInput
+from oomdoctor.train.data import Sample
 from oomdoctor.train.evaluate import split_eval
 
 from train_util import cli, tiny_cfg, write_yaml
 
 
 def test_split_eval_is_seeded_disjoint_and_keeps_order():
-    samples = [([i], [i]) for i in range(20)]
+    samples = [Sample([i], [i], (1,)) for i in range(20)]
     train, held = split_eval(samples, 0.25, seed=3)
     assert len(held) == 5 and len(train) == 15
     assert split_eval(samples, 0.25, seed=3) == (train, held)
-    assert {s[0][0] for s in train}.isdisjoint({s[0][0] for s in held})
-    assert [s[0][0] for s in train] == sorted(s[0][0] for s in train)
+    assert {s.input_ids[0] for s in train}.isdisjoint({s.input_ids[0] for s in held})
+    assert [s.input_ids[0] for s in train] == sorted(s.input_ids[0] for s in train)
     with pytest.raises(BadInput, match="nothing to train on"):
         split_eval(samples[:1], 0.5, seed=0)
 

@@ -14,10 +14,7 @@ from typing import Any
 
 from oomdoctor.errors import BadInput
 
-Sample = tuple[list[int], list[int]]
-
-
-def split_eval(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+def split_eval(samples: list, fraction: float, seed: int) -> tuple[list, list]:
     """(train, eval): ``fraction`` of ``samples`` (at least one) drawn with a generator seeded by ``seed``; the
     train samples keep their original order."""
     import torch
@@ -31,7 +28,7 @@ def split_eval(samples: list[Sample], fraction: float, seed: int) -> tuple[list[
     return ([s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held])
 
 
-def eval_samples(dcfg: Any, tokenizer: Any, seq_len: int, train: Any, seed: int) -> tuple[Any, list[Sample]]:
+def eval_samples(dcfg: Any, tokenizer: Any, seq_len: int, train: Any, seed: int) -> tuple[Any, list]:
     """(training data, eval samples) for the ``dataset:`` section ``dcfg`` (``train``: the tokenized training data,
     returned without the held-back samples when ``eval_split`` is set). No eval set: ``(train, [])``."""
     from oomdoctor.train.data import tokenize
@@ -44,16 +41,17 @@ def eval_samples(dcfg: Any, tokenizer: Any, seq_len: int, train: Any, seed: int)
     return train, []
 
 
-def evaluate(step: Any, samples: list[Sample], *, pad_id: int, batch_size: int, device: Any,
-             pad_to_multiple_of: int | None = None) -> float:
-    """Token-weighted mean loss of ``step.model`` over ``samples`` (no gradients, eval mode)."""
+def evaluate(step: Any, samples: list, *, pad_id: int, batch_size: int, device: Any,
+             pad_to_multiple_of: int | None = None, reset_positions: bool = False, flatten: bool = False) -> float:
+    """Token-weighted mean loss of ``step.model`` over ``samples`` (``oomdoctor.train.data.Sample`` rows, collated
+    as training collates them: ``reset_positions`` / ``flatten`` for packed rows), no gradients, eval mode."""
     import torch
 
     from oomdoctor.train.data import collate, count_targets
 
     total = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(0, len(samples), batch_size):
-        batch = collate(samples[i:i + batch_size], pad_id, pad_to_multiple_of)
+        batch = collate(samples[i:i + batch_size], pad_id, pad_to_multiple_of, reset_positions, flatten)
         total += step.eval_loss({k: v.to(device, non_blocking=True) for k, v in batch.items()}).double()
     return float(total) / max(1, count_targets(samples))
 

@@ -772,8 +772,11 @@ def _evaluate(run: Run, state: RunState, emit: Event, reporter) -> float:
     """The eval loss now (no gradients; its memory is checked by the same cap as training)."""
     from oomdoctor.train.evaluate import evaluate
 
+    from oomdoctor.train.data import flattens
+
     loss = evaluate(run.step, run.eval_samples, pad_id=run.data.pad_id, batch_size=run.cfg.per_device_eval_batch_size,
-                    device=run.device, pad_to_multiple_of=run.cfg.dataset.pad_to_multiple_of)
+                    device=run.device, pad_to_multiple_of=run.cfg.dataset.pad_to_multiple_of,
+                    reset_positions=run.data.reset_positions, flatten=flattens(run.cfg.model.attn_implementation))
     reporter.log(state.step, {"epoch": _epoch(run, state), "eval_loss": loss})
     emit({"type": "eval", "step": state.step, "eval_loss": loss, "samples": len(run.eval_samples)})
     return loss
