@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(PYTHON) -m oomdoctor diagnose meta-llama/Llama-2-7b-hf --gpu-mem 24GB --seq-len 1024
 	$(PYTHON) -m oomdoctor tune meta-llama/Llama-2-7b-hf --gpu-mem 24GB --seq-len 1024 --global-batch 32 --output runs/demo/llama2-7b-24gb.yaml --force
 	$(PYTHON) -m oomdoctor train runs/demo/llama2-7b-24gb.yaml --dry-run
-	$(PYTHON) -m oomdoctor train configs/train/tiny-cpu.yaml
+	$(PYTHON) -m oomdoctor train configs/train/tiny-cpu.yaml --overwrite
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q
