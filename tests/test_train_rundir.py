@@ -200,3 +200,26 @@ def test_resume_after_editing_the_model_config_is_refused_before_loading(tmp_pat
     with pytest.raises(BadInput, match="different run") as e:
         _train(replace(cfg, max_steps=2), resume=True)
     assert "model.shape" in str(e.value) and "intermediate_size" in str(e.value)
+
+
+@pytest.mark.slow
+def test_fp16_skipped_updates_neither_count_nor_move_the_scheduler(tmp_path, monkeypatch):
+    """A GradScaler starting at 2^40 overflows the fp16 backward for the first steps: those updates are skipped
+    by the scaler, and the run still does exactly max_steps real updates with the scheduler moved once per update."""
+    import torch
+
+    real_init = torch.amp.GradScaler.__init__
+
+    def huge_scale(self, *a, **kw):
+        kw["init_scale"] = 2.0**40
+        real_init(self, *a, **kw)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "__init__", huge_scale)
+    lrs: list[float] = []
+    res = _train(tiny_cfg(tmp_path / "out", max_steps=3, precision="fp16-mixed", lr_scheduler_type="linear",
+                          logging_steps=1), on_event=lambda e: lrs.append(e["lr"]) if e["type"] == "step" else None)
+    skipped = [n for n in res.notes if "skipped" in n]
+    assert skipped and int(skipped[0].split()[0]) >= 1
+    assert res.optimizer_steps == 3 and len(res.losses) == 3
+    lr0 = tiny_cfg(tmp_path).learning_rate
+    assert lrs == pytest.approx([lr0 * 2 / 3, lr0 / 3, 0.0])  # linear decay over 3 real updates, no warm-up
