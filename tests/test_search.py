@@ -128,10 +128,11 @@ def test_search_llama7b_24gb_prefers_fidelity_and_keeps_global_exact():
     # ranks are fidelity-ordered: no fitting plan ranked below the best is more faithful
     for c in res.fitting[1:]:
         assert fidelity_key(c.plan) >= fidelity_key(best.plan)
-    # every plan that does not fit really exceeds the budget at micro-batch 1
+    # every plan that does not fit really exceeds the budget at micro-batch 1, or says why it is out
     for c in res.candidates:
-        if not c.fits:
+        if not c.fits and not c.why_not:
             assert c.memory.resident_device > res.budget.limit_bytes
+    assert all("cannot accumulate" in c.why_not for c in res.candidates if c.why_not)
 
 
 def test_prefer_speed_ranks_by_throughput(tiny_spec):

@@ -35,6 +35,7 @@ def diagnose(
     attn: Optional[str] = plan_option("attn"),
     gradient_checkpointing: Optional[bool] = plan_option("gradient_checkpointing"),
     loss: Optional[str] = plan_option("loss"),
+    optimizer_in_backward: Optional[bool] = plan_option("optimizer_in_backward"),
     lora_r: Optional[int] = plan_option("lora_r"),
     lora_targets: Optional[str] = plan_option("lora_targets"),
     lora_on_head: Optional[bool] = plan_option("lora_on_head"),
@@ -58,7 +59,8 @@ def diagnose(
         raise BadInput(f"--plot {plot!r}: use a .png or .html file name")
     pins = pins_from(
         method=method, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
-        gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r, lora_targets=lora_targets,
+        gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
+        optimizer_in_backward=optimizer_in_backward, lora_targets=lora_targets,
         lora_on_head=lora_on_head, quant=quant, double_quant=double_quant, offload=offload,
         micro_batch=micro_batch, seq_len=seq_len,
     )

@@ -47,6 +47,7 @@ def tune(
     attn: Optional[str] = plan_option("attn"),
     gradient_checkpointing: Optional[bool] = plan_option("gradient_checkpointing"),
     loss: Optional[str] = plan_option("loss"),
+    optimizer_in_backward: Optional[bool] = plan_option("optimizer_in_backward"),
     lora_r: Optional[int] = plan_option("lora_r"),
     lora_targets: Optional[str] = plan_option("lora_targets"),
     lora_on_head: Optional[bool] = plan_option("lora_on_head"),
@@ -77,7 +78,8 @@ def tune(
     cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
     pins = pins_from(
         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
-        gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r, lora_targets=lora_targets,
+        gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
+        optimizer_in_backward=optimizer_in_backward, lora_targets=lora_targets,
         lora_on_head=lora_on_head, quant=quant, double_quant=double_quant, offload=offload,
     )
     if output is not None and os.path.exists(output) and not force:

@@ -130,6 +130,15 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
             2,
             dict(offload_optimizer=True),
         ))
+    if (plan.method == "full" and plan.grad_accum == 1 and not plan.optimizer_in_backward
+            and not plan.offload_optimizer and plan.precision != "fp16-mixed"):
+        c.append((
+            "optimizer-in-backward",
+            "step each parameter's optimizer inside backward and free its gradient at once (torchtune's "
+            "optimizer_in_bwd): no full set of gradients; gives up gradient clipping and accumulation",
+            3,
+            dict(optimizer_in_backward=True),
+        ))
     if plan.precision == "fp32":
         c.append((
             "precision:bf16-mixed",

@@ -194,10 +194,12 @@ class CPUOffloadOptimizer:
 
 def make_plan_optimizer(params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *, target: str = "cpu",
                         lb: Any = None, host_scope: Callable[[], ContextManager] | None = None):
-    """The optimizer a run of ``plan`` steps with: :class:`CPUOffloadOptimizer` when the plan offloads it, else
-    :func:`make_optimizer`."""
+    """The optimizer a run of ``plan`` steps with: :class:`CPUOffloadOptimizer` when the plan offloads it,
+    :class:`OptimizerInBackward` when it steps in backward, else :func:`make_optimizer`."""
     if plan.offload_optimizer:
         return CPUOffloadOptimizer(params, plan, args, host_scope=host_scope or _disable_modes)
+    if plan.optimizer_in_backward:
+        return optimizer_in_backward(params, plan, args, target=target, lb=lb)
     return make_optimizer(params, plan, args, target=target, lb=lb)
 
 
@@ -265,3 +267,50 @@ def activation_offload(enabled: bool, device_type: str) -> ContextManager:
 __all__ = ["OptimizerArgs", "PAGED_MIN_NUMEL", "make_optimizer", "make_plan_optimizer", "param_groups",
            "CPUOffloadOptimizer", "make_scheduler", "activation_offload", "HostActivationOffload",
            "scheduler_target"]
+
+
+def _optimizer_base():
+    import torch
+
+    return torch.optim.Optimizer
+
+
+class OptimizerInBackward:
+    """Per-parameter optimizers stepped in backward (plan ``optimizer_in_backward``; torchtune's
+    ``optimizer_in_bwd``): each trainable parameter gets its own optimizer of the plan's kind, and a
+    post-accumulate-grad hook steps it and frees the gradient the moment the gradient is complete. :meth:`step`
+    and :meth:`zero_grad` do nothing (the work is done); ``param_groups`` are the inner optimizers' own dicts, so
+    an LR scheduler over this object drives them all. Build with :func:`optimizer_in_backward`."""
+
+    def __init__(self, inner: dict):
+        self.inner = inner
+        self.param_groups = [g for o in inner.values() for g in o.param_groups]
+        self.defaults: dict = {}
+        self.state: dict = {}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._step_param) for p in inner]
+
+    def _step_param(self, p) -> None:
+        opt = self.inner[p]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def step(self, closure=None) -> None:  # noqa: ARG002 - Optimizer protocol
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - gradients are freed in backward
+        return None
+
+    def state_dict(self) -> dict:
+        return {"inner": [o.state_dict() for o in self.inner.values()]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for o, s in zip(self.inner.values(), sd["inner"]):
+            o.load_state_dict(s)
+
+
+def optimizer_in_backward(params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *, target: str = "cpu",
+                          lb: Any = None):
+    """An :class:`OptimizerInBackward` (a ``torch.optim.Optimizer`` for LR schedulers) over ``params``."""
+    cls = type("OptimizerInBackward", (OptimizerInBackward, _optimizer_base()), {})
+    inner = {p: make_optimizer([p], plan, args, target=target, lb=lb) for p in params}
+    return cls(inner)

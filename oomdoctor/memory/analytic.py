@@ -139,7 +139,13 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     G_head = grads.head_gradient_bytes(c)
     G_layer = grads.per_layer_gradient_bytes(c)
     G_pre = G if ga else 0
-    if ga:
+    if plan.optimizer_in_backward:
+        # each gradient is stepped and freed in its post-accumulate-grad hook: one parameter's gradient (and the
+        # step's temporary of its size) at a time, nothing left at the end of backward (torchtune optimizer_in_bwd)
+        g_one = max((n for n, _r, _k in optm.trainable_tensors(c)), default=0) * grads.param_bytes_per_trainable(c)
+        g_top = g_bottom = 2 * g_one
+        g_end = 0
+    elif ga:
         # accumulation: grads exist from the first micro-batch; each new grad is a transient added in place.
         g_end = 0
         g_new = max((n for n, _r, _k in optm.trainable_tensors(c)), default=0) * grads.param_bytes_per_trainable(c)
@@ -193,7 +199,9 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     phases["backward"] = (sum(bwd.values()), bwd)
 
     # optimizer step
-    if plan.offload_optimizer:
+    if plan.optimizer_in_backward:
+        step = _components(parameters=P, optimizer_states=O)  # the steps ran in backward
+    elif plan.offload_optimizer:
         step = _components(parameters=P, gradients=G)
     else:
         step = _components(parameters=P, gradients=G, optimizer_states=O, temporaries=opt.temporaries)

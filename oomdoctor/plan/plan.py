@@ -79,6 +79,8 @@ class Plan:
     """See ``TECHNIQUES``: tokens per sequence."""
     grad_accum: int = DEFAULTS["grad_accum"]
     """See ``TECHNIQUES``: gradient accumulation steps."""
+    optimizer_in_backward: bool = DEFAULTS["optimizer_in_backward"]
+    """See ``TECHNIQUES``: per-parameter optimizer steps inside backward."""
     offload_optimizer: bool = DEFAULTS["offload_optimizer"]
     """See ``TECHNIQUES``: optimizer states on the CPU."""
     offload_activations: bool = DEFAULTS["offload_activations"]
@@ -137,6 +139,8 @@ class Plan:
         parts.append(self.optimizer + (f"({self.optimizer_impl})" if shows_impl else ""))
         if self.gradient_checkpointing:
             parts.append("GC")
+        if self.optimizer_in_backward:
+            parts.append("opt-in-bwd")
         if self.loss == "chunked":
             parts.append("chunked-CE")
         offl = [n for n, on in (("opt", self.offload_optimizer), ("act", self.offload_activations), ("params", self.offload_params)) if on]
@@ -215,6 +219,14 @@ def validate(plan: Plan) -> Plan:
         problems.append(f"sharding={plan.sharding} needs world_size > 1")
     if plan.world_size > 1:
         problems.append("world_size > 1 (DDP/FSDP/ZeRO) is not supported yet; plan for one GPU")
+    if plan.optimizer_in_backward:
+        if plan.grad_accum > 1:
+            problems.append("optimizer_in_backward steps during backward: it cannot accumulate gradients "
+                            "(grad_accum must be 1; raise the micro-batch instead)")
+        if plan.offload_optimizer:
+            problems.append("optimizer_in_backward and offload_optimizer: choose one")
+        if plan.precision == "fp16-mixed":
+            problems.append("optimizer_in_backward cannot run fp16's loss scaler (it unscales all gradients at once)")
     if plan.offload_params and plan.method != "full" and quant is not None:
         problems.append("offload_params with a bitsandbytes-quantized base is not supported by bitsandbytes")
     if problems:

@@ -227,6 +227,12 @@ TECHNIQUES: tuple[Technique, ...] = (
         yaml_key="gradient_accumulation_steps", flag="", json_key="gradient_accumulation_steps",
     ),
     Technique(
+        "optimizer_in_backward", "bool", False, "Trainer steps after backward (torchtune optimizer_in_bwd=False)",
+        "step each parameter's optimizer in its post-accumulate-grad hook during backward (torchtune's "
+        "optimizer_in_bwd, LOMO): a gradient is freed as soon as it is used; no gradient accumulation, no clipping",
+        "gradients drop from one per trainable parameter to about the largest one (-2 B/param in bf16, -4 in fp32)",
+    ),
+    Technique(
         "offload_optimizer", "bool", False, "no offload (DeepSpeed/FSDP offload is opt-in)",
         "optimizer states and the optimizer step live on the CPU",
         "frees 8-12 B per trainable param on the GPU, costs PCIe copies every step", flag="--offload",

@@ -643,7 +643,9 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     run.step.hooks = _GuardHooks(touch, run.meter)  # type: ignore[assignment]
     hooks = [p.register_post_accumulate_grad_hook(lambda _p: setattr(touch, "touched", True))
              for p in run.loaded.trainable]
-    guard = OOMGuard(micro_batch=state.micro_batch, max_retries=max(0, cfg.max_oom_retries - state.oom_recoveries))
+    # optimizer in backward: a split micro-batch would step every parameter twice, so an OOM is not recovered
+    retries = 0 if run.plan.optimizer_in_backward else max(0, cfg.max_oom_retries - state.oom_recoveries)
+    guard = OOMGuard(micro_batch=state.micro_batch, max_retries=retries)
 
     def on_recovery(rec) -> None:
         state.oom_recoveries += 1
@@ -672,7 +674,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
             if run.meter is not None:
                 meter_scope.enter_context(run.meter)
             while state.step < run.total_steps:
-                out = _one_step(run, state, guard, touch, emit, last_ckpt, check_grads=state.step == first_step)
+                out = _one_step(run, state, guard, touch, emit, last_ckpt, check_grads=state.step == first_step and not run.plan.optimizer_in_backward)
                 state.samples_seen += run.effective_batch
                 state.micro_batch = guard.micro_batch
                 tokens_total += out.tokens

@@ -31,7 +31,8 @@ def fidelity_key(plan: Plan) -> tuple[int, ...]:
     3. weight precision where it matters — a full fine-tune updates every weight, so fp32 master weights (fp32 or
        bf16 autocast) beat pure bf16 (updates lost to bf16 rounding); LoRA/QLoRA train fp32 adapters on a frozen
        base (peft keeps adapters fp32), so their base precision is left to throughput;
-    4. optimizer state precision (32-bit > 8-bit > other optimizers).
+    4. optimizer state precision (32-bit > 8-bit > other optimizers);
+    5. the optimizer stepped after backward > in backward (which gives up gradient clipping).
 
     Gradient checkpointing changes no numbers either: it is left to throughput, which charges its recompute."""
     offload = plan.offload_optimizer or plan.offload_activations or plan.offload_params
@@ -41,6 +42,7 @@ def fidelity_key(plan: Plan) -> tuple[int, ...]:
         int(offload),
         PRECISION_RANK.get(plan.precision, 9) if plan.method == "full" else 0,
         OPTIMIZER_RANK.get(plan.optimizer, 9),
+        int(plan.optimizer_in_backward),  # no gradient clipping: only when the tier needs it
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 from oomdoctor.errors import BadInput
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
-from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, SearchTrace
+from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, SearchTrace
 from oomdoctor.plan.budget import Budget
 from oomdoctor.tune.batch_search import Estimator, analytic_estimator, micro_batch_search
 from oomdoctor.units import format_bytes
@@ -52,16 +52,18 @@ class SearchResult:
 def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_supported: bool = True,
                          chunked_loss: bool = True) -> list[Plan]:
     """Plans tune considers: the technique matrix (``oomdoctor.diagnose.matrix``) for the pins, minus optimizer swaps
-    (Adafactor/Lion/SGD) unless the optimizer is pinned, plus each plan with the chunked loss (``chunked_loss``:
-    the model is a decoder) unless the loss is pinned; on GPUs without bf16 the bf16 plans become fp16-mixed."""
+    (Adafactor/Lion/SGD) unless the optimizer is pinned; on GPUs without bf16 the bf16 plans become fp16-mixed;
+    then, unless pinned, full fine-tuning with paged 8-bit AdamW and with the optimizer in backward (torchtune's
+    low-memory recipes; diagnose's matrix leaves them out to stay readable), and every plan with the chunked loss
+    (``chunked_loss``: the model is a decoder)."""
     from oomdoctor.diagnose.matrix import enumerate_plans
 
     pins = dict(pins or {})
     plans = enumerate_plans(pins, base)
     if "optimizer" not in pins:
         plans = [p for p in plans if p.optimizer in ADAMW_FAMILY]
-    if "loss" not in pins and chunked_loss:  # the chunked loss changes no numbers: searched next to every plan
-        plans = plans + [p.with_(loss="chunked") for p in plans if p.loss != "chunked"]
+        plans += [p.with_(optimizer="paged-adamw-8bit") for p in plans
+                  if p.method == "full" and p.optimizer == "adamw-8bit"]
     if not bf16_supported and "precision" not in pins:
         out: list[Plan] = []
         for p in plans:
@@ -72,6 +74,12 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
             if p not in out:
                 out.append(p)
         plans = out
+    if "optimizer_in_backward" not in pins:  # gradients freed as they are used
+        plans += [p.with_(optimizer_in_backward=True) for p in plans
+                  if p.method == "full" and not p.offload_optimizer and p.precision != "fp16-mixed"
+                  and not p.optimizer_in_backward]
+    if "loss" not in pins and chunked_loss:  # changes no numbers: searched next to every plan
+        plans += [p.with_(loss="chunked") for p in plans if p.loss != "chunked"]
     return plans
 
 
@@ -95,12 +103,22 @@ def search(
     evaluations = 0
     for plan in plans:
         trace = SearchTrace()
-        choice, mem = micro_batch_search(spec, plan, budget, estimator, global_batch=global_batch,
-                                         limit=micro_limit, trace=trace)
+        # optimizer in backward cannot accumulate: the micro-batch alone must reach the global batch
+        oib = plan.optimizer_in_backward and global_batch is not None
+        choice, mem = micro_batch_search(spec, plan, budget, estimator, global_batch=None if oib else global_batch,
+                                         limit=min(micro_limit, global_batch) if oib else micro_limit, trace=trace)
         evaluations += len(trace.evaluations)
         if choice is None:
             cands.append(Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None))
             continue
+        if oib and choice.micro_batch < global_batch:
+            cands.append(Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
+                                   why_not=f"optimizer in backward cannot accumulate gradients: the global batch "
+                                           f"{global_batch} needs micro-batch {global_batch}, at most "
+                                           f"{choice.micro_batch} fits"))
+            continue
+        if oib:
+            choice = BatchChoice(choice.max_micro_batch, global_batch, 1, global_batch)
         if host_ram is not None and mem.cpu_offloaded > host_ram:
             cands.append(Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
                                    why_not=f"offload needs {format_bytes(mem.cpu_offloaded)} of host RAM, the "

@@ -19,6 +19,7 @@ from oomdoctor.plan.techniques import DEFAULTS, HF_ATTN_NAMES, HF_OPTIM_NAMES, O
 from oomdoctor.resources import bundled_path, is_bundled, resolve_path
 from oomdoctor.train.config.schema import (
     REPORT_TO,
+    default,
     DATASET,
     DATASET_ALIASES,
     MODEL,
@@ -382,6 +383,9 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
     optim = top.get("optim")
     if optim and OPTIM_VALUES[optim][1] and "optim_impl" in top and top["optim_impl"] != OPTIM_VALUES[optim][1]:
         problems.append(f"optim_impl: {top['optim_impl']!r} conflicts with optim {optim!r}")
+    if top.get("optimizer_in_backward") and top.get("max_grad_norm", default("max_grad_norm")) is not None:
+        problems.append("optimizer_in_backward: gradient clipping needs every gradient at once; set "
+                        "max_grad_norm: null (torchtune does the same)")
     if top.get("offload_optimizer") and optim and OPTIM_VALUES[optim][0] in PAGED_OPTIMIZERS:
         problems.append("offload_optimizer: paged optimizers already page state to the CPU; use one or the other")
 

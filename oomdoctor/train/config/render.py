@@ -8,7 +8,7 @@ from typing import Any
 from oomdoctor.errors import BadInput
 from oomdoctor.plan import Plan, validate
 from oomdoctor.plan.techniques import HF_ATTN_NAMES, HF_OPTIM_NAMES
-from oomdoctor.train.config.schema import DATASET, GROUPS, MODEL, NO_MEMORY, TOP_KEYS, Key
+from oomdoctor.train.config.schema import DATASET, GROUPS, MODEL, NO_MEMORY, TOP_KEYS, Key, default
 from oomdoctor.train.config.sections import DatasetConfig, ModelConfig, TrainConfig
 from oomdoctor.units import format_bytes, parse_size
 
@@ -59,6 +59,8 @@ def config_from_plan(model: str, plan: Plan, **extra: Any) -> TrainConfig:
         load_in_8bit=quant == "int8",
         bnb_4bit_quant_type=quant if quant in ("nf4", "fp4") else "nf4",
         bnb_4bit_use_double_quant=plan.double_quant,
+        optimizer_in_backward=plan.optimizer_in_backward,
+        max_grad_norm=None if plan.optimizer_in_backward else default("max_grad_norm"),
         offload_optimizer=plan.offload_optimizer,
         offload_activations=plan.offload_activations,
     )

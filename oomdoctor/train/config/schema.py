@@ -63,6 +63,7 @@ _GROUPS = {
     "gradient_checkpointing": "memory: activations", "offload_activations": "memory: activations",
     "loss": "memory: activations",
     "optimizer": "memory: optimizer", "optimizer_impl": "memory: optimizer", "offload_optimizer": "memory: optimizer",
+    "optimizer_in_backward": "memory: optimizer",
     "sgd_momentum": "memory: optimizer",
     "lora_r": "memory: LoRA", "lora_alpha": "memory: LoRA", "lora_dropout": "memory: LoRA",
     "lora_targets": "memory: LoRA", "double_quant": "memory: quantized base (bitsandbytes)",

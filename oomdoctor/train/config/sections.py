@@ -140,6 +140,8 @@ class TrainConfig:
     """Plan ``double_quant``."""
     bnb_4bit_compute_dtype: str | None = default("bnb_4bit_compute_dtype")
     """4-bit compute dtype."""
+    optimizer_in_backward: bool = default("optimizer_in_backward")
+    """Plan ``optimizer_in_backward``."""
     offload_optimizer: bool = default("offload_optimizer")
     """Plan ``offload_optimizer``."""
     offload_activations: bool = default("offload_activations")
@@ -253,6 +255,7 @@ def to_plan(cfg: TrainConfig, micro_batch: int | None = None) -> Plan:
             micro_batch=mb,
             seq_len=cfg.seq_len,
             grad_accum=ga,
+            optimizer_in_backward=cfg.optimizer_in_backward,
             offload_optimizer=cfg.offload_optimizer,
             offload_activations=cfg.offload_activations,
         )
