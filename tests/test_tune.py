@@ -293,6 +293,30 @@ def test_cli_llama7b_24gb_json_and_train_dry_run(monkeypatch, tmp_path):
     assert dry.exit_code == 0, dry.output
 
 
+def test_seq_len_max_finds_the_longest_context_and_the_yaml_passes_the_dry_run(monkeypatch, tmp_path):
+    from oomdoctor.engines import estimate as price
+    from oomdoctor.model.load import load_spec
+    from oomdoctor.plan.budget import resolve_budget as rb
+
+    res = _cli(["tune", "meta-llama/Llama-3.1-8B", "--gpu-mem", "80GB", "--seq-len", "max", "--verify", "none",
+                "--json"], monkeypatch, tmp_path)
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    s, plan = d["plan"]["seq_len"], d["plan"]
+    assert s > 32768 and s % 64 == 0 and plan["micro_batch_size"] == 1 and plan["loss"] == "chunked"
+    # the boundary: 64 more tokens of the same plan do not fit
+    spec, budget = load_spec("meta-llama/Llama-3.1-8B"), rb(80 * 10**9, None, None)
+    from oomdoctor.plan.techniques import TECHNIQUES
+
+    chosen = Plan(**{t.name: (tuple(plan[t.setting]) if isinstance(plan[t.setting], list) else plan[t.setting])
+                     for t in TECHNIQUES})
+    assert budget.fits(price(spec, chosen)) and not budget.fits(price(spec, chosen.with_(seq_len=s + 64)))
+    dry = _cli(["train", str(tmp_path / "oomdoctor-plan.yaml"), "--dry-run"], monkeypatch, tmp_path)
+    assert dry.exit_code == 0, dry.output
+    bad = _cli(["tune", "meta-llama/Llama-3.1-8B", "--gpu-mem", "80GB", "--seq-len", "long"], monkeypatch, tmp_path)
+    assert isinstance(bad.exception, BadInput)  # exit 2 through oomdoctor.cli.main
+
+
 def test_cli_errors_are_one_line_exit_codes(monkeypatch, tmp_path, capsys):
     from oomdoctor.cli import main
 

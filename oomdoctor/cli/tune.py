@@ -32,7 +32,10 @@ HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
 def tune(
     model: str = typer.Argument(..., help="HF id (e.g. meta-llama/Llama-2-7b-hf), model dir, or config.json"),
     gpu_mem: Optional[str] = typer.Option(None, help="card size: 24GB (10^9), 24GiB (2^30), 24000MiB; default: NVML"),
-    seq_len: Optional[int] = typer.Option(None, help="longest sequence in tokens (default min(2048, model max))"),
+    seq_len: Optional[str] = typer.Option(
+        None, help="longest sequence in tokens (default min(2048, model max)), or max: the longest any plan fits "
+                   "(micro-batch 1 unless --micro-batch)"),
+    micro_batch: Optional[int] = typer.Option(None, help="with --seq-len max: the micro-batch to fit (default 1)"),
     global_batch: Optional[int] = typer.Option(
         None, help="effective batch per optimizer step: micro-batch x accumulation equals it exactly"
     ),
@@ -71,8 +74,13 @@ def tune(
 
     if prefer not in PREFERS:
         raise BadInput(f"--prefer {prefer!r}: use quality or speed")
-    if seq_len is not None and seq_len < 1:
-        raise BadInput(f"--seq-len must be a positive integer, got {seq_len}")
+    seq: int | str | None = seq_len
+    if seq_len is not None and seq_len != "max":
+        if not seq_len.isdigit() or int(seq_len) < 1:
+            raise BadInput(f"--seq-len {seq_len!r}: give a positive number of tokens or max")
+        seq = int(seq_len)
+    if micro_batch is not None and (seq_len != "max" or micro_batch < 1):
+        raise BadInput("--micro-batch goes with --seq-len max (a positive integer); tune sizes it otherwise")
     if global_batch is not None and global_batch < 1:
         raise BadInput(f"--global-batch must be a positive integer, got {global_batch}")
     cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
@@ -87,7 +95,9 @@ def tune(
                        "pass --force to replace it, or another --output path")
     if not as_json:
         typer.echo("searching plans with the analytic memory model...", err=True)
-    result = run_tune(model, gpu_mem=cap, seq_len=seq_len, global_batch=global_batch, method=method, prefer=prefer,
+    if micro_batch is not None:
+        pins["micro_batch"] = micro_batch
+    result = run_tune(model, gpu_mem=cap, seq_len=seq, global_batch=global_batch, method=method, prefer=prefer,
                       margin=margin, pins=pins, verify_mode=verify)
     path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)
     if as_json:

@@ -139,3 +139,29 @@ def verify_and_refine(
 
 
 __all__ = ["Estimator", "analytic_estimator", "micro_batch_search", "VerifyStep", "verify_and_refine"]
+
+
+#: ``--seq-len max`` searches in steps of this many tokens, up to :data:`MAX_SEQ_LEN`.
+SEQ_STEP = 64
+MAX_SEQ_LEN = 1 << 21
+
+
+def longest_seq_len(spec: ModelSpec, plan: Plan, budget: Budget, estimator: Estimator, *, micro_batch: int = 1,
+                    limit: int = MAX_SEQ_LEN) -> int:
+    """The longest sequence (a multiple of :data:`SEQ_STEP`, at most ``limit``) at which ``plan`` with
+    ``micro_batch`` fits ``budget``; 0 when not even one step does. Bisection: memory grows with the sequence."""
+
+    def fits(s: int) -> bool:
+        return budget.fits(estimator(spec, plan.with_(seq_len=s, micro_batch=micro_batch, grad_accum=1)))
+
+    lo, hi = 0, limit // SEQ_STEP  # fits(lo * STEP) holds (vacuously for 0); find the largest such lo
+    if not fits(SEQ_STEP):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * SEQ_STEP):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * SEQ_STEP

@@ -34,10 +34,11 @@ from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, choose_micro_batch, divisors
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_bundled
-from oomdoctor.tune.batch_search import Estimator, analytic_estimator, verify_and_refine
-from oomdoctor.tune.ranking import Candidate
+from oomdoctor.plan.techniques import TECHNIQUES
+from oomdoctor.tune.batch_search import SEQ_STEP, Estimator, analytic_estimator, longest_seq_len, verify_and_refine
+from oomdoctor.tune.ranking import Candidate, fidelity_key
 from oomdoctor.tune.search import SearchResult, enumerate_candidates, search
-from oomdoctor.tune.throughput import Throughput, estimate_throughput, profile_for
+from oomdoctor.tune.throughput import HardwareProfile, Throughput, estimate_throughput, profile_for
 from oomdoctor.units import format_bytes
 
 #: Recommended caching-allocator setting: expandable segments map more memory into one growing segment instead of
@@ -285,11 +286,38 @@ def verify(
 # ---------------------------------------------------------------------------------------------- tune
 
 
+#: Knobs ``--seq-len max`` leaves to the regular search once the sequence is known.
+NOT_PINNED_BY_MAX = ("micro_batch", "grad_accum", "seq_len", "world_size", "sharding")
+
+
+def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estimator: Estimator,
+                    profile: HardwareProfile, prefer: str) -> tuple[Plan, int]:
+    """The plan that fits the longest sequence (micro-batch ``pins["micro_batch"]`` or 1) and that length: every
+    candidate plan's longest sequence by bisection (:func:`longest_seq_len`; offload plans only within this
+    machine's RAM), the longest wins, ties broken by the quality tier. DoesNotFit when no plan fits even one step
+    of tokens."""
+    micro = int(pins.get("micro_batch", 1))
+    plans = enumerate_candidates({k: v for k, v in pins.items() if k != "micro_batch"}, Plan(seq_len=SEQ_STEP),
+                                 bf16_supported=profile.bf16, chunked_loss=spec.arch_kind == "decoder")
+    host_ram = host_ram_bytes()
+    found = [(longest_seq_len(spec, p, budget, estimator, micro_batch=micro), p) for p in plans]
+    found = [(s, p.with_(seq_len=s, micro_batch=micro, grad_accum=1)) for s, p in found if s > 0]
+    if host_ram is not None:  # an offload plan is out when its host share does not fit this machine's RAM
+        found = [(s, p) for s, p in found if estimator(spec, p).cpu_offloaded <= host_ram]
+    if not found:
+        raise DoesNotFit(f"no plan fits {budget.describe()} even at {SEQ_STEP} tokens per sequence",
+                         f"see `oomdoctor diagnose {spec.name} --seq-len {SEQ_STEP}` for what is missing")
+    longest = max(s for s, _ in found)
+    ties = [Candidate(p, estimator(spec, p), None) for s, p in found if s == longest]
+    best = min(ties, key=lambda c: fidelity_key(c.plan) if prefer == "quality" else (0,))
+    return best.plan, longest
+
+
 def tune(
     model: str | ModelSpec,
     *,
     gpu_mem: int | None = None,
-    seq_len: int | None = None,
+    seq_len: int | str | None = None,
     global_batch: int | None = None,
     method: str | None = None,
     prefer: str = "quality",
@@ -302,7 +330,8 @@ def tune(
     gpu: GpuInfo | None | bool = True,
     micro_limit: int = DEFAULT_MICRO_LIMIT,
 ) -> TuneResult:
-    """Find the plan for ``model`` (see the module docstring). ``margin``: what ``oomdoctor.plan.budget.parse_margin``
+    """Find the plan for ``model`` (see the module docstring). ``seq_len="max"``: the longest sequence any plan fits
+    (:func:`longest_context`), then the plan for it. ``margin``: what ``oomdoctor.plan.budget.parse_margin``
     reads (None: the default margin). ``gpu=True`` queries NVML, ``None``/``False`` means "no GPU" (tests), a
     :class:`GpuInfo` is used as given."""
     if verify_mode not in VERIFY_MODES:
@@ -322,6 +351,19 @@ def tune(
     capacity = budget.capacity_bytes
     notes = list(budget.notes)
 
+    all_pins = dict(pins or {})
+    if method is not None:
+        all_pins["method"] = method
+    profile = profile_for(gpu_info.name if gpu_info else None)
+    if seq_len == "max":
+        best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer)
+        all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES if t.name not in NOT_PINNED_BY_MAX})
+        notes.append(f"--seq-len max: {seq_len:,} tokens at micro-batch {best.micro_batch} is the longest sequence "
+                     f"any plan fits ({best.label()}; searched in steps of {SEQ_STEP} tokens)")
+        if spec.context_note(seq_len, "the longest sequence"):
+            notes.append(spec.context_note(seq_len, "the longest sequence"))
+    elif isinstance(seq_len, str):
+        raise BadInput(f"--seq-len {seq_len!r}: give a number of tokens or max")
     if seq_len is None:
         seq_len = min(Plan().seq_len, spec.max_position_embeddings or Plan().seq_len)
         notes.append(f"no --seq-len: planning for {seq_len} tokens per sequence (the longest batch sets the peak)")
@@ -331,10 +373,6 @@ def tune(
         notes.append("no --global-batch: the effective batch is the largest micro-batch that fits (accumulation 1); "
                      "pass --global-batch to keep it fixed")
 
-    all_pins = dict(pins or {})
-    if method is not None:
-        all_pins["method"] = method
-    profile = profile_for(gpu_info.name if gpu_info else None)
     plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16,
                                  chunked_loss=spec.arch_kind == "decoder")
     result = search(spec, plans, budget, global_batch=global_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
