@@ -249,6 +249,10 @@ def _notes(c: Ctx) -> list[str]:
             "QLoRA in pure bf16: prepare_model_for_kbit_training upcasts embeddings, norms and the head to fp32, "
             "so activations run in fp32 (priced like fp32 QLoRA)"
         )
+    if spec.inventory == "transformers":
+        notes.append(f"{spec.model_type}: parameters read from the model transformers builds; activations priced "
+                     "with the generic transformer-block formulas (not measured for this type: within ~2 % for "
+                     "Llama-like blocks, up to -20 % for others); `--engine simulate` replays its real code")
     if spec.num_experts:
         notes.append("MoE: experts_per_token dense MLPs per token with perfect load balance (real routing varies)")
     if spec.arch_kind == "encoder-decoder":

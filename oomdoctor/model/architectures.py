@@ -512,7 +512,9 @@ def _t5(cfg: dict, name: str) -> ModelSpec:
 
 
 def build_spec(cfg: dict, name: str = "config") -> ModelSpec:
-    """ModelSpec for a config dict; raises BadInput for unknown model types or malformed configs."""
+    """ModelSpec for a config dict: a hand-written builder for the families in :data:`BUILDERS`, else the inventory
+    of the model transformers builds on the meta device (``oomdoctor.model.inventory``); BadInput for malformed
+    configs and model types transformers cannot build."""
     mt = cfg.get("model_type")
     if not isinstance(mt, str) or not mt:
         raise BadInput(
@@ -521,10 +523,9 @@ def build_spec(cfg: dict, name: str = "config") -> ModelSpec:
         )
     builder = BUILDERS.get(mt)
     if builder is None:
-        raise BadInput(
-            f"{name}: model_type {mt!r} is not supported yet (supported: {', '.join(sorted(BUILDERS))})",
-            "pick a bundled model (`oomdoctor models`) or open an issue with its config.json",
-        )
+        from oomdoctor.model.inventory import spec_from_transformers
+
+        return spec_from_transformers(cfg, name)  # any other type transformers builds (BadInput if it cannot)
     spec = builder(cfg, name)
     archs = cfg.get("architectures")
     if spec.arch_kind == "decoder" and isinstance(archs, list) and archs and str(archs[0]).endswith(

@@ -108,6 +108,10 @@ class ModelSpec:
     """Family in the bundled registry (for "a smaller model of the same family fits")."""
     published_params: int | None = None
     """Parameter count published by the model's authors (bundled registry), for cross-checks."""
+    inventory: str = "hand"
+    """``hand`` (a builder in ``architectures.py``, its quirks measured) or ``transformers`` (read from the model
+    transformers builds on the meta device, ``oomdoctor.model.inventory``: parameters exact, activations by the
+    generic block formulas)."""
     config: dict = field(default_factory=dict, compare=False, repr=False)
     """The raw config.json."""
 

@@ -1,0 +1,197 @@
+"""A :class:`ModelSpec` for any model transformers can build: the parameter inventory of the model transformers
+itself builds on the meta device (no weights, no memory), for model types without a hand-written builder.
+
+``architectures.py`` describes 15 families by hand (with their quirks cited). Every other ``model_type`` that
+transformers knows — Qwen3-MoE, Gemma 3, gpt-oss, DeepSeek-V3, Cohere2, SmolLM3, GLM-4, GPT-NeoX, and the text side
+of vision-language models with their vision tower — is read from ``AutoModelForCausalLM.from_config`` (or
+``AutoModelForImageTextToText``) under ``torch.device("meta")``:
+
+* every ``nn.Linear`` (and transformers' ``Conv1D``) becomes a ``linear`` group, grouped over the decoder layers by
+  its path with the layer index replaced by ``{i}`` (so ``count`` = layers holding it: hybrid models that mix layer
+  types are counted as built);
+* ``nn.Embedding`` -> ``embedding``; modules whose class name ends in ``Norm`` -> ``norm``; every other parameter
+  (fused 3D expert weights, routers, convolutions, SSM parameters, the vision tower's patch embedding...) ->
+  ``other`` (not a LoRA ``all-linear`` target, not quantized);
+* the head (``get_output_embeddings``) is ``lm_head``; tied embeddings are counted once, as torch does.
+
+Shapes the activation formulas need come from the text config (``get_text_config``): hidden size, layers, heads,
+KV heads, head dim, intermediate size (``moe_intermediate_size`` for MoE experts), experts and experts per token.
+Known limits: activations are priced with the generic transformer block formulas (``memory/activations.py``), which
+do not model state-space (Mamba) or linear-attention layers; multi-head latent attention (DeepSeek) is priced from
+its projection shapes; the vision tower's activations are not priced (its parameters are).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from functools import lru_cache
+from typing import Any
+
+from oomdoctor.errors import BadInput
+from oomdoctor.model.spec import ModelSpec, ParamGroup
+
+#: Config keys holding the expert count and the experts each token visits, over the model families.
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k")
+_LAYER_RE = re.compile(r"\.(layers|h|blocks|layer)\.(\d+)\.")
+_TOWER_RE = re.compile(r"vision|visual|image|audio|vit|patch")
+
+
+def _config(cfg: dict, name: str):
+    from transformers import AutoConfig
+
+    mt = cfg["model_type"]
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(mt, **kw)
+    except (ValueError, KeyError) as exc:
+        raise BadInput(f"{name}: model_type {mt!r}: transformers cannot build this config ({exc})",
+                       "check model_type, or upgrade transformers if the model is newer than it") from None
+
+
+def _meta_model(config, name: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError:
+        pass
+    except Exception as exc:  # noqa: BLE001 - transformers' own refusal of this config
+        raise BadInput(f"{name}: transformers cannot build {config.model_type!r} ({type(exc).__name__}: {exc})",
+                       "fix the config.json") from None
+    from transformers import AutoModelForImageTextToText
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForImageTextToText.from_config(config)
+    except Exception as exc:  # noqa: BLE001
+        raise BadInput(f"{name}: {config.model_type!r} is neither a causal LM nor an image-text-to-text model in "
+                       f"transformers ({type(exc).__name__}: {exc})", "oomdoctor prices causal LMs") from None
+
+
+def _kind(module: Any) -> str:
+    cls = type(module).__name__
+    if cls in ("Linear", "Conv1D") or cls.endswith("Linear"):
+        return "linear"
+    if cls == "Embedding" or cls.endswith("Embedding"):
+        return "embedding"
+    if cls.endswith(("Norm", "RMSNorm", "LayerNorm")):
+        return "norm"
+    return "other"
+
+
+def _groups(model, head_module) -> tuple[tuple[ParamGroup, ...], int]:
+    """The parameter groups of ``model`` (module docstring) and the number of decoder layers seen."""
+    seen: set[int] = set()  # parameters counted (tied weights once)
+    agg: OrderedDict[tuple, dict] = OrderedDict()
+    layers: set[str] = set()
+    for path, mod in model.named_modules():
+        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+        if not own:
+            continue
+        for _n, p in own:
+            seen.add(id(p))
+        m = _LAYER_RE.search("." + path + ".")
+        per_layer = m is not None and not _TOWER_RE.search(path)  # a vision/audio tower's blocks are not decoder layers
+        if per_layer:
+            layers.add(m.group(2))
+        tmpl = _LAYER_RE.sub(lambda mm: f".{mm.group(1)}.{{i}}.", "." + path + ".").strip(".")
+        leaf = path.rsplit(".", 1)[-1] or path
+        kind = "linear" if mod is head_module else _kind(mod)
+        if kind == "linear" and hasattr(mod, "weight") and mod.weight is not None and mod.weight.dim() == 2:
+            w = mod.weight
+            out_f, in_f = (w.shape[1], w.shape[0]) if type(mod).__name__ == "Conv1D" else (w.shape[0], w.shape[1])
+            key = ("linear", tmpl, int(in_f), int(out_f), getattr(mod, "bias", None) is not None)
+            name = "lm_head" if mod is head_module else leaf
+            g = agg.setdefault(key, dict(name=name, kind="linear", in_features=int(in_f), out_features=int(out_f),
+                                         bias=key[4], count=0, per_layer=per_layer and mod is not head_module,
+                                         path=tmpl, module=type(mod).__name__, quantizable=True))
+            g["count"] += 1
+            extra = [p for n, p in own if n not in ("weight", "bias")]
+            if extra:
+                _add_other(agg, f"{tmpl}.extra", leaf, sum(p.numel() for p in extra), per_layer)
+            continue
+        if kind == "embedding":
+            w = mod.weight
+            key = ("embedding", tmpl, int(w.shape[0]), int(w.shape[1]))
+            g = agg.setdefault(key, dict(name=leaf, kind="embedding", in_features=int(w.shape[0]),
+                                         out_features=int(w.shape[1]), count=0, per_layer=per_layer, path=tmpl,
+                                         module=type(mod).__name__))
+            g["count"] += 1
+            continue
+        numel = sum(p.numel() for _n, p in own)
+        if kind == "norm":
+            key = ("norm", tmpl, numel)
+            g = agg.setdefault(key, dict(name=leaf, kind="norm", numel_each=numel, count=0, per_layer=per_layer,
+                                         path=tmpl, module=type(mod).__name__))
+            g["count"] += 1
+        else:
+            _add_other(agg, tmpl, leaf, numel, per_layer, type(mod).__name__)
+    return tuple(ParamGroup(**g) for g in agg.values()), len(layers)
+
+
+def _add_other(agg, tmpl: str, leaf: str, numel: int, per_layer: bool, module: str = "Parameter") -> None:
+    key = ("other", tmpl, numel)
+    g = agg.setdefault(key, dict(name=leaf, kind="other", numel_each=numel, count=0, per_layer=per_layer, path=tmpl,
+                                 module=module))
+    g["count"] += 1
+
+
+def _first(tc, keys: tuple[str, ...], default: Any = 0) -> Any:
+    for k in keys:
+        v = getattr(tc, k, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return default
+
+
+@lru_cache(maxsize=32)
+def _cached(cfg_items: tuple, name: str) -> ModelSpec:
+    import json
+
+    cfg = json.loads(cfg_items[0])
+    config = _config(cfg, name)
+    model = _meta_model(config, name)
+    tc = config.get_text_config()
+    head = model.get_output_embeddings()
+    groups, n_layers = _groups(model, head)
+    h = int(getattr(tc, "hidden_size", 0) or getattr(tc, "d_model", 0))
+    L = int(getattr(tc, "num_hidden_layers", 0) or n_layers)
+    nh = int(getattr(tc, "num_attention_heads", 0) or 1)
+    nkv = int(_first(tc, ("num_key_value_heads", "num_kv_heads", "n_head_kv"), nh))
+    if getattr(tc, "multi_query", False) and not getattr(tc, "new_decoder_architecture", False):
+        nkv = 1  # multi-query attention (Falcon-7B style): one key/value head whatever num_kv_heads says
+    hd = int(getattr(tc, "head_dim", 0) or max(h // max(nh, 1), 1))
+    n_exp = _first(tc, EXPERT_KEYS)
+    inter = _first(tc, ("moe_intermediate_size",) if n_exp else (), 0) or _first(
+        tc, ("intermediate_size", "ffn_hidden_size", "n_inner"), 4 * h)
+    act = str(getattr(tc, "hidden_act", "") or getattr(tc, "hidden_activation", ""))
+    names = {g.name for g in groups}
+    gated = bool(names & {"gate_proj", "gate_up_proj", "w1", "w3", "gate_up"}) or "glu" in act
+    norm_kind = "rms" if any("RMS" in g.module for g in groups if g.kind == "norm") else "layer"
+    sw = getattr(tc, "sliding_window", None)
+    tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False))
+    return ModelSpec(
+        name=name, model_type=cfg["model_type"], arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
+        num_kv_heads=nkv, head_dim=hd, intermediate_size=int(inter), vocab_size=int(getattr(tc, "vocab_size", 0)),
+        groups=groups, mlp_kind="gated" if gated else "plain", norm_kind=norm_kind,
+        parallel_attn=bool(getattr(tc, "parallel_attn", False) or getattr(tc, "use_parallel_residual", False)),
+        num_experts=n_exp,
+        experts_per_token=_first(tc, TOP_K_KEYS, 2 if n_exp else 0) if n_exp else 0, tie_word_embeddings=tie,
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 0) or 0),
+        sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None, config=cfg,
+        inventory="transformers",
+    )
+
+
+def spec_from_transformers(cfg: dict, name: str) -> ModelSpec:
+    """The :class:`ModelSpec` of ``cfg`` from the model transformers builds on the meta device (cached)."""
+    import json
+
+    return _cached((json.dumps(cfg, sort_keys=True, default=str),), name)
+
+
+__all__ = ["spec_from_transformers"]
