@@ -158,6 +158,46 @@ def _print_dry(d) -> None:
             con.print(f"  - {c.description} (saves {_fmt(c.saves_bytes)})")
 
 
+#: Flags the launcher consumes (the processes it starts get the rest of the command line).
+_LAUNCH_FLAGS = {"--nproc-per-node": 1, "--nnodes": 1, "--node-rank": 1, "--rdzv-endpoint": 1, "--max-restarts": 1}
+
+
+def _without_launch_flags(args: list[str]) -> list[str]:
+    out, skip = [], 0
+    for a in args:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in _LAUNCH_FLAGS:
+            skip = 0 if "=" in a else _LAUNCH_FLAGS[name]
+            continue
+        out.append(a)
+    return out
+
+
+def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int | None, rdzv: str | None,
+              command: list[str]) -> int:
+    """Run ``command`` (``-m oomdoctor train ...``) in ``nproc`` processes through torch's own launcher
+    (``torch.distributed.run``, in this process); the exit code of the first failed rank, or 0."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+    for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if nnodes is None:
+        argv += ["--standalone"]
+    args = get_args_parser().parse_args(argv + ["--no-python", sys.executable] + command)
+    try:
+        run(args)
+    except ChildFailedError as exc:  # the ranks already printed their one-line messages
+        codes = [f.exitcode for f in exc.failures.values()]
+        return next((c for c in codes if c), 1)
+    return 0
+
+
 @app.command(help=HELP)
 def train(
     config: str = typer.Argument(..., help="train YAML (e.g. configs/train/tiny-cpu.yaml)"),
@@ -171,6 +211,13 @@ def train(
                                    help="replace the run already in output_dir (HF overwrite_output_dir)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON summary object on stdout"),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="override max_steps of the config"),
+    nproc_per_node: int = typer.Option(
+        1, "--nproc-per-node", help="data-parallel processes on this node (DDP): runs torch's launcher, "
+                                    "torch.distributed.run (torchrun), with this command in every process"),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes", help="torchrun --nnodes (multi-node)"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="torchrun --node-rank"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="torchrun --rdzv-endpoint host:port"),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun --max-restarts"),
 ) -> None:
     # before anything can initialize CUDA (the allocator reads it once); a user's own setting wins
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -185,6 +232,12 @@ def train(
         raise BadInput(f"--max-steps must be >= 1, got {max_steps}")
     cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
     cfg = load_train_config(config)
+    if nproc_per_node < 1:
+        raise BadInput(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
+    if not dry_run and (nproc_per_node > 1 or nnodes) and "LOCAL_RANK" not in os.environ:
+        rest = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else [config]
+        raise typer.Exit(_torchrun(nproc_per_node, max_restarts, nnodes, node_rank, rdzv_endpoint,
+                                   ["-m", "oomdoctor", "train"] + _without_launch_flags(rest)))
     if dry_run:
         from oomdoctor.train.dryrun import dry_run as do_dry
 
@@ -212,6 +265,8 @@ def train(
         raise
     finally:
         rep.close()
+    if os.environ.get("RANK", "0") != "0":
+        return  # rank 0 reports for the job
     if json_out:
         print(json.dumps({"config": config, **res.to_dict()}, indent=1, default=str))
         return

@@ -84,6 +84,11 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives (HF Trainer's ``checkpoint-<step>``)."""
+    return Path(output_dir) / f"checkpoint-{step}"
+
+
 def save_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, optimizer, scheduler, scaler,
                     state: dict, save_total_limit: int | None = None) -> Path:
     """Write ``checkpoint-<step>`` atomically; returns its path. Runs outside any simulated memory budget."""
@@ -91,7 +96,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, 
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    final = out / f"checkpoint-{step}"
+    final = checkpoint_dir(out, step)
     tmp = out / f".tmp-checkpoint-{step}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomdoctor.errors import BadInput, Interrupted, UnrecoverableOOM
+from oomdoctor.execute import dist
 from oomdoctor.execute.step import StepHooks
 from oomdoctor.gpu import detect_gpu
 from oomdoctor.noise import quiet_third_party
@@ -77,6 +78,12 @@ class TrainResult:
     """Where the final model (``save_pretrained``), tokenizer, checkpoints and this summary are."""
     epoch: float = 0.0
     """Passes over the training data done (HF's ``epoch``)."""
+    world_size: int = 1
+    """Processes of the data-parallel job (torchrun ``--nproc-per-node`` x nodes)."""
+    strategy: str = "single"
+    """``single`` or ``ddp``."""
+    restarts: int = 0
+    """Restarts torchrun made (``--max-restarts``)."""
     eval_loss: float | None = None
     """Token-weighted loss on the eval set at the end (None without ``dataset.eval_split`` / ``eval_path``)."""
     tokens_per_second: float = 0.0
@@ -276,6 +283,8 @@ class Run:
     """LR scheduler."""
     order: Any
     """``oomdoctor.train.data.SampleOrder``: seeded, a function of the data position (a resume continues it)."""
+    dist: Any = None
+    """``oomdoctor.execute.dist.DistInfo``: this process's rank in a torchrun job (world size 1 alone)."""
     total_steps: int = 1
     """Optimizer steps of the run: ``max_steps``, else ``ceil(num_train_epochs x samples / effective batch)``."""
     eval_samples: list = field(default_factory=list)
@@ -288,6 +297,11 @@ class Run:
     notes: list[str] = field(default_factory=list)
     command: str = "oomdoctor train CONFIG"
     """How the user started the run (named in hints)."""
+
+    @property
+    def rank_batch(self) -> int:
+        """Samples each process runs per optimizer step (the effective batch over the world size)."""
+        return self.effective_batch // self.dist.world_size if self.dist else self.effective_batch
 
     def peak_bytes(self) -> int:
         import torch
@@ -346,7 +360,15 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     from oomdoctor.train.report import check_sinks
 
     check_sinks(cfg.report_to)
+    info = dist.from_env()
     device = resolve_device(cfg.device)
+    if info.enabled and device.type == "cuda":
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    if info.enabled and cfg.optimizer_in_backward:
+        raise BadInput("optimizer_in_backward steps each rank's local gradients in backward, before the ranks sum "
+                       "them: it cannot run data-parallel", "drop optimizer_in_backward, or train on one process")
+    dist.init(info, device.type)
     budget = run_budget(cfg, gpu_mem, on_cpu=device.type == "cpu")
     # the run cap enforces a capacity the user named (--gpu-mem / gpu_mem); NVML free memory needs no cap
     cap = budget.capacity_bytes if budget is not None and budget.source != "nvml free" else None
@@ -365,7 +387,11 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     if micro == "auto":
         micro = auto_micro_batch(cfg, budget, engine)
         emit({"type": "info", "message": f"micro_batch_size auto -> {micro}"})
-    eff = cfg.global_batch_size or int(micro) * cfg.gradient_accumulation_steps
+    # effective batch = micro x accumulation x world size (HF); global_batch_size fixes it across the ranks
+    eff = cfg.global_batch_size or int(micro) * cfg.gradient_accumulation_steps * info.world_size
+    if eff % info.world_size:
+        raise BadInput(f"global_batch_size {eff} is not divisible by the {info.world_size} processes",
+                       f"use a multiple of {info.world_size}")
     total = total_steps(cfg, len(data), eff)
     plan, memory = _predict(cfg, int(micro), engine, notes)
 
@@ -389,10 +415,12 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
         meter = LiveBytes(cap_bytes=cap, history=False)
         meter.track_module(loaded.model, None if isinstance(optimizer, CPUOffloadOptimizer) else optimizer,
                            grad_hooks=True)
-    step = TrainStep(loaded.model, optimizer, plan, device_type=device.type, max_grad_norm=cfg.max_grad_norm)
+    step = TrainStep(dist.wrap(loaded.model, info, device), optimizer, plan, device_type=device.type,
+                     max_grad_norm=cfg.max_grad_norm)
     return Run(cfg=cfg, device=device, cap=cap, data=data, effective_batch=eff, plan=plan, memory=memory,
                loaded=loaded, step=step, scheduler=scheduler, meter=meter, notes=notes, tokenizer=tok,
-               order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle), total_steps=total, eval_samples=held)
+               order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle), total_steps=total, eval_samples=held,
+               dist=info)
 
 
 def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | None]:
@@ -423,7 +451,7 @@ def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | N
                 "resume with the original settings (safe to change: " + ", ".join(sorted(SAFE_TO_CHANGE)) + "), "
                 "or start over with --overwrite or another output_dir")
         try:
-            saved = ckpt.load_checkpoint(path, model=run.step.model, is_peft=run.loaded.is_peft,
+            saved = ckpt.load_checkpoint(path, model=run.loaded.model, is_peft=run.loaded.is_peft,
                                          optimizer=run.step.optimizer, scheduler=run.scheduler, scaler=run.step.scaler)
         except ckpt.CorruptCheckpoint as exc:
             emit({"type": "info", "message": f"{path} is unreadable ({exc}); trying the one before"})
@@ -438,13 +466,18 @@ def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | N
 
 
 def _save(run: Run, state: RunState, guard, emit: Event) -> str:
+    """A checkpoint of the step just completed (rank 0 writes it; the other ranks wait for it)."""
     from oomdoctor.train import checkpoint as ckpt
 
     state.micro_batch = guard.micro_batch
-    path = ckpt.save_checkpoint(run.cfg.output_dir, state.step, model=run.step.model, is_peft=run.loaded.is_peft,
+    if not run.dist.is_main:
+        dist.barrier(run.dist)
+        return str(ckpt.checkpoint_dir(run.cfg.output_dir, state.step))
+    path = ckpt.save_checkpoint(run.cfg.output_dir, state.step, model=run.loaded.model, is_peft=run.loaded.is_peft,
                                 optimizer=run.step.optimizer, scheduler=run.scheduler, scaler=run.step.scaler,
                                 state=state.to_json(), save_total_limit=run.cfg.save_total_limit)
     emit({"type": "checkpoint", "step": state.step, "path": str(path)})
+    dist.barrier(run.dist)
     return str(path)
 
 
@@ -500,10 +533,14 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     from oomdoctor.execute.oom import OOMAtMicroBatchOne, free_memory, is_oom
     from oomdoctor.train.data import collate, count_targets, flattens
 
-    cfg, data = run.cfg, run.data
+    cfg, data, info = run.cfg, run.data, run.dist
     idx = run.order.take(state.samples_seen, run.effective_batch)
-    samples = [data.samples[i] for i in idx]
-    n_targets = max(1, count_targets(samples))
+    # data parallel: the step's samples are dealt to the ranks; every rank divides by the global target count
+    samples = [data.samples[i] for i in idx[info.rank::info.world_size]]
+    n_targets = count_targets(samples)
+    if info.enabled:
+        n_targets = int(dist.all_reduce_sum(torch.tensor(n_targets, dtype=torch.long), info))
+    n_targets = max(1, n_targets)
     tokens = [0]
 
     def run_chunk(chunk: list):
@@ -511,7 +548,8 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
                         flattens(cfg.model.attn_implementation))
         batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
         tokens[0] += int(batch["input_ids"].numel())
-        return run.step.forward_backward(batch, num_items_in_batch=n_targets)  # a tensor: no sync here
+        with dist.no_sync(run.step.model):  # gradients are summed over the ranks once, after the step's backward
+            return run.step.forward_backward(batch, num_items_in_batch=n_targets)  # a tensor: no sync here
 
     def zero_grads() -> None:
         run.step.optimizer.zero_grad(set_to_none=True)
@@ -527,6 +565,9 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
             f"fix the plan (`{run.command} --dry-run --gpu-mem SIZE` lists changes that fit), "
             f"then `{run.command} --resume`",
         ) from None
+    dist.all_reduce_grads(run.loaded.trainable, info)
+    if info.enabled:
+        loss = dist.all_reduce_sum(loss.detach().clone(), info)
     if check_grads:
         _warn_if_nothing_trains(run, emit)
     try:
@@ -580,7 +621,7 @@ def _checkpoint_bytes(run: Run) -> int:
     """About one checkpoint on disk: the saved weights (all of them, or the adapters) and fp32 optimizer state."""
     trainable = sum(p.numel() for p in run.loaded.trainable)
     weights = trainable * 4 if run.loaded.is_peft else sum(
-        p.numel() * p.element_size() for p in run.step.model.parameters())
+        p.numel() * p.element_size() for p in run.loaded.model.parameters())
     return weights + 2 * 4 * trainable
 
 
@@ -591,13 +632,13 @@ def _save_outputs(run: Run, tokenizer, out_dir: Path, emit: Event) -> None:
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        run.step.model.save_pretrained(out_dir, safe_serialization=True)
+        run.loaded.model.save_pretrained(out_dir, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
         if run.cfg.merge_adapter and run.loaded.is_peft:
             from oomdoctor.execute.build import save_merged
 
             merged = out_dir / MERGED_DIR
-            save_merged(run.step.model, merged)
+            save_merged(run.loaded.model, merged)
             tokenizer.save_pretrained(merged)
             emit({"type": "info", "message": f"merged model (base + adapter): {merged}"})
 
@@ -617,17 +658,26 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     from oomdoctor.execute.load import quiet_hf
     from oomdoctor.train.rundir import check_space, open_run_dir
 
-    emit = on_event or (lambda e: None)
+    info = dist.from_env()
+    # under torchrun only rank 0 talks, owns the run directory (its lock, checks) and writes
+    emit = (on_event or (lambda e: None)) if info.is_main else (lambda e: None)
     quiet_hf()
     if max_steps is not None:
         cfg = replace(cfg, max_steps=max_steps, warmup_steps=min(cfg.warmup_steps, max_steps))
-    with open_run_dir(cfg.output_dir, resume=resume, overwrite=overwrite or cfg.overwrite_output_dir,
-                      emit=lambda m: emit({"type": "info", "message": m})) as rundir:
+    with contextlib.ExitStack() as scope:
+        out_dir = Path(cfg.output_dir).expanduser()
+        if info.is_main:
+            out_dir = scope.enter_context(open_run_dir(
+                cfg.output_dir, resume=resume, overwrite=overwrite or cfg.overwrite_output_dir,
+                emit=lambda m: emit({"type": "info", "message": m}))).path
         run = _setup(cfg, gpu_mem, engine, emit)
+        scope.callback(dist.shutdown, run.dist)
         run.command = command
-        check_space(rundir.path, _checkpoint_bytes(run))
+        if info.is_main:
+            check_space(out_dir, _checkpoint_bytes(run))
+        dist.barrier(run.dist)  # the other ranks read checkpoints only once rank 0 has checked the directory
         state, resumed_from = _start_state(run, resume, emit)
-        return _train_loop(run, state, resumed_from, rundir.path, emit)
+        return _train_loop(run, state, resumed_from, out_dir, emit)
 
 
 def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Path, emit: Event) -> TrainResult:
@@ -635,7 +685,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     import torch
 
     from oomdoctor.execute.oom import GradTouch, OOMGuard
-    from oomdoctor.train.report import Reporter
+    from oomdoctor.train.report import NullReporter, Reporter
 
     cfg = run.cfg
     first_step = state.step
@@ -650,7 +700,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     def on_recovery(rec) -> None:
         state.oom_recoveries += 1
         state.recoveries.append(rec.to_dict())
-        emit({"type": "oom", **rec.to_dict(), "grad_accum": math.ceil(run.effective_batch / rec.new_micro_batch)})
+        emit({"type": "oom", **rec.to_dict(), "grad_accum": math.ceil(run.rank_batch / rec.new_micro_batch)})
 
     guard.on_recovery = on_recovery
     delay = float(os.environ.get(STEP_DELAY_ENV, "0") or 0)
@@ -663,7 +713,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
         # 2-core box); real models keep torch's default. Restored when the run ends.
         torch.set_num_threads(1)
     reporter = Reporter(out_dir, cfg.report_to, run_name=out_dir.name, config=_flatten(asdict(cfg)),
-                        resumed_at=state.step)
+                        resumed_at=state.step) if run.dist.is_main else NullReporter()
     emit({"type": "start", "max_steps": run.total_steps, "step": state.step, "micro_batch": guard.micro_batch,
           "effective_batch": run.effective_batch, "device": str(run.device), "cap": run.cap,
           "samples": len(run.data), "trainable": run.loaded.num_trainable, "params": run.loaded.num_params,
@@ -710,7 +760,9 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     if interrupted:
         raise Interrupted(f"interrupted at step {state.step}/{run.total_steps}; checkpoint saved: {last_ckpt}",
                           f"continue with `{run.command} --resume`")
-    _save_outputs(run, run.tokenizer, out_dir, emit)
+    if run.dist.is_main:
+        _save_outputs(run, run.tokenizer, out_dir, emit)
+    dist.barrier(run.dist)
     wall = time.perf_counter() - t0
     if skipped:
         run.notes.append(f"{skipped} fp16 update(s) skipped for inf/NaN gradients (not counted as steps)")
@@ -718,7 +770,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
         optimizer_steps=state.step,
         effective_batch_size=run.effective_batch,
         micro_batch_size=guard.micro_batch,
-        gradient_accumulation_steps=math.ceil(run.effective_batch / guard.micro_batch),
+        gradient_accumulation_steps=math.ceil(run.rank_batch / guard.micro_batch),
         oom_recoveries=state.oom_recoveries,
         measured_peak_bytes=run.peak_bytes(),
         memory=run.memory,
@@ -739,12 +791,16 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
         plan=run.plan.label(),
         output_dir=str(out_dir),
         epoch=_epoch(run, state),
+        world_size=run.dist.world_size,
+        strategy="ddp" if run.dist.enabled else "single",
+        restarts=run.dist.restarts,
         eval_loss=eval_loss,
         notes=run.notes,
     )
     import json
 
-    (out_dir / "summary.json").write_text(json.dumps(res.to_dict(), indent=1, default=str))
+    if run.dist.is_main:
+        (out_dir / "summary.json").write_text(json.dumps(res.to_dict(), indent=1, default=str))
     return res
 
 
@@ -760,7 +816,7 @@ def _log_step(run: Run, state: RunState, guard, emit: Event, reporter, tokens_to
     el = time.perf_counter() - t0
     lr = run.scheduler.get_last_lr()[0]
     tps = tokens_total / el if el else 0.0
-    accum = math.ceil(run.effective_batch / guard.micro_batch)
+    accum = math.ceil(run.rank_batch / guard.micro_batch)
     peak = run.peak_bytes()
     reporter.log(state.step, {"epoch": _epoch(run, state), "loss": state.losses[-1], "learning_rate": lr,
                               "tokens_per_second": round(tps, 1), "peak_bytes": peak,

@@ -79,6 +79,16 @@ class Reporter:
             sink.close()
 
 
+class NullReporter:
+    """What the ranks other than 0 of a data-parallel job log to: nothing (rank 0 reports for the job)."""
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:  # noqa: ARG002
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 def _hf_name(key: str) -> str:
     """HF Trainer's metric names: ``eval/loss``, ``train/loss``, ``train/learning_rate``..."""
     if key.startswith("eval_"):
@@ -154,4 +164,4 @@ def _make_sink(name: str, out_dir: Path, run_name: str, config: dict) -> Any:
     return _Trackio(run_name, config)
 
 
-__all__ = ["METRICS_FILE", "Reporter", "check_sinks"]
+__all__ = ["METRICS_FILE", "NullReporter", "Reporter", "check_sinks"]

@@ -1,0 +1,110 @@
+"""Data-parallel training across processes started by torch's own launcher (``torchrun`` /
+``torch.distributed.run``): the process group, and the two collectives a data-parallel step needs.
+
+A step under DDP here runs every micro-batch inside ``DistributedDataParallel.no_sync()`` and then sums the
+gradients over the ranks once (:func:`all_reduce_sum` per gradient), instead of letting DDP's hooks all-reduce
+during the last backward. The sum is exact because every rank's loss is already divided by the *global* number of
+target tokens (:func:`all_reduce_sum` of the local counts), and it keeps the ranks in lock-step even when one rank's
+OOM guard splits its micro-batch into more backward passes than the others (multi-gpu.md §6: a rank splitting
+inside ``no_sync`` has no collective in flight). DDP still broadcasts rank 0's parameters and buffers at wrap time.
+Backend: NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in a torchrun job (``WORLD_SIZE``/``RANK``/``LOCAL_RANK``; 1/0/0 alone)."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    restarts: int = 0
+    """``TORCHELASTIC_RESTART_COUNT``: how often torchrun restarted the job (``--max-restarts``)."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def from_env() -> DistInfo:
+    def env(name: str, default: int) -> int:
+        try:
+            return int(os.environ.get(name, default))
+        except ValueError:
+            return default
+
+    return DistInfo(env("WORLD_SIZE", 1), env("RANK", 0), env("LOCAL_RANK", 0), env("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def init(info: DistInfo, device_type: str) -> None:
+    """Join the process group (no-op alone or when already joined)."""
+    import torch.distributed as dist
+
+    if info.enabled and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+
+
+def wrap(model: Any, info: DistInfo, device: Any) -> Any:
+    """``DistributedDataParallel(model)`` (rank 0's weights broadcast to all); ``model`` itself alone."""
+    if not info.enabled:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def no_sync(model: Any):
+    """DDP's ``no_sync()`` context (a null context for an unwrapped model)."""
+    import contextlib
+
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+
+
+def all_reduce_sum(t: Any, info: DistInfo) -> Any:
+    """``t`` summed over the ranks, in place (returned)."""
+    if info.enabled:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_grads(params: list, info: DistInfo) -> None:
+    """Sum every gradient over the ranks (a parameter without a gradient on this rank contributes zeros)."""
+    if not info.enabled:
+        return
+    import torch
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        all_reduce_sum(p.grad, info)
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.enabled:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+__all__ = ["DistInfo", "from_env", "init", "wrap", "no_sync", "all_reduce_sum", "all_reduce_grads", "barrier",
+           "shutdown"]

@@ -1,0 +1,56 @@
+"""Data-parallel ``train`` through torch's own launcher: real 2-process gloo runs on CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import pytest
+
+from train_util import cli, tiny_cfg, write_yaml
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(tmp_path, name: str, accum: int):
+    return tiny_cfg(tmp_path / name, max_steps=3, micro_batch_size=8, gradient_accumulation_steps=accum,
+                    dataset=replace(tiny_cfg(tmp_path).dataset, packing=True, packing_strategy="wrapped"))
+
+
+def test_ddp_on_two_processes_equals_one_process_with_the_same_effective_batch(tmp_path):
+    """effective batch = micro x accumulation x world size: 8 x 2 x 2 processes == 8 x 4 x 1, and the losses (which
+    divide by the global token count) agree to float rounding; a per-rank memory cap splits micro-batches inside
+    no_sync without a hang and changes nothing."""
+    ddp = write_yaml(tmp_path / "ddp.yaml", _cfg(tmp_path, "ddp", 2))
+    one = write_yaml(tmp_path / "one.yaml", _cfg(tmp_path, "one", 4))
+    p = cli("train", ddp, "--nproc-per-node", "2", "--json", timeout=300)
+    assert p.returncode == 0, p.stderr
+    a = json.loads(p.stdout)
+    b = json.loads(cli("train", one, "--json").stdout)
+    assert (a["world_size"], a["strategy"], a["restarts"]) == (2, "ddp", 0)
+    assert a["effective_batch_size"] == b["effective_batch_size"] == 32 and a["gradient_accumulation_steps"] == 2
+    assert a["losses"] == pytest.approx(b["losses"], abs=1e-5)
+    c = cli("train", ddp, "--nproc-per-node", "2", "--json", "--gpu-mem", "8MB", "--overwrite", timeout=300)
+    assert c.returncode == 0, c.stderr
+    capped = json.loads(c.stdout)
+    assert capped["oom_recoveries"] >= 1 and capped["micro_batch_size"] < 8
+    assert capped["losses"] == pytest.approx(b["losses"], abs=1e-5)
+
+
+def test_torchrun_module_entry_and_a_failing_rank_is_one_message(tmp_path):
+    import os
+    import subprocess
+
+    from train_util import ROOT
+
+    cfg = write_yaml(tmp_path / "c.yaml", _cfg(tmp_path, "run", 1))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                        "oomdoctor", "train", str(cfg), "--json"], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["world_size"] == 2
+    # the run directory now holds a run: every rank refuses before training, one clear message, exit 2
+    q = cli("train", cfg, "--nproc-per-node", "2", timeout=300)
+    assert q.returncode == 2 and "already holds a run" in q.stderr and "Traceback" not in q.stderr
