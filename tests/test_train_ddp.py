@@ -54,3 +54,25 @@ def test_torchrun_module_entry_and_a_failing_rank_is_one_message(tmp_path):
     # the run directory now holds a run: every rank refuses before training, one clear message, exit 2
     q = cli("train", cfg, "--nproc-per-node", "2", timeout=300)
     assert q.returncode == 2 and "already holds a run" in q.stderr and "Traceback" not in q.stderr
+
+
+def test_ctrl_c_under_the_launcher_saves_once_and_exits_130(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from train_util import ROOT
+
+    cfg = write_yaml(tmp_path / "c.yaml", replace(_cfg(tmp_path, "run", 1), max_steps=400, logging_steps=1))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "oomdoctor", "train", str(cfg), "--nproc-per-node", "2"], cwd=ROOT,
+                         env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and "step 2/400" not in p.stderr.readline():
+        pass
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=180)
+    assert p.returncode == 130, err
+    ckpts = list((tmp_path / "run").glob("checkpoint-*"))
+    assert len(ckpts) == 1 and "--resume" in err

@@ -180,8 +180,11 @@ def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int 
               command: list[str]) -> int:
     """Run ``command`` (``-m oomdoctor train ...``) in ``nproc`` processes through torch's own launcher
     (``torch.distributed.run``, in this process); the exit code of the first failed rank, or 0."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from oomdoctor.errors import EXIT_INTERRUPTED
 
     argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
     for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv)):
@@ -195,6 +198,10 @@ def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int 
     except ChildFailedError as exc:  # the ranks already printed their one-line messages
         codes = [f.exitcode for f in exc.failures.values()]
         return next((c for c in codes if c), 1)
+    except SignalException:  # Ctrl-C: the launcher passed it on; the ranks finished the step and saved
+        print("interrupted: the ranks finished their step and saved a checkpoint; continue with --resume",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -588,12 +588,24 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
 
 
 class _StopRequest:
-    """Ctrl-C (SIGINT) during training: the first finishes the current step, saves and stops; a second aborts."""
+    """Ctrl-C (SIGINT) during training: the first finishes the current step, saves and stops; a second aborts.
+    Under torchrun the launcher turns Ctrl-C into SIGTERM for every rank: SIGTERM is handled the same way there,
+    and the ranks agree on the step to stop after (:meth:`agreed`)."""
 
-    def __init__(self, emit: Event):
+    def __init__(self, emit: Event, info: Any = None):
         self.requested = False
         self._emit = emit
-        self._previous = None
+        self._info = info
+        self._previous: dict = {}
+
+    def agreed(self) -> bool:
+        """Whether to stop after this step: this process's request, or any rank's in a data-parallel job (one tiny
+        all-reduce per step, so every rank stops after the same step)."""
+        if self._info is None or not self._info.enabled:
+            return self.requested
+        import torch
+
+        return int(dist.all_reduce_sum(torch.tensor(int(self.requested)), self._info)) > 0
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002 - signal protocol
         if self.requested:
@@ -607,14 +619,15 @@ class _StopRequest:
         import threading
 
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
+            sigs = [signal.SIGINT] + ([signal.SIGTERM] if self._info is not None and self._info.enabled else [])
+            self._previous = {sig: signal.signal(sig, self._handler) for sig in sigs}
         return self
 
     def __exit__(self, *exc) -> None:
         import signal
 
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
 
 
 def _checkpoint_bytes(run: Run) -> int:
@@ -720,7 +733,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
           "plan": run.plan.label()})
     interrupted = False
     try:
-        with contextlib.ExitStack() as meter_scope, _StopRequest(emit) as stop:
+        with contextlib.ExitStack() as meter_scope, _StopRequest(emit, run.dist) as stop:
             if run.meter is not None:
                 meter_scope.enter_context(run.meter)
             while state.step < run.total_steps:
@@ -745,7 +758,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
                         last_ckpt = _save(run, state, guard, emit)
                 if run.cap is None and state.step - first_step >= METER_STEPS:
                     meter_scope.close()  # uncapped: the peak is measured over the first steps only (no overhead)
-                if stop.requested:
+                if stop.agreed():
                     interrupted = True
                     if last_ckpt is None or not last_ckpt.endswith(f"checkpoint-{state.step}"):
                         last_ckpt = _save(run, state, guard, emit)
