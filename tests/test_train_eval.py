@@ -144,3 +144,16 @@ def test_merge_adapter_run_writes_a_loadable_merged_model(tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(out / MERGED_DIR)
     assert AutoTokenizer.from_pretrained(out / MERGED_DIR) is not None
     assert not any("lora_" in n for n, _ in merged.named_parameters())
+
+
+@pytest.mark.slow
+def test_report_to_wandb_offline_through_its_own_library(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")  # optional: report_to's libraries are the user's choice
+    from oomdoctor.train.loop import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    out = tmp_path / "out"
+    res = train(tiny_cfg(out, max_steps=2, report_to=["wandb"]))
+    assert res.optimizer_steps == 2
+    assert list((out / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
