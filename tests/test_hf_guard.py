@@ -130,12 +130,12 @@ def test_trainer_under_cap_equals_unsplit_run(tmp_path, init_state, tok, hf_refe
 
 
 class _FailOnce:
-    """Raises CUDA's OOM once, in the ``nth`` forward (or its backward) whose batch has more than ``rows`` rows —
-    in backward it fires at the first decoder layer's output, after the later layers' gradients landed."""
+    """Raises CUDA's OOM once, in the ``nth`` forward (or its backward) if its batch has more than ``rows`` rows, at
+    the output of decoder layer ``layer``: in backward, after the gradients of everything above it landed."""
 
-    def __init__(self, model, nth: int, rows: int, backward: bool):
+    def __init__(self, model, nth: int, rows: int, backward: bool, layer: int = 0):
         self.calls, self.fired, self.nth, self.rows, self.backward = 0, False, nth, rows, backward
-        model.model.layers[0].register_forward_hook(self.hook)
+        model.model.layers[layer].register_forward_hook(self.hook)
 
     def hook(self, _module, _args, out):
         h = out[0] if isinstance(out, tuple) else out
@@ -240,15 +240,24 @@ def test_sft_trainer_under_cap_equals_unsplit_run(tmp_path, init_state, tok):
 
 
 @pytest.mark.slow
-def test_sft_replay_undoes_trl_metric_side_effects(tmp_path, init_state, tok):
-    """A mid-backward OOM in the 2nd micro-batch: TRL already counted its tokens and metrics in compute_loss, and
-    the step's first micro-batch is replayed; the guard restores them, so num_tokens stays exact."""
-    ref = sft_trainer(tmp_path / "ref", init_state, tok, guarded=False)
-    ref.train()
-    trainer = sft_trainer(tmp_path / "guarded", init_state, tok, guarded=True)
-    fault = _FailOnce(trainer.model, nth=2, rows=4, backward=True)
-    trainer.train()
-    assert fault.fired and trainer.oom_guard.recoveries[0].replayed
+@pytest.mark.parametrize("frozen_head", [False, True], ids=["replay", "split-in-backward"])
+def test_sft_oom_in_backward_undoes_trl_metric_side_effects(tmp_path, init_state, tok, frozen_head):
+    """An OOM in the 2nd micro-batch's backward, after TRL counted its tokens and metrics in compute_loss. With
+    gradients landed the step's first micro-batch is replayed; with a frozen head (no gradient lands above the last
+    layer) the micro-batch is only split. Either way the guard undoes the counts: num_tokens stays exact."""
+    runs = []
+    for guarded in (False, True):
+        trainer = sft_trainer(tmp_path / str(guarded), init_state, tok, guarded=guarded)
+        if frozen_head:
+            for p in [*trainer.model.model.norm.parameters(), *trainer.model.lm_head.parameters()]:
+                p.requires_grad_(False)
+        if guarded:
+            fault = _FailOnce(trainer.model, nth=2, rows=4, backward=True, layer=1 if frozen_head else 0)
+        trainer.train()
+        runs.append(trainer)
+    ref, trainer = runs
+    (rec,) = trainer.oom_guard.recoveries
+    assert fault.fired and rec.phase == "backward" and rec.replayed is not frozen_head
     logs, ref_logs = trainer.state.log_history[:STEPS], ref.state.log_history[:STEPS]
     assert [h["num_tokens"] for h in logs] == [h["num_tokens"] for h in ref_logs]
     assert _losses(trainer) == pytest.approx(_losses(ref), rel=1e-5)
