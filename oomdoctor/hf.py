@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer
 
 from oomdoctor.execute.oom import GradTouch, OOMAtMicroBatchOne, Recovery, free_memory, is_oom
@@ -156,6 +157,11 @@ class OOMGuardMixin:
         return state
 
     # -- Trainer hooks -------------------------------------------------------------------------------------------
+    def train(self, *args, **kwargs):
+        g = self.oom_guard
+        g.step, g.done = -1, []  # global_step restarts at 0 (or a checkpoint's step): no step of a former run
+        return super().train(*args, **kwargs)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not self._oom_guard_applies():
             return super().training_step(model, inputs, num_items_in_batch)
@@ -199,8 +205,6 @@ class OOMGuardMixin:
     # -- internals -----------------------------------------------------------------------------------------------
     def _oom_guard_applies(self) -> bool:
         """One process on one device: a split on one rank would desynchronise DDP/FSDP/DeepSpeed collectives."""
-        from accelerate.utils import DistributedType
-
         acc = self.accelerator
         return acc.num_processes == 1 and acc.distributed_type != DistributedType.DEEPSPEED and self.args.n_gpu <= 1
 
