@@ -321,5 +321,6 @@ def __getattr__(name: str) -> type:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["OOMGuardMixin", "OOMGuardState", "GuardedTrainer", "GuardedSFTTrainer", "guard_trainer", "guarded_class",
+# GuardedSFTTrainer is left out: `import *` must not need TRL
+__all__ = ["OOMGuardMixin", "OOMGuardState", "GuardedTrainer", "guard_trainer", "guarded_class",
            "batch_rows", "slice_rows", "target_tokens", "OOMAtMicroBatchOne"]

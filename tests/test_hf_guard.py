@@ -15,7 +15,7 @@ import torch
 
 from oomdoctor.execute.oom import OOMAtMicroBatchOne
 from oomdoctor.execute.tracking import LiveBytes
-from oomdoctor.hf import batch_rows, guard_trainer, slice_rows, target_tokens
+from oomdoctor.hf import GuardedTrainer, batch_rows, guard_trainer, slice_rows, target_tokens
 
 TINY = Path(__file__).resolve().parent.parent / "data" / "tiny"
 MB, GA, STEPS = 8, 2, 2
@@ -53,8 +53,8 @@ def _texts(n: int) -> list[str]:
 
 def _common(mb: int, **over) -> dict:
     args = dict(per_device_train_batch_size=mb, gradient_accumulation_steps=GA * MB // mb, max_steps=STEPS,
-                learning_rate=1e-3, warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                dataloader_num_workers=0, disable_tqdm=True)
+                learning_rate=1e-3, warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                seed=0, dataloader_num_workers=0, disable_tqdm=True)
     return {**args, **over}
 
 
@@ -62,9 +62,9 @@ def hf_trainer(tmp, init_state, tok, *, guarded: bool, mb: int = MB):
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     data = [tok(t, truncation=True, max_length=48) for t in _texts(MB * GA * STEPS)]
-    trainer = Trainer(model=_model(init_state), args=TrainingArguments(output_dir=str(tmp), **_common(mb)),
-                      train_dataset=data, data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
-    return guard_trainer(trainer) if guarded else trainer
+    cls = GuardedTrainer if guarded else Trainer
+    return cls(model=_model(init_state), args=TrainingArguments(output_dir=str(tmp), **_common(mb)),
+               train_dataset=data, data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
 
 
 def _run(trainer, cap: int | None = None) -> LiveBytes:
@@ -190,7 +190,8 @@ def test_split_of_a_per_micro_batch_mean_loss_is_token_weighted(tmp_path, init_s
 
 
 def test_one_row_that_does_not_fit_is_a_clear_error(tmp_path, init_state, tok):
-    trainer = hf_trainer(tmp_path, init_state, tok, guarded=True)
+    trainer = guard_trainer(hf_trainer(tmp_path, init_state, tok, guarded=False))  # a built trainer, guarded in place
+    assert type(trainer) is GuardedTrainer and guard_trainer(trainer) is trainer
     trainer.args.max_steps = 1
 
     def always(_module, _args, out):
