@@ -19,6 +19,7 @@ RANK: dict[str, int] = {
     "model": 2,
     "memory": 3,
     "execute": 4,
+    "hf": 5,
     "engines": 5,
     "diagnose": 6,
     "train": 7,
