@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,9 @@ from oomdoctor.execute.oom import OOMAtMicroBatchOne
 from oomdoctor.execute.tracking import LiveBytes
 from oomdoctor.hf import GuardedTrainer, batch_rows, guard_trainer, slice_rows, target_tokens
 
-TINY = Path(__file__).resolve().parent.parent / "data" / "tiny"
+from oomdoctor.resources import tiny_dir
+
+TINY = tiny_dir()
 MB, GA, STEPS = 8, 2, 2
 
 
