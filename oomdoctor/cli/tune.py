@@ -104,8 +104,9 @@ def tune(
     if as_json:
         doc = result.to_dict()
         doc["emit"] = emit
+        doc["emit_notes"] = list(written.emitted.notes) if written is not None else []
         if written is not None:
-            doc.update(command=written.command, emit_notes=list(written.emitted.notes))
+            doc["command"] = written.command
         typer.echo(json.dumps(doc, indent=2))
     else:
         _print(result, written)

@@ -118,7 +118,9 @@ def run_command(target: str, path: str | os.PathLike) -> str:
 @dataclass(frozen=True)
 class _Precision:
     bf16: bool
+    """``bf16: true`` (bf16 autocast; with pure bf16 weights as well)."""
     fp16: bool
+    """``fp16: true`` (fp16 autocast on fp32 weights)."""
     dtype: str
     """Weight (load) dtype: float32 unless the plan is pure bf16."""
 
@@ -136,6 +138,7 @@ class _Optim:
     args: str | None
     """``optim_args`` (SGD momentum) or None."""
     notes: tuple[str, ...]
+    """What the HF name cannot say (the kernel)."""
 
 
 def _optim(plan: Plan) -> _Optim:
@@ -378,7 +381,7 @@ def emit_accelerate(req: EmitRequest) -> Emitted:
     doc: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
-        "distributed_type": "DEEPSPEED" if offload else ("MULTI_GPU" if p.world_size > 1 else "NO"),
+        "distributed_type": "DEEPSPEED" if offload else "NO",
         "downcast_bf16": "no",
         "enable_cpu_affinity": False,
         "gpu_ids": "all",
