@@ -63,15 +63,24 @@ def tune(
     force: bool = typer.Option(False, "--force", help="overwrite an existing --output file"),
     dataset: Optional[str] = typer.Option(None, help="dataset.path for the emitted config (default: bundled sample)"),
     tokenizer: Optional[str] = typer.Option(None, help="tokenizer for config-only models (init: random)"),
+    emit: str = typer.Option(
+        "oomdoctor", "--emit", help="oomdoctor (the `oomdoctor train` YAML) | trl (`trl sft --config`) | hf "
+                                    "(TrainingArguments JSON + model/peft/bnb kwargs) | axolotl | accelerate (launch "
+                                    "config); knobs the tool cannot express are listed"),
     launch: bool = typer.Option(False, "--launch", help="run `oomdoctor train` on the written config right away"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
     from oomdoctor.errors import BadInput
+    from oomdoctor.tune.emit import EMIT_TARGETS, write_emitted
     from oomdoctor.tune.ranking import PREFERS
     from oomdoctor.tune.tuner import tune as run_tune
     from oomdoctor.tune.tuner import write_config
     from oomdoctor.units import parse_size
 
+    if emit not in EMIT_TARGETS:
+        raise BadInput(f"--emit {emit!r}: use one of {', '.join(EMIT_TARGETS)}")
+    if launch and emit != "oomdoctor":
+        raise BadInput(f"--launch runs `oomdoctor train`; with --emit {emit} run the command tune prints")
     if prefer not in PREFERS:
         raise BadInput(f"--prefer {prefer!r}: use quality or speed")
     seq: int | str | None = seq_len
@@ -99,11 +108,21 @@ def tune(
         pins["micro_batch"] = micro_batch
     result = run_tune(model, gpu_mem=cap, seq_len=seq, global_batch=global_batch, method=method, prefer=prefer,
                       margin=margin, pins=pins, verify_mode=verify)
-    path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)
-    if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+    written = None
+    if emit == "oomdoctor":
+        path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)
     else:
-        _print(result)
+        written = write_emitted(result, model, emit, output, overwrite=force, dataset=dataset)
+        path = result.config_path = str(written.path)
+    if as_json:
+        doc = result.to_dict()
+        doc["emit"] = emit
+        doc["emit_notes"] = list(written.emitted.notes) if written is not None else []
+        if written is not None:
+            doc["command"] = written.command
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        _print(result, written)
     if launch:
         env = dict(os.environ)
         env.setdefault("PYTORCH_CUDA_ALLOC_CONF", result.alloc_conf)
@@ -113,7 +132,7 @@ def tune(
         raise typer.Exit(rc)
 
 
-def _print(r) -> None:
+def _print(r, written=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -175,6 +194,11 @@ def _print(r) -> None:
     for n in r.notes:
         con.print(f"[yellow]note:[/] {n}")
     con.print(f"\nwrote {r.config_path}")
+    if written is not None:
+        for n in written.emitted.notes:
+            con.print(f"[yellow]{written.emitted.target}:[/] {n}")
+        con.print(f"run:  [bold]{written.command}[/]")
+        return
     con.print(f"run:  [bold]{r.command}[/]")
     con.print(f"      (PYTORCH_CUDA_ALLOC_CONF={r.alloc_conf}: expandable segments cut fragmentation, "
               "the 'reserved but unallocated' part of OOM messages)")

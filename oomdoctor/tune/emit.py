@@ -1,0 +1,527 @@
+"""``tune --emit TARGET``: the tuned plan as a config for the user's own tool (TRL, HF Trainer, axolotl, accelerate).
+
+One function per target builds the document from an :class:`EmitRequest` (plan, model, dataset, output dir); the
+knob names come from the technique table (``oomdoctor.plan.techniques``: ``HF_OPTIM_NAMES``, ``HF_ATTN_NAMES``,
+``ALL_LINEAR``) and the schedule (learning rate, epochs...) from the ``oomdoctor train`` defaults, so the foreign run
+trains like ``oomdoctor train`` would. Every plan knob is either written under the target's own key or named in
+:attr:`Emitted.notes` (the header comment of the file; ``tune`` prints them): "not expressible in TRL: ...".
+
+Targets and the parser that accepts each document (tests/test_emit.py parses every one with it):
+
+- ``trl``: a YAML for ``trl sft --config FILE`` (``TrlParser`` over ScriptArguments, SFTConfig, ModelConfig and
+  DatasetMixtureConfig);
+- ``hf``: a JSON for ``HfArgumentParser(TrainingArguments).parse_json_file(FILE, allow_extra_keys=True)`` whose
+  extra keys carry what TrainingArguments does not: ``model_name_or_path``, ``model_init_kwargs``
+  (``from_pretrained`` kwargs), ``quantization_config`` (``BitsAndBytesConfig`` kwargs), ``peft_config``
+  (``LoraConfig`` kwargs), ``dataset`` (``load_dataset`` kwargs), ``max_length`` and ``oomdoctor`` (plan, notes);
+- ``axolotl``: a YAML in axolotl's config schema for ``axolotl train FILE``;
+- ``accelerate``: a launch config for ``accelerate launch --config_file FILE train.py`` (mixed precision, processes,
+  DeepSpeed ZeRO-Offload for the offload knobs); the training knobs belong to the script and are listed in the
+  header.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from oomdoctor.errors import BadInput
+from oomdoctor.model.spec import ModelSpec
+from oomdoctor.plan import Plan
+from oomdoctor.plan.techniques import ALL_LINEAR, HF_ATTN_NAMES, HF_OPTIM_NAMES
+from oomdoctor.train.config import TrainConfig
+from oomdoctor.tune.tuner import TuneResult
+from oomdoctor.units import format_bytes
+
+#: ``--emit`` values: ``oomdoctor`` (the ``oomdoctor train`` YAML, the default) and the foreign tools.
+EMIT_TARGETS: tuple[str, ...] = ("oomdoctor", "trl", "hf", "axolotl", "accelerate")
+#: The tool each foreign target is for (in notes: "not expressible in TRL: ...").
+TOOL_NAMES: dict[str, str] = {"trl": "TRL", "hf": "HF TrainingArguments", "axolotl": "axolotl",
+                              "accelerate": "an accelerate launch config"}
+#: The file suffix each foreign target writes.
+SUFFIXES: dict[str, str] = {"trl": ".yaml", "hf": ".json", "axolotl": ".yaml", "accelerate": ".yaml"}
+#: Dataset written when ``tune`` was given no ``--dataset`` (the bundled sample only exists inside this repository).
+DATASET_PLACEHOLDER = "PATH/TO/YOUR/train.jsonl"
+#: ``load_dataset`` builder for a local data file, by suffix.
+DATA_BUILDERS: dict[str, str] = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
+                                 ".txt": "text"}
+#: The extra (non-TrainingArguments) keys of the ``hf`` JSON.
+HF_EXTRA_KEYS: tuple[str, ...] = ("model_name_or_path", "model_init_kwargs", "quantization_config", "peft_config",
+                                  "dataset", "max_length", "oomdoctor")
+
+#: How the ``hf`` JSON's extra keys are used (a note of every ``hf`` document).
+HF_USAGE = ("model, quantization, LoRA and data are the script's: AutoModelForCausalLM.from_pretrained("
+            "model_name_or_path, **model_init_kwargs, quantization_config=BitsAndBytesConfig(**quantization_config)), "
+            "peft.get_peft_model(model, LoraConfig(**peft_config)), load_dataset(**dataset) tokenized to max_length")
+
+
+@dataclass(frozen=True)
+class EmitRequest:
+    """What a foreign config is built from."""
+
+    plan: Plan
+    """The tuned plan (micro-batch and accumulation set)."""
+    model: str
+    """``model_name_or_path``: a hub id or a local directory (resolved)."""
+    spec: ModelSpec
+    """The model's spec: its linear module names, when ``all-linear`` plus the head must be spelled out."""
+    dataset: str | None = None
+    """Data file, directory or hub id; None writes :data:`DATASET_PLACEHOLDER` (and a note)."""
+    output_dir: str = TrainConfig().output_dir
+    """Where the tool writes checkpoints."""
+    header: tuple[str, ...] = ()
+    """Lines describing the tune result (capacity, plan, predicted peak), first in the file's header."""
+    model_has_weights: bool = True
+    """False for a config-only model (``config.json``): the foreign tools need real weights (a note says so)."""
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """One foreign config."""
+
+    target: str
+    """``trl``, ``hf``, ``axolotl`` or ``accelerate``."""
+    text: str
+    """The file's content."""
+    notes: tuple[str, ...] = ()
+    """Plan knobs the target cannot express, or expresses differently, and placeholders to fill in."""
+
+    def command(self, path: str | os.PathLike) -> str:
+        """How to run (``hf``: load) the written file."""
+        return run_command(self.target, path)
+
+
+def run_command(target: str, path: str | os.PathLike) -> str:
+    """The command that runs a ``target`` config written to ``path`` (for ``hf`` the Python that loads it)."""
+    p = shlex.quote(str(path))
+    if target == "trl":
+        return f"trl sft --config {p}"
+    if target == "axolotl":
+        return f"axolotl train {p}"
+    if target == "accelerate":
+        return f"accelerate launch --config_file {p} train.py"
+    if target == "hf":
+        code = ("from transformers import HfArgumentParser, TrainingArguments; (args,) = HfArgumentParser("
+                f"TrainingArguments).parse_json_file({json.dumps(str(path))}, allow_extra_keys=True); print(args)")
+        return f"python -c {shlex.quote(code)}"
+    raise BadInput(f"--emit {target!r}: use one of {', '.join(EMIT_TARGETS)}")
+
+
+# ---------------------------------------------------------------------------------------------- shared mappings
+
+
+@dataclass(frozen=True)
+class _Precision:
+    bf16: bool
+    """``bf16: true`` (bf16 autocast; with pure bf16 weights as well)."""
+    fp16: bool
+    """``fp16: true`` (fp16 autocast on fp32 weights)."""
+    dtype: str
+    """Weight (load) dtype: float32 unless the plan is pure bf16."""
+
+
+def _precision(plan: Plan) -> _Precision:
+    """fp32 -> no bf16/fp16; fp16-/bf16-mixed -> fp16/bf16 autocast on fp32 weights; bf16 -> bfloat16 weights."""
+    return _Precision(bf16=plan.precision in ("bf16-mixed", "bf16"), fp16=plan.precision == "fp16-mixed",
+                      dtype="bfloat16" if plan.precision == "bf16" else "float32")
+
+
+@dataclass(frozen=True)
+class _Optim:
+    name: str
+    """``TrainingArguments.optim`` value."""
+    args: str | None
+    """``optim_args`` (SGD momentum) or None."""
+    notes: tuple[str, ...]
+    """What the HF name cannot say (the kernel)."""
+
+
+def _optim(plan: Plan) -> _Optim:
+    """The HF ``optim`` name of the plan's optimizer (and kernel, for AdamW) and ``optim_args``."""
+    name = HF_OPTIM_NAMES[plan.optimizer]
+    notes: list[str] = []
+    if plan.optimizer == "adamw":
+        name = "adamw_torch_fused" if plan.optimizer_impl == "fused" else HF_OPTIM_NAMES["adamw"]
+        if plan.optimizer_impl == "for-loop":
+            notes.append(f"optimizer_impl for-loop (written as {name}: torch's default foreach kernel)")
+    elif plan.optimizer == "sgd" and plan.optimizer_impl != "foreach":
+        notes.append(f"optimizer_impl {plan.optimizer_impl} (sgd runs torch's default foreach kernel)")
+    args = f"momentum={plan.sgd_momentum}" if plan.optimizer == "sgd" and plan.sgd_momentum else None
+    return _Optim(name, args, tuple(notes))
+
+
+def lora_targets(plan: Plan, spec: ModelSpec) -> str | list[str]:
+    """peft ``target_modules``: ``all-linear`` as is; with the head (which peft's all-linear excludes) every linear
+    module name of the model but the MoE router, plus the head; explicit names as a sorted list."""
+    if plan.lora_targets == (ALL_LINEAR,) and not plan.lora_on_head:
+        return ALL_LINEAR
+    names = {t for t in plan.lora_targets if t != ALL_LINEAR}
+    if ALL_LINEAR in plan.lora_targets:
+        names |= {g.name for g in spec.linear_groups if g.name != spec.head_name
+                  and not (spec.num_experts and g.out_features == spec.num_experts)}
+    if plan.lora_on_head:
+        names.add(spec.head_name)
+    return sorted(names)
+
+
+def _dataset_kwargs(path: str | None) -> dict[str, Any]:
+    """``load_dataset`` kwargs: a local file through its builder (``json`` for .jsonl), else a directory/hub id."""
+    p = path or DATASET_PLACEHOLDER
+    builder = DATA_BUILDERS.get(Path(p).suffix.lower())
+    if builder:
+        return {"path": builder, "data_files": p, "split": "train"}
+    return {"path": p, "split": "train"}
+
+
+def _schedule() -> dict[str, Any]:
+    """The ``oomdoctor train`` defaults of the keys every HF-based tool shares (no memory effect)."""
+    d = TrainConfig()
+    out: dict[str, Any] = {"learning_rate": d.learning_rate}
+    if d.max_steps is not None:
+        out["max_steps"] = d.max_steps
+    else:
+        out["num_train_epochs"] = d.num_train_epochs
+    out.update(lr_scheduler_type=d.lr_scheduler_type, warmup_steps=d.warmup_steps, weight_decay=d.weight_decay,
+               max_grad_norm=d.max_grad_norm, seed=d.seed, logging_steps=d.logging_steps, save_steps=d.save_steps,
+               save_total_limit=d.save_total_limit)
+    return out
+
+
+def _common_notes(req: EmitRequest, tool: str) -> list[str]:
+    """Placeholders and knobs no single-process HF tool expresses."""
+    notes = []
+    if req.dataset is None:
+        notes.append(f"dataset is a placeholder ({DATASET_PLACEHOLDER}): point it at your data (or pass --dataset)")
+    if not req.model_has_weights:
+        notes.append(f"{req.model} is a config without weights: point the model at real weights")
+    p = req.plan
+    if p.offload_optimizer:
+        notes.append(f"offload_optimizer: not expressible in {tool} (DeepSpeed ZeRO-Offload does it: "
+                     "`--emit accelerate` writes that launch config)")
+    if p.offload_params:
+        notes.append(f"offload_params: not expressible in {tool} (DeepSpeed ZeRO-3 parameter offload: "
+                     "`--emit accelerate`)")
+    return notes
+
+
+def _header(req: EmitRequest, tool: str, run: str, notes: list[str]) -> str:
+    lines = [f"Written by `oomdoctor tune --emit` for {tool}."] + list(req.header) + [f"Run: {run}"]
+    if notes:
+        lines.append(f"Not expressible in {tool} or to fill in:")
+        lines += [f"  - {n}" for n in notes]
+    return "".join(f"# {ln}\n" for ln in lines)
+
+
+def _yaml(doc: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(doc, sort_keys=False, default_flow_style=False, width=120)
+
+
+# ---------------------------------------------------------------------------------------------- targets
+
+
+def emit_trl(req: EmitRequest) -> Emitted:
+    """``trl sft --config FILE``: ModelConfig (model, dtype, attention, peft, bitsandbytes), SFTConfig (batch,
+    precision, checkpointing, activation offloading, optimizer, max_length, schedule), DatasetMixtureConfig."""
+    p, prec, opt = req.plan, _precision(req.plan), _optim(req.plan)
+    notes = _common_notes(req, "TRL") + list(opt.notes)
+    doc: dict[str, Any] = {
+        "model_name_or_path": req.model,
+        "dtype": prec.dtype,
+        "attn_implementation": HF_ATTN_NAMES[p.attn],
+        "datasets": [_dataset_kwargs(req.dataset)],
+        "max_length": p.seq_len,
+        "packing": False,
+        "output_dir": req.output_dir,
+        "per_device_train_batch_size": p.micro_batch,
+        "gradient_accumulation_steps": p.grad_accum,
+        "bf16": prec.bf16,
+        "fp16": prec.fp16,
+        "gradient_checkpointing": p.gradient_checkpointing,
+        "activation_offloading": p.offload_activations,
+        "optim": opt.name,
+    }
+    if opt.args:
+        doc["optim_args"] = opt.args
+    doc["use_peft"] = p.uses_lora
+    if p.uses_lora:
+        targets = lora_targets(p, req.spec)
+        if isinstance(targets, list) and len(targets) == 1:
+            # TRL passes a one-element list to peft as a string, which peft full-matches against the module path
+            targets = rf".*\.{targets[0]}"
+        doc.update(lora_r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=p.lora_dropout,
+                   lora_target_modules=targets)
+    doc["load_in_4bit"] = p.quant in ("nf4", "fp4")
+    doc["load_in_8bit"] = p.quant == "int8"
+    if p.quant in ("nf4", "fp4"):
+        doc["bnb_4bit_quant_type"] = p.quant
+        doc["use_bnb_nested_quant"] = p.double_quant
+        if p.compute_dtype != prec.dtype:
+            notes.append(f"bnb_4bit_compute_dtype {p.compute_dtype}: TRL computes 4-bit layers in the model dtype "
+                         f"({prec.dtype})")
+    doc.update(_schedule())
+    doc["report_to"] = "none"
+    run = run_command("trl", "THIS.yaml")
+    return Emitted("trl", _header(req, "TRL", run, notes) + _yaml(doc), tuple(notes))
+
+
+def emit_hf(req: EmitRequest) -> Emitted:
+    """TrainingArguments JSON plus the ``from_pretrained`` / ``BitsAndBytesConfig`` / ``LoraConfig`` kwargs."""
+    p, prec, opt = req.plan, _precision(req.plan), _optim(req.plan)
+    notes = _common_notes(req, "HF TrainingArguments") + list(opt.notes)
+    if p.offload_activations:
+        notes.append("offload_activations: not expressible in HF TrainingArguments (run the training step under "
+                     "torch.autograd.graph.save_on_cpu(pin_memory=True), or use TRL's activation_offloading)")
+    doc: dict[str, Any] = {
+        "output_dir": req.output_dir,
+        "per_device_train_batch_size": p.micro_batch,
+        "gradient_accumulation_steps": p.grad_accum,
+        "bf16": prec.bf16,
+        "fp16": prec.fp16,
+        "gradient_checkpointing": p.gradient_checkpointing,
+        "optim": opt.name,
+    }
+    if opt.args:
+        doc["optim_args"] = opt.args
+    doc.update(_schedule())
+    doc["report_to"] = "none"
+    quant: dict[str, Any] | None = None
+    if p.quant == "int8":
+        quant = {"load_in_8bit": True}
+    elif p.quant in ("nf4", "fp4"):
+        quant = {"load_in_4bit": True, "bnb_4bit_quant_type": p.quant, "bnb_4bit_use_double_quant": p.double_quant,
+                 "bnb_4bit_compute_dtype": p.compute_dtype}
+    peft = None
+    if p.uses_lora:
+        peft = {"r": p.lora_r, "lora_alpha": p.lora_alpha, "lora_dropout": p.lora_dropout,
+                "target_modules": lora_targets(p, req.spec), "bias": "none", "task_type": "CAUSAL_LM"}
+    notes.append(HF_USAGE)
+    run = run_command("hf", "THIS.json")
+    doc.update({
+        "model_name_or_path": req.model,
+        "model_init_kwargs": {"dtype": prec.dtype, "attn_implementation": HF_ATTN_NAMES[p.attn]},
+        "quantization_config": quant,
+        "peft_config": peft,
+        "dataset": _dataset_kwargs(req.dataset),
+        "max_length": p.seq_len,
+        "oomdoctor": {"about": f"Written by `oomdoctor tune --emit hf`. Load: {run}", "header": list(req.header),
+                      "notes": notes},
+    })
+    return Emitted("hf", json.dumps(doc, indent=2) + "\n", tuple(notes))
+
+
+def emit_axolotl(req: EmitRequest) -> Emitted:
+    """axolotl's YAML schema (``axolotl.utils.schemas.config.AxolotlInputConfig``)."""
+    p, prec, opt = req.plan, _precision(req.plan), _optim(req.plan)
+    notes = _common_notes(req, "axolotl") + list(opt.notes)
+    ds = dict(_dataset_kwargs(req.dataset))
+    data = {"path": ds.pop("data_files", ds["path"]), "split": "train", "type": "completion"}
+    if ds["path"] in DATA_BUILDERS.values():
+        data["ds_type"] = ds["path"]
+    doc: dict[str, Any] = {"base_model": req.model}
+    doc["load_in_8bit"] = p.quant == "int8"
+    doc["load_in_4bit"] = p.quant in ("nf4", "fp4")
+    if p.uses_lora:
+        doc["adapter"] = "qlora" if p.quant in ("nf4", "fp4") else "lora"
+        doc.update(lora_r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=p.lora_dropout)
+        targets = lora_targets(p, req.spec)
+        if targets == ALL_LINEAR:
+            doc["lora_target_linear"] = True
+        else:
+            doc["lora_target_modules"] = targets
+    if p.quant in ("nf4", "fp4"):
+        doc["bnb_config_kwargs"] = {"bnb_4bit_quant_type": p.quant, "bnb_4bit_use_double_quant": p.double_quant,
+                                    "bnb_4bit_compute_dtype": p.compute_dtype}
+    doc.update(datasets=[data], output_dir=req.output_dir, sequence_len=p.seq_len, sample_packing=False,
+               micro_batch_size=p.micro_batch, gradient_accumulation_steps=p.grad_accum)
+    s = _schedule()
+    if "max_steps" in s:
+        doc["max_steps"] = s["max_steps"]
+    else:
+        doc["num_epochs"] = s["num_train_epochs"]
+    doc["optimizer"] = opt.name
+    if opt.args:
+        doc["optim_args"] = opt.args
+    doc.update(learning_rate=s["learning_rate"], lr_scheduler=s["lr_scheduler_type"], warmup_steps=s["warmup_steps"],
+               weight_decay=s["weight_decay"], max_grad_norm=s["max_grad_norm"])
+    doc["bf16"] = prec.bf16
+    doc["fp16"] = prec.fp16
+    if prec.bf16 and prec.dtype == "float32":
+        notes.append("bf16-mixed: axolotl's bf16: true also loads the weights in bfloat16 (no fp32 master copy; "
+                     "less weight memory than planned for full fine-tuning)")
+    if prec.fp16:
+        notes.append("fp16-mixed: axolotl's fp16: true also loads the weights in float16")
+    if p.quant == "int8" and not prec.fp16:
+        notes.append("int8: axolotl loads an 8-bit base with float16 non-quantized weights")
+    doc["gradient_checkpointing"] = p.gradient_checkpointing
+    if p.offload_activations and not p.gradient_checkpointing:
+        notes.append("offload_activations without gradient checkpointing: not expressible in axolotl (its "
+                     "activation_offloading requires gradient_checkpointing)")
+    else:
+        doc["activation_offloading"] = p.offload_activations
+    doc["attn_implementation"] = HF_ATTN_NAMES[p.attn]
+    doc.update(seed=s["seed"], logging_steps=s["logging_steps"], save_steps=s["save_steps"],
+               save_total_limit=s["save_total_limit"])
+    run = run_command("axolotl", "THIS.yaml")
+    return Emitted("axolotl", _header(req, "axolotl", run, notes) + _yaml(doc), tuple(notes))
+
+
+def emit_accelerate(req: EmitRequest) -> Emitted:
+    """An accelerate launch config (``ClusterConfig``): one process, the plan's mixed precision, and DeepSpeed
+    ZeRO-Offload (stage 2, optimizer on the CPU; stage 3 when the parameters are offloaded too). Everything else
+    is the training script's: the header lists the values it must use."""
+    p, prec, opt = req.plan, _precision(req.plan), _optim(req.plan)
+    offload = p.offload_optimizer or p.offload_params
+    doc: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "distributed_type": "DEEPSPEED" if offload else "NO",
+        "downcast_bf16": "no",
+        "enable_cpu_affinity": False,
+        "gpu_ids": "all",
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": "bf16" if prec.bf16 else ("fp16" if prec.fp16 else "no"),
+        "num_machines": 1,
+        "num_processes": p.world_size,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+    if offload:
+        doc["deepspeed_config"] = {
+            "gradient_accumulation_steps": p.grad_accum,
+            "offload_optimizer_device": "cpu" if p.offload_optimizer else "none",
+            "offload_param_device": "cpu" if p.offload_params else "none",
+            "zero3_init_flag": False,
+            "zero_stage": 3 if p.offload_params else 2,
+        }
+    notes = []
+    if req.dataset is None:
+        notes.append(f"dataset is a placeholder ({DATASET_PLACEHOLDER}): point your script at your data")
+    if offload:
+        notes.append("offload: DeepSpeed ZeRO-Offload (`pip install deepspeed`) keeps the optimizer state and step "
+                     "on the CPU" + (" and streams the parameters from it" if p.offload_params else ""))
+    if prec.dtype == "bfloat16":
+        notes.append("pure bf16: mixed_precision bf16 only autocasts; load the model with dtype=torch.bfloat16")
+    script = [f"model {req.model}", f"dtype {prec.dtype}", f"attn_implementation {HF_ATTN_NAMES[p.attn]}",
+              f"per_device_train_batch_size {p.micro_batch}", f"gradient_accumulation_steps {p.grad_accum}",
+              f"max_length {p.seq_len}", f"gradient_checkpointing {p.gradient_checkpointing}", f"optim {opt.name}"
+              + (f" ({opt.args})" if opt.args else "")]
+    if p.uses_lora:
+        script.append(f"LoRA r {p.lora_r}, lora_alpha {p.lora_alpha}, lora_dropout {p.lora_dropout}, "
+                      f"target_modules {lora_targets(p, req.spec)}")
+    if p.quant:
+        script.append("BitsAndBytesConfig(" + ("load_in_8bit=True" if p.quant == "int8" else
+                      f"load_in_4bit=True, bnb_4bit_quant_type={p.quant}, bnb_4bit_use_double_quant="
+                      f"{p.double_quant}, bnb_4bit_compute_dtype={p.compute_dtype}") + ")")
+    if p.offload_activations:
+        script.append("offload_activations: run the step under torch.autograd.graph.save_on_cpu(pin_memory=True)")
+    notes.append("the training knobs are train.py's (a launch config does not carry them): " + "; ".join(script))
+    notes += list(opt.notes)
+    run = run_command("accelerate", "THIS.yaml")
+    return Emitted("accelerate", _header(req, "an accelerate launch config", run, notes) + _yaml(doc), tuple(notes))
+
+
+EMITTERS: dict[str, Callable[[EmitRequest], Emitted]] = {
+    "trl": emit_trl, "hf": emit_hf, "axolotl": emit_axolotl, "accelerate": emit_accelerate,
+}
+
+
+def emit(target: str, req: EmitRequest) -> Emitted:
+    """The ``target`` document for ``req`` (BadInput for an unknown target; ``oomdoctor`` is ``tuner.write_config``'s)."""
+    if target not in EMITTERS:
+        raise BadInput(f"--emit {target!r}: use one of {', '.join(EMIT_TARGETS)}")
+    return EMITTERS[target](req)
+
+
+# ---------------------------------------------------------------------------------------------- from a tune result
+
+
+def request_from_result(result: TuneResult, model_ref: str, dataset: str | None = None) -> EmitRequest:
+    """An :class:`EmitRequest` for a :class:`oomdoctor.tune.tuner.TuneResult`: a local model is resolved to an
+    absolute path; the header carries capacity, plan, batch and the predicted peak."""
+    p = Path(model_ref).expanduser()
+    local = p.exists()
+    has_weights = not local or (p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin"))))
+    ref = str(p.resolve()) if local else model_ref
+    if local and p.is_file():
+        ref = str(p.resolve().parent)
+    m, plan = result.memory, result.plan
+    header = (
+        f"Tuned for {result.spec.name} on {format_bytes(result.capacity_bytes)} ({result.capacity_source}), "
+        f"margin {format_bytes(result.budget.margin_bytes)}, seq_len {result.seq_len}.",
+        f"Plan: {plan.label()}; micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation = effective batch "
+        f"{plan.effective_batch}.",
+        f"Predicted {result.budget.counted.replace('_', ' ')} {format_bytes(result.budget.needed(m))} of "
+        f"{format_bytes(result.budget_bytes)} budget (verification: {result.verification}).",
+    )
+    return EmitRequest(plan=plan, model=ref, spec=result.spec, dataset=dataset, header=header,
+                       model_has_weights=has_weights)
+
+
+def write_text(path: str | os.PathLike, text: str, *, overwrite: bool = False) -> Path:
+    """Write ``text`` atomically (temp file + rename in the same directory); an existing file is refused
+    (BadInput) unless ``overwrite``."""
+    out = Path(path)
+    if out.is_dir():
+        raise BadInput(f"--output {out} is a directory", "pass a file name, e.g. --output plan.yaml")
+    if out.exists() and not overwrite:
+        raise BadInput(f"--output {out} exists; not overwriting it",
+                       "pass --force to replace it, or another --output path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return out
+
+
+def default_emit_path(target: str, directory: str | os.PathLike = ".") -> Path:
+    """``./oomdoctor-TARGET.yaml`` (``.json`` for hf), or the first free ``-2``, ``-3``... sibling."""
+    d, suffix = Path(directory), SUFFIXES[target]
+    p, n = d / f"oomdoctor-{target}{suffix}", 2
+    while p.exists():
+        p, n = d / f"oomdoctor-{target}-{n}{suffix}", n + 1
+    return p
+
+
+@dataclass(frozen=True)
+class EmitWritten:
+    """A foreign config on disk."""
+
+    emitted: Emitted
+    path: Path
+    command: str
+    """How to run (``hf``: load) it."""
+
+
+def write_emitted(result: TuneResult, model_ref: str, target: str, path: str | os.PathLike | None = None, *,
+                  overwrite: bool = False, dataset: str | None = None) -> EmitWritten:
+    """Build the ``target`` document for a tune result and write it (``path=None``: :func:`default_emit_path`)."""
+    em = emit(target, request_from_result(result, model_ref, dataset))
+    out = write_text(path if path is not None else default_emit_path(target), em.text, overwrite=overwrite)
+    env = "" if target == "hf" else f"PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} "
+    return EmitWritten(em, out, env + em.command(out))
+
+
+__all__ = [
+    "DATASET_PLACEHOLDER", "EMITTERS", "EMIT_TARGETS", "EmitRequest", "EmitWritten", "Emitted", "default_emit_path",
+    "emit", "emit_accelerate", "emit_axolotl", "emit_hf", "emit_trl", "lora_targets", "request_from_result",
+    "run_command", "write_emitted", "write_text",
+]
