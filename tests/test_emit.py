@@ -18,13 +18,14 @@ from oomdoctor.errors import BadInput
 from oomdoctor.model.load import load_spec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.techniques import ALL_LINEAR
+from oomdoctor.files import write_text_atomic
+from oomdoctor.resources import tiny_dir
 from oomdoctor.tune.emit import (
     DATASET_PLACEHOLDER, HF_EXTRA_KEYS, EmitRequest, emit, lora_targets, request_from_result, write_emitted,
-    write_text,
 )
 
 LLAMA7B = "meta-llama/Llama-2-7b-hf"
-TINY_MODEL = str(Path(__file__).resolve().parent.parent / "data" / "tiny" / "model")
+TINY_MODEL = str(tiny_dir() / "model")
 
 #: 7B plans covering every knob away from its default at least once.
 PLANS: dict[str, Plan] = {
@@ -257,10 +258,10 @@ def test_unknown_target_is_bad_input(spec7b):
 
 def test_write_text_is_atomic_and_refuses_to_overwrite(tmp_path):
     p = tmp_path / "sub" / "x.yaml"
-    write_text(p, "a: 1\n")
+    write_text_atomic(p, "a: 1\n")
     with pytest.raises(BadInput, match="exists"):
-        write_text(p, "a: 2\n")
-    write_text(p, "a: 2\n", overwrite=True)
+        write_text_atomic(p, "a: 2\n")
+    write_text_atomic(p, "a: 2\n", overwrite=True)
     assert p.read_text() == "a: 2\n" and [q.name for q in p.parent.iterdir()] == ["x.yaml"]
 
 
@@ -268,9 +269,9 @@ def test_tune_result_on_the_bundled_tiny_model(tmp_path, gpu_bf16):
     from oomdoctor.tune.tuner import tune
 
     r = tune(TINY_MODEL, gpu_mem=10**9, seq_len=64, global_batch=8, gpu=None, verify_mode="none")
-    req = request_from_result(r, TINY_MODEL, "data/tiny/train.jsonl")
+    req = request_from_result(r, TINY_MODEL, "bundled:tiny/train.jsonl")
     assert req.model == TINY_MODEL and not req.model_has_weights and req.plan == r.plan
-    w = write_emitted(r, TINY_MODEL, "trl", tmp_path / "t.yaml", dataset="data/tiny/train.jsonl")
+    w = write_emitted(r, TINY_MODEL, "trl", tmp_path / "t.yaml", dataset="bundled:tiny/train.jsonl")
     assert w.command.endswith(f"trl sft --config {tmp_path / 't.yaml'}")
     assert any("config without weights" in n for n in w.emitted.notes)
     _, sft, _, _ = _trl_parse(str(w.path))

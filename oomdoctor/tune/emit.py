@@ -25,12 +25,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from oomdoctor.errors import BadInput
+from oomdoctor.files import write_text_atomic
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.techniques import ALL_LINEAR, HF_ATTN_NAMES, HF_OPTIM_NAMES
@@ -466,32 +466,6 @@ def request_from_result(result: TuneResult, model_ref: str, dataset: str | None 
                        model_has_weights=has_weights)
 
 
-def write_text(path: str | os.PathLike, text: str, *, overwrite: bool = False) -> Path:
-    """Write ``text`` atomically (temp file + rename in the same directory); an existing file is refused
-    (BadInput) unless ``overwrite``."""
-    out = Path(path)
-    if out.is_dir():
-        raise BadInput(f"--output {out} is a directory", "pass a file name, e.g. --output plan.yaml")
-    if out.exists() and not overwrite:
-        raise BadInput(f"--output {out} exists; not overwriting it",
-                       "pass --force to replace it, or another --output path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return out
-
-
 def default_emit_path(target: str, directory: str | os.PathLike = ".") -> Path:
     """``./oomdoctor-TARGET.yaml`` (``.json`` for hf), or the first free ``-2``, ``-3``... sibling."""
     d, suffix = Path(directory), SUFFIXES[target]
@@ -515,7 +489,7 @@ def write_emitted(result: TuneResult, model_ref: str, target: str, path: str | o
                   overwrite: bool = False, dataset: str | None = None) -> EmitWritten:
     """Build the ``target`` document for a tune result and write it (``path=None``: :func:`default_emit_path`)."""
     em = emit(target, request_from_result(result, model_ref, dataset))
-    out = write_text(path if path is not None else default_emit_path(target), em.text, overwrite=overwrite)
+    out = write_text_atomic(path if path is not None else default_emit_path(target), em.text, overwrite=overwrite)
     env = "" if target == "hf" else f"PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} "
     return EmitWritten(em, out, env + em.command(out))
 
@@ -523,5 +497,5 @@ def write_emitted(result: TuneResult, model_ref: str, target: str, path: str | o
 __all__ = [
     "DATASET_PLACEHOLDER", "EMITTERS", "EMIT_TARGETS", "EmitRequest", "EmitWritten", "Emitted", "default_emit_path",
     "emit", "emit_accelerate", "emit_axolotl", "emit_hf", "emit_trl", "lora_targets", "request_from_result",
-    "run_command", "write_emitted", "write_text",
+    "run_command", "write_emitted",
 ]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomdoctor.errors import BadInput, DoesNotFit
+from oomdoctor.files import write_text_atomic
 from oomdoctor.gpu import GpuInfo, detect_gpu, host_ram_bytes
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
@@ -522,27 +522,8 @@ def write_config(result: TuneResult, model_ref: str, path: str | os.PathLike | N
 
     ``path=None``: :func:`default_output_path` (a fresh name, never overwriting). An explicit path that exists is
     refused (BadInput) unless ``overwrite``."""
-    out = Path(path) if path is not None else default_output_path()
-    if out.exists() and out.is_dir():
-        raise BadInput(f"--output {out} is a directory", "pass a file name, e.g. --output plan.yaml")
-    if out.exists() and not overwrite:
-        raise BadInput(f"--output {out} exists; not overwriting it",
-                       "pass --force to replace it, or another --output path")
-    text = render_config(result, model_ref, **render_kw)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    out = write_text_atomic(path if path is not None else default_output_path(),
+                            render_config(result, model_ref, **render_kw), overwrite=overwrite)
     result.config_path = str(out)
     return out
 
