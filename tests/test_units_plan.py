@@ -69,6 +69,28 @@ def test_plan_settings_and_effective_batch():
     assert "full" in p.label() and "fp32" in p.label()  # HF Trainer's default precision
 
 
-def test_scale_out_fields_are_carried_but_refused_for_now():
-    with pytest.raises(BadInput, match="world_size"):
-        validate(Plan(world_size=8, sharding="fsdp"))
+def test_topology_normalizes_like_torchrun_and_fsdp2():
+    assert validate(Plan(world_size=8)).strategy == "ddp"  # torchrun + HF Trainer wrap in DDP
+    assert validate(Plan(strategy="ddp")).strategy == "single"
+    p = validate(Plan(offload_params=True))  # one GPU: FSDP2 CPUOffloadPolicy, which moves the optimizer too
+    assert (p.strategy, p.offload_optimizer, p.world_size) == ("fsdp", True, 1)
+    assert validate(Plan(world_size=8, strategy="fsdp", shard_group=8)).shard_group is None
+    hsdp = validate(Plan(world_size=8, strategy="fsdp", shard_group=4))
+    assert hsdp.shards == 4 and "fsdp(8) hsdp 2x4" in hsdp.label()
+    assert validate(Plan(world_size=8, strategy="zero3")).shards == 8
+    assert validate(Plan(world_size=8)).shards == 1
+    assert validate(Plan(micro_batch=2, grad_accum=3, world_size=4)).effective_batch == 24
+
+
+@pytest.mark.parametrize("plan, words", [
+    (Plan(world_size=8, strategy="fsdp", shard_group=3), "divisor"),
+    (Plan(world_size=8, shard_group=4), "applies to strategy fsdp"),
+    (Plan(world_size=8, reshard_after_forward=False), "reshard_after_forward"),
+    (Plan(world_size=8, strategy="fsdp", bucket_size=10**6), "no buckets"),
+    (Plan(world_size=8, strategy="zero2", offload_params=True), "zero3"),
+    (Plan(world_size=8, strategy="fsdp", offload_optimizer=True), "together"),
+    (Plan(world_size=2, optimizer_in_backward=True), "one GPU"),
+])
+def test_topology_problems_are_named(plan, words):
+    with pytest.raises(BadInput, match=words):
+        validate(plan)

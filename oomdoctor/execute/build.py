@@ -292,7 +292,7 @@ def build_model(
     model = apply_plan_techniques(model, plan, lora_targets_of_model(model, plan))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = getattr(base, spec.head_name, None) or (base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None)
-    layers = _find_layers(base)
+    layers = find_layers(base)
     return BuiltModel(
         attn_implementation=attn,
         model=model,
@@ -335,7 +335,7 @@ def materialize_meta(model, device: str, std: float = 0.02) -> None:
                 pass
 
 
-def _find_layers(model) -> list:
+def find_layers(model) -> list:
     """The transformer blocks (the biggest ``ModuleList`` of the model)."""
     import torch
 
@@ -359,5 +359,5 @@ def make_batch(spec: "ModelSpec", plan: "Plan", device: str = "cpu", *, fake_ok:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-__all__ = ["BuiltModel", "build_model", "materialize_meta", "make_batch", "config_with_layers", "hf_config", "lora_targets_of_model", "apply_plan_techniques",
+__all__ = ["BuiltModel", "build_model", "find_layers", "materialize_meta", "make_batch", "config_with_layers", "hf_config", "lora_targets_of_model", "apply_plan_techniques",
            "enable_gradient_checkpointing"]

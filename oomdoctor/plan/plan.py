@@ -1,8 +1,8 @@
 """The training plan: every memory knob of one fine-tuning run, as a typed, validated dataclass.
 
-A plan is what ``diagnose`` prices, what ``tune`` searches over and what ``train`` executes. It already carries
-``world_size`` and ``sharding`` so that scale-out (DDP, FSDP, ZeRO through accelerate/torchrun) slots in without
-changing the data path; today only ``world_size=1, sharding="none"`` is executed.
+A plan is what ``diagnose`` prices, what ``tune`` searches over and what ``train`` executes. It carries the topology
+(``world_size`` ranks, the ``strategy`` that shares the work among them, FSDP's ``shard_group`` and
+``reshard_after_forward``, the communication ``bucket_size``): sizes are per rank (per GPU).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw", "paged-adamw-8bit", "a
 Attn = Literal["eager", "sdpa", "flash"]
 Quant = Literal["int8", "nf4", "fp4"]
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
-Sharding = Literal["none", "ddp", "fsdp", "zero2", "zero3"]
+Strategy = Literal["single", "ddp", "fsdp", "zero2", "zero3"]
 Loss = Literal["standard", "chunked"]
 
 METHODS: tuple[str, ...] = choices("method")
@@ -28,7 +28,9 @@ OPTIMIZERS: tuple[str, ...] = choices("optimizer")
 ATTNS: tuple[str, ...] = choices("attn")
 QUANTS: tuple[str, ...] = choices("quant")
 OPTIMIZER_IMPLS: tuple[str, ...] = choices("optimizer_impl")
-SHARDINGS: tuple[str, ...] = choices("sharding")
+STRATEGIES: tuple[str, ...] = choices("strategy")
+#: Strategies that shard model states across the ranks.
+SHARDED: tuple[str, ...] = ("fsdp", "zero2", "zero3")
 LOSSES: tuple[str, ...] = choices("loss")
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULTS["lora_targets"]
@@ -88,9 +90,15 @@ class Plan:
     offload_params: bool = DEFAULTS["offload_params"]
     """See ``TECHNIQUES``: frozen weights on the CPU."""
     world_size: int = DEFAULTS["world_size"]
-    """See ``TECHNIQUES``: data-parallel processes (only 1 is executed today)."""
-    sharding: Sharding = DEFAULTS["sharding"]
-    """See ``TECHNIQUES``: sharding strategy for world_size > 1."""
+    """See ``TECHNIQUES``: data-parallel ranks (GPUs)."""
+    strategy: Strategy = DEFAULTS["strategy"]
+    """See ``TECHNIQUES``: single | ddp | fsdp | zero2 | zero3."""
+    shard_group: int | None = DEFAULTS["shard_group"]
+    """See ``TECHNIQUES``: FSDP shard-group size (None: every rank; fewer than world_size: HSDP)."""
+    reshard_after_forward: bool = DEFAULTS["reshard_after_forward"]
+    """See ``TECHNIQUES``: FSDP frees gathered weights after each layer's forward."""
+    bucket_size: int | None = DEFAULTS["bucket_size"]
+    """See ``TECHNIQUES``: elements per communication bucket (None: the engine default)."""
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -100,6 +108,13 @@ class Plan:
     @property
     def effective_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.world_size
+
+    @property
+    def shards(self) -> int:
+        """Ranks one copy of the sharded states is divided over (1 when nothing is sharded)."""
+        if self.strategy not in SHARDED:
+            return 1
+        return self.shard_group or self.world_size
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -148,6 +163,13 @@ class Plan:
             parts.append("offload:" + "+".join(offl))
         if self.attn != "sdpa":
             parts.append(self.attn)
+        if self.strategy != "single":
+            topo = f"{self.strategy}({self.world_size})"
+            if self.shard_group and self.shard_group < self.world_size:
+                topo += f" hsdp {self.world_size // self.shard_group}x{self.shard_group}"
+            if not self.reshard_after_forward:
+                topo += " keep-gathered"
+            parts.append(topo)
         return " | ".join(parts)
 
     def settings(self) -> dict:
@@ -171,6 +193,51 @@ def _check_choice(problems: list[str], name: str, value, choices) -> None:
         problems.append(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
 
 
+def _check_topology(plan: Plan, problems: list[str], changes: dict) -> None:
+    """world_size / strategy / shard_group / reshard_after_forward / bucket_size / offload, as the engines run them.
+
+    Normalizations: more than one rank with ``single`` is ``ddp`` (what torchrun + HF Trainer do); ``ddp`` on one
+    rank is ``single``; ``offload_params`` on one GPU runs as FSDP2 with ``CPUOffloadPolicy`` (``fsdp`` at world
+    size 1), which offloads the optimizer states too; ``shard_group == world_size`` is no HSDP.
+    """
+    ws = plan.world_size
+    if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
+        return  # reported with the other positive integers
+    strategy = plan.strategy
+    if strategy == "single" and ws > 1:
+        strategy = "ddp"
+    elif strategy == "ddp" and ws == 1:
+        strategy = "single"
+    if plan.offload_params:
+        if strategy == "single":
+            strategy = "fsdp"
+        if strategy not in ("fsdp", "zero3"):
+            problems.append(f"offload_params needs strategy fsdp (FSDP2 CPUOffloadPolicy) or zero3 (ZeRO-3 "
+                            f"offload_param), not {strategy}")
+        if strategy == "fsdp" and not plan.offload_optimizer:
+            changes["offload_optimizer"] = True
+    elif plan.offload_optimizer and strategy == "fsdp":
+        problems.append("FSDP2 offloads parameters, gradients and optimizer states together (CPUOffloadPolicy): "
+                        "set offload_params too, or use zero2/zero3 for optimizer-only offload")
+    if strategy != plan.strategy:
+        changes["strategy"] = strategy
+    sg = plan.shard_group
+    if sg is not None:
+        if strategy != "fsdp":
+            problems.append(f"shard_group applies to strategy fsdp (HSDP), not {strategy}")
+        elif not isinstance(sg, int) or isinstance(sg, bool) or sg < 1 or ws % sg:
+            problems.append(f"shard_group must be a positive divisor of world_size {ws}, got {sg!r}")
+        elif sg == ws:
+            changes["shard_group"] = None
+    if not plan.reshard_after_forward and strategy != "fsdp":
+        problems.append(f"reshard_after_forward applies to strategy fsdp, not {strategy}")
+    if plan.bucket_size is not None:
+        if strategy in ("single", "fsdp"):
+            problems.append(f"bucket_size applies to ddp, zero2 and zero3 (strategy {strategy} has no buckets)")
+        elif not isinstance(plan.bucket_size, int) or isinstance(plan.bucket_size, bool) or plan.bucket_size < 1:
+            problems.append(f"bucket_size must be a positive number of elements, got {plan.bucket_size!r}")
+
+
 def validate(plan: Plan) -> Plan:
     """Normalize and check a plan; returns the normalized plan or raises BadInput listing every problem.
 
@@ -185,7 +252,7 @@ def validate(plan: Plan) -> Plan:
     _check_choice(problems, "optimizer_impl", plan.optimizer_impl, OPTIMIZER_IMPLS)
     _check_choice(problems, "loss", plan.loss, LOSSES)
     _check_choice(problems, "attn", plan.attn, ATTNS)
-    _check_choice(problems, "sharding", plan.sharding, SHARDINGS)
+    _check_choice(problems, "strategy", plan.strategy, STRATEGIES)
     if plan.quant is not None:
         _check_choice(problems, "quant", plan.quant, QUANTS)
     changes: dict = {}
@@ -215,10 +282,7 @@ def validate(plan: Plan) -> Plan:
         problems.append(f"sgd_momentum must be in [0, 1), got {plan.sgd_momentum}")
     if not plan.lora_targets:
         problems.append("lora_targets is empty; name modules (q_proj,v_proj) or use all-linear")
-    if plan.world_size == 1 and plan.sharding not in ("none", "ddp"):
-        problems.append(f"sharding={plan.sharding} needs world_size > 1")
-    if plan.world_size > 1:
-        problems.append("world_size > 1 (DDP/FSDP/ZeRO) is not supported yet; plan for one GPU")
+    _check_topology(plan, problems, changes)
     if plan.optimizer_in_backward:
         if plan.grad_accum > 1:
             problems.append("optimizer_in_backward steps during backward: it cannot accumulate gradients "
@@ -227,6 +291,9 @@ def validate(plan: Plan) -> Plan:
             problems.append("optimizer_in_backward and offload_optimizer: choose one")
         if plan.precision == "fp16-mixed":
             problems.append("optimizer_in_backward cannot run fp16's loss scaler (it unscales all gradients at once)")
+        if changes.get("strategy", plan.strategy) != "single":
+            problems.append("optimizer_in_backward steps each parameter before its gradient is reduced across "
+                            "ranks: one GPU only (strategy single)")
     if plan.offload_params and plan.method != "full" and quant is not None:
         problems.append("offload_params with a bitsandbytes-quantized base is not supported by bitsandbytes")
     if problems:
@@ -237,6 +304,6 @@ def validate(plan: Plan) -> Plan:
 
 
 __all__ = ["Plan", "validate", "DEFAULT_LORA_TARGETS"] + [
-    n for n in ("METHODS", "PRECISIONS", "OPTIMIZERS", "ATTNS", "QUANTS", "OPTIMIZER_IMPLS", "SHARDINGS")
+    n for n in ("METHODS", "PRECISIONS", "OPTIMIZERS", "ATTNS", "QUANTS", "OPTIMIZER_IMPLS", "STRATEGIES", "SHARDED")
 ]
 

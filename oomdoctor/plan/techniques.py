@@ -44,7 +44,7 @@ HF_ATTN_NAMES: dict[str, str] = {"eager": "eager", "sdpa": "sdpa", "flash": "fla
 #: The LoRA target meaning every linear layer but the output head (peft).
 ALL_LINEAR = "all-linear"
 
-Kind = Literal["choice", "bool", "int>=1", "prob", "targets"]
+Kind = Literal["choice", "bool", "int>=1", "int>=1|null", "prob", "targets"]
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ class Technique:
     name: str
     """Plan field, key in the ``settings`` JSON, and (dashed) the diagnose/tune flag: ``micro_batch``."""
     kind: Kind
-    """``choice`` (one of ``choices``), ``bool``, ``int>=1``, ``prob`` (a float in [0, 1)) or ``targets``
-    (module names, a comma-separated string or a list)."""
+    """``choice`` (one of ``choices``), ``bool``, ``int>=1``, ``int>=1|null`` (unset: the engine's default), ``prob``
+    (a float in [0, 1)) or ``targets`` (module names, a comma-separated string or a list)."""
     default: Any
     """The value when nothing is said: what a Hugging Face user gets by default."""
     default_source: str
@@ -248,15 +248,41 @@ TECHNIQUES: tuple[Technique, ...] = (
         "weights leave the GPU but for one layer at a time", flag="--offload", train_executes=False,
     ),
     Technique(
-        "world_size", "int>=1", 1, "one process",
-        "data-parallel processes (only 1 is executed today)", "per-device memory; sharding divides states",
-        flag="", train_executes=False,
+        "world_size", "int>=1", 1, "one process (torchrun --nproc-per-node 1)",
+        "data-parallel ranks: every GPU of every node (diagnose/tune --gpus; train runs them through torchrun "
+        "--nproc-per-node)", "memory is priced per rank; the sharding strategies divide model states by it",
+        flag="--gpus", train_executes=False,
     ),
     Technique(
-        "sharding", "choice", "none", "no sharding",
-        "sharding strategy for world_size > 1 (DDP, FSDP, ZeRO-2/3); only none is executed today",
-        "zero2/zero3/fsdp divide optimizer state / gradients / weights by world_size",
-        choices=("none", "ddp", "fsdp", "zero2", "zero3"), flag="", train_executes=False,
+        "strategy", "choice", "single", "one process; under torchrun HF Trainer wraps the model in DDP",
+        "how the ranks share the work: single (one GPU), ddp (a full replica per rank, gradients all-reduced), "
+        "fsdp (torch FSDP2 fully_shard per decoder layer: weights, gradients and optimizer states sharded), zero2 / "
+        "zero3 (DeepSpeed ZeRO stage 2 / 3). world_size > 1 with single means ddp",
+        "ddp: single + one gradient-sized all-reduce bucket | fsdp: model states / shard group + the gathered "
+        "layers | zero2: weights + (gradients + optimizer states) / N + buckets | zero3: every model state / N + "
+        "the gathered layer + buckets",
+        choices=("single", "ddp", "fsdp", "zero2", "zero3"), train_executes=False,
+    ),
+    Technique(
+        "shard_group", "int>=1|null", None, "FSDP2 shards over every rank (a 1-D device mesh)",
+        "fsdp: ranks that share one sharded copy of the model states; fewer than world_size is HSDP (shard inside "
+        "the group, replicate across world_size / shard_group groups, e.g. one group per node)",
+        "sharded states divide by shard_group, not world_size", train_executes=False,
+    ),
+    Technique(
+        "reshard_after_forward", "bool", True, "torch FSDP2 fully_shard(reshard_after_forward=True)",
+        "fsdp: free each layer's gathered weights after its forward and gather them again in backward; false keeps "
+        "them from forward to backward (FSDP1 SHARD_GRAD_OP, ZeRO-2-like): fewer all-gathers",
+        "false: + every layer's unsharded weights between forward and backward",
+        flag="--reshard-after-forward/--no-reshard-after-forward", train_executes=False,
+    ),
+    Technique(
+        "bucket_size", "int>=1|null", None,
+        "DDP bucket_cap_mb=25; DeepSpeed reduce/allgather bucket = hidden^2 (Hugging Face's 'auto')",
+        "elements per gradient-communication bucket: the DDP all-reduce bucket, DeepSpeed's reduce_bucket_size / "
+        "allgather_bucket_size / stage3_prefetch_bucket_size (FSDP has no buckets)",
+        "each bucket is a buffer of this many elements; DeepSpeed's own default 5e8 costs 1 GB (bf16) per rank",
+        train_executes=False,
     ),
 )
 

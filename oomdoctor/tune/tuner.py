@@ -287,7 +287,7 @@ def verify(
 
 
 #: Knobs ``--seq-len max`` leaves to the regular search once the sequence is known.
-NOT_PINNED_BY_MAX = ("micro_batch", "grad_accum", "seq_len", "world_size", "sharding")
+NOT_PINNED_BY_MAX = ("micro_batch", "grad_accum", "seq_len")
 
 
 def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estimator: Estimator,

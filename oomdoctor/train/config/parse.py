@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from oomdoctor.errors import BadInput, ConfigErrors
-from oomdoctor.plan.techniques import DEFAULTS, HF_ATTN_NAMES, HF_OPTIM_NAMES, OPTIM_VALUES, PAGED_OPTIMIZERS, technique
+from oomdoctor.plan.techniques import (DEFAULTS, HF_ATTN_NAMES, HF_OPTIM_NAMES, OPTIM_VALUES, PAGED_OPTIMIZERS, TECHNIQUES,
+                                       technique)
 from oomdoctor.resources import bundled_path, is_bundled, resolve_path
 from oomdoctor.train.config.schema import (
     REPORT_TO,
@@ -207,7 +208,7 @@ def _apply_plan_only(given: dict[str, Any], top: dict[str, Any], model: dict[str
         elif not given["lora_on_head"] and "lm_head" in mods:
             problems.append("lora_on_head: false conflicts with lm_head in target_modules")
         top["target_modules"] = mods
-    for name in ("offload_params", "world_size", "sharding"):
+    for name in (t.name for t in TECHNIQUES if not t.train_executes):
         if name in given and given[name] != DEFAULTS[name]:
             problems.append(f"{name}: {given[name]!r}: train does not execute this yet (only "
                             f"{DEFAULTS[name]!r}); diagnose/tune price it: {technique(name).help}")

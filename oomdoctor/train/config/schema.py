@@ -67,11 +67,14 @@ _GROUPS = {
     "sgd_momentum": "memory: optimizer",
     "lora_r": "memory: LoRA", "lora_alpha": "memory: LoRA", "lora_dropout": "memory: LoRA",
     "lora_targets": "memory: LoRA", "double_quant": "memory: quantized base (bitsandbytes)",
+    **{k: "memory: scale-out (per rank)" for k in ("world_size", "strategy", "shard_group", "reshard_after_forward",
+                                                  "bucket_size", "offload_params")},
 }
 
 
 def _from_technique(t: Technique) -> Key:
-    kind: Any = {"bool": "bool", "int>=1": "int>=1", "prob": "prob", "targets": "list[str]"}.get(t.kind)
+    kind: Any = {"bool": "bool", "int>=1": "int>=1", "int>=1|null": "int>=1|null", "prob": "prob",
+                 "targets": "list[str]"}.get(t.kind)
     default = t.default
     if t.name == "optimizer":
         kind, default = ("choice", tuple(OPTIM_VALUES)), HF_OPTIM_NAMES[t.default]
@@ -156,9 +159,7 @@ PLAN_ONLY_KINDS: dict[str, Any] = {
     "attn_implementation": ("choice", tuple(HF_ATTN_NAMES) + ("flash_attention_2",)),
     "quant": ("choice|null", tuple(c for c in _Q.choices if c is not None)),
     "lora_on_head": "bool",
-    "offload_params": "bool",
-    "world_size": "int>=1",
-    "sharding": ("choice", technique("sharding").choices),
+    **{t.name: _from_technique(t).kind for t in TECHNIQUES if not t.train_executes},
 }
 
 MODEL_KEYS: tuple[Key, ...] = (

@@ -1,0 +1,77 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) as a plan applies it: one unit per decoder layer plus the root,
+on a 1-D device mesh of ``world_size`` ranks or, with ``shard_group`` < ``world_size``, a 2-D HSDP mesh
+(replicate x shard). The one place sharding is applied: ``train`` (real process group under torchrun) and the
+simulate engine (fake process group, meta-built model) both call :func:`apply_fsdp`.
+
+Recipe and measurements: ``shared/research/multi-gpu.md`` §1 and §4 (per-layer + root wrapping; the mesh and
+``fully_shard`` are built outside ``FakeTensorMode``; ``CPUOffloadPolicy(pin_memory=False)`` is the only offload
+that runs without a GPU).
+
+Mixed precision: with ``*-mixed`` plans the sharded parameters stay fp32 (the master copy) and FSDP gathers them in
+the compute dtype (``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=fp32)``), gradients are reduced in
+fp32 -- torchtitan's and accelerate's FSDP2 setup. The step's autocast stays on top (a no-op for ops already in the
+compute dtype).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from oomdoctor.plan import Plan
+
+
+def mesh_shape(plan: "Plan") -> tuple[int, ...]:
+    """``(world_size,)`` or, for HSDP, ``(world_size // shard_group, shard_group)``."""
+    if plan.shard_group and plan.shard_group < plan.world_size:
+        return (plan.world_size // plan.shard_group, plan.shard_group)
+    return (plan.world_size,)
+
+
+def device_mesh(plan: "Plan", device_type: str) -> Any:
+    """The device mesh of the plan's ranks (the process group must already be initialized)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = mesh_shape(plan)
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def _mp_policy(plan: "Plan") -> Any:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not plan.is_mixed:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=getattr(torch, plan.compute_dtype), reduce_dtype=torch.float32)
+
+
+def _offload_policy(plan: "Plan", device_type: str) -> Any:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not plan.offload_params:
+        return OffloadPolicy()
+    # pin_memory needs an accelerator: on a CPU-only host it raises "Cannot access accelerator device" (§1)
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+
+
+def decoder_layers(model: Any) -> list:
+    """The units FSDP wraps one by one: the transformer blocks (the biggest ``ModuleList``)."""
+    from oomdoctor.execute.build import find_layers
+
+    return find_layers(model)
+
+
+def apply_fsdp(model: Any, plan: "Plan", mesh: Any, device_type: str) -> Any:
+    """``fully_shard`` every decoder layer, then the root (embeddings, final norm, LM head); returns the model (now
+    an ``FSDPModule``). Works on a meta-device model (simulate) and on materialized weights (train)."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw = dict(mesh=mesh, mp_policy=_mp_policy(plan), offload_policy=_offload_policy(plan, device_type))
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=plan.reshard_after_forward, **kw)
+    fully_shard(model, reshard_after_forward=plan.reshard_after_forward, **kw)  # FSDP2 keeps the root gathered
+    return model
+
+
+__all__ = ["apply_fsdp", "decoder_layers", "device_mesh", "mesh_shape"]
