@@ -169,6 +169,8 @@ class RunStats:
     """Bytes of parameters/buffers (and registered quantization constants) before the first step."""
     adapter_bytes: int = 0
     """Of ``param_bytes``: LoRA adapter weights."""
+    trainable_bytes: int = 0
+    """Bytes of the trainable parameters (what one full set of their gradients takes)."""
     candidates: dict = field(default_factory=dict)
     """Per phase: category dicts at [the phase peak, the start and the end of its last instance] — moments that are
     aligned across block counts, extrapolated separately (the peak may move to a phase boundary for large N)."""
@@ -178,22 +180,35 @@ class RunStats:
 
 class TrackingHooks(StepHooks):
     """The step's hooks feeding a LiveBytes tracker: phases, the logits region (forward of the head until the
-    backward leaves it), optimizer state classification after the first step."""
+    backward leaves it), optimizer state classification after the first step.
 
-    def __init__(self, lb, plan: "Plan", *, head: Any, target: str):
+    Sharded (FSDP2) models: the gathered parameter buffers are classified after the first forward (``parameters``,
+    or ``master_weights`` when gathered in a lower compute dtype: AMP's working copies; a buffer keeps its category
+    across FSDP's resizes), and the sharded gradients after each backward (FSDP assigns them after its
+    reduce-scatter, outside autograd's accumulation, so post-accumulate-grad hooks never see them)."""
+
+    def __init__(self, lb, plan: "Plan", *, head: Any, target: str, model: Any = None):
         self.lb, self.plan, self.head, self.target = lb, plan, head, target
+        self.model = model if plan.strategy == "fsdp" else None
 
     def phase(self, name: str):
         return self.lb.phase(name)
 
     def forward_done(self) -> None:
         self.lb.pop_region_all()
+        if self.model is not None:
+            from oomdoctor.execute.shard import gathered_buffers
+
+            for buf, cast in gathered_buffers(self.model):
+                self.lb.classify(buf, "master_weights" if cast else "parameters")
 
     def backward_start(self) -> None:
         self.lb.set_backward_region("logits" if self.head is not None else None)
 
     def backward_done(self) -> None:
         self.lb.set_backward_region(None)
+        if self.model is not None:
+            self.lb.track_existing([p.grad for p in self.model.parameters()], "gradients")
 
     def optimizer_stepped(self, optimizer: Any, step_index: int) -> None:
         from oomdoctor.execute.optim import CPUOffloadOptimizer
@@ -244,7 +259,7 @@ def replay_step(model, plan: "Plan", lb, *, target: str, head=None) -> Any:
         offload = HostActivationOffload(host_scope=lb.paused, lb=lb)
     scaler = StaticLossScale() if plan.precision == "fp16-mixed" and not on_gpu else None
     return TrainStep(model, opt, plan, device_type=device_type, scaler=scaler,
-                     hooks=TrackingHooks(lb, plan, head=head, target=target), offload=offload)
+                     hooks=TrackingHooks(lb, plan, head=head, target=target, model=model), offload=offload)
 
 
 def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: str = "cuda", head=None,
@@ -258,6 +273,7 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     later micro-batches all run with the gradients allocated (accumulated in place) and are identical — else 1)."""
     lb.track_module(model)
     adapter_bytes = sum(lb.counted_bytes(p) for n, p in model.named_parameters() if "lora_" in n)
+    trainable_bytes = sum(lb.counted_bytes(p) for p in model.parameters() if p.requires_grad)
     param_bytes = lb.current
     step_peaks: list[int] = []
     n_micro = min(max(plan.grad_accum, 1), 2) if micro_batches is None else micro_batches
@@ -286,10 +302,10 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     for mod, fn in restore_ckpt:
         mod._gradient_checkpointing_func = fn
     lb.remove_hooks()
-    return _stats(lb, step_peaks, param_bytes, adapter_bytes)
+    return _stats(lb, step_peaks, param_bytes, adapter_bytes, trainable_bytes)
 
 
-def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int) -> RunStats:
+def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int, trainable_bytes: int) -> RunStats:
     peaks = lb.phase_peaks
     phase_cats = {ph: lb.categories_at(ev) for ph, ev in lb.phase_peak_events().items()}
     # aligned candidate moments for extrapolation: the peak, and the start/end of the last instance of each phase
@@ -312,6 +328,7 @@ def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int) -> R
         timeline=lb.timeline() if lb.record_timeline else [],
         param_bytes=param_bytes,
         adapter_bytes=adapter_bytes,
+        trainable_bytes=trainable_bytes,
         candidates=candidates,
     )
 

@@ -14,19 +14,39 @@ The step itself is the executor's (``oomdoctor.execute.step.TrainStep``); this e
 Speed: transformer blocks are identical, so the step is simulated with 2 and 3 blocks (``EXTRAPOLATE_FROM``) and
 every number is extrapolated linearly to N blocks (per phase, at three aligned moments: the phase peak, its start and
 its end, keeping the largest); models whose blocks differ (alternating attention kinds, MoE) are simulated in full.
+
+Several GPUs (``world_size``, ``strategy``; every number is per rank, rank 0 = the largest shard):
+
+* ``fsdp``: one rank of the real FSDP2 job in this process (shared/research/multi-gpu.md §4). A *fake* process
+  group (``FakeStore``, torch's private ``torch.testing._internal.distributed.fake_pg``; collectives return at once
+  and move no data) of ``world_size`` ranks, the meta-built model wrapped by the executor's own
+  ``oomdoctor.execute.shard.apply_fsdp`` (HSDP mesh, ``reshard_after_forward``, mixed-precision policy) outside
+  ``FakeTensorMode`` (building the mesh reads rank ids), then ``to_empty`` and the same two steps inside it.
+  Measured within 16 bytes of real gloo runs and equal to torch's ``FSDPMemTracker``. The first/last blocks of a
+  sharded model overlap their all-gathers differently, so extrapolation uses 3 and 4 blocks
+  (``EXTRAPOLATE_FROM_SHARDED``, §4 "Extrapolation warning"). A process that already has a real process group
+  (``train`` under torchrun) simulates in a spawned subprocess. Not seen: NCCL's own buffers (outside PyTorch's
+  allocator).
+* ``ddp``: DDP cannot run on fake tensors (its constructor checks parameter data across ranks), and it costs the
+  single-GPU step plus one gradient-sized all-reduce bucket set, allocated at wrap time (measured, §1): that is
+  what is reported.
+* ``zero2``/``zero3`` (DeepSpeed) and ``offload_params`` are not simulated: :func:`estimate_simulated` returns the
+  analytic estimate with a note saying so, :func:`simulate_plan` refuses.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from oomdoctor.engines.replay import RunStats, run_steps
 from oomdoctor.errors import BadInput
+from oomdoctor.execute.shard import mesh_shape
 from oomdoctor.execute.step import PHASES
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
+from oomdoctor.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -37,6 +57,57 @@ if TYPE_CHECKING:  # pragma: no cover
 #: block the backward peak can sit elsewhere, e.g. QLoRA + GC): checked against full simulations in
 #: tests/test_simulate.py.
 EXTRAPOLATE_FROM = (2, 3)
+#: Block counts for FSDP plans: with 2 blocks the root unit's all-gather overlaps differently (2->3 blocks adds more
+#: than every later block; from (2, 3) the 7B N=8 peak came out +22 %, from (3, 4) exact: multi-gpu.md §4).
+EXTRAPOLATE_FROM_SHARDED = (3, 4)
+
+
+def extrapolate_from(plan: "Plan") -> tuple[int, int]:
+    """The two block counts simulated for ``plan`` before extrapolating."""
+    return EXTRAPOLATE_FROM_SHARDED if plan.strategy == "fsdp" else EXTRAPOLATE_FROM
+
+
+def not_simulated(plan: "Plan") -> str | None:
+    """Why the simulated engine cannot run ``plan`` (None: it can)."""
+    if plan.strategy in ("zero2", "zero3"):
+        return f"DeepSpeed ZeRO ({plan.strategy}) is not simulated (a fake-tensor zero.Init was never validated)"
+    if plan.offload_params:
+        return ("parameter offload is not simulated (CPU-offloaded shards and device buffers share one fake CPU "
+                "device)")
+    return None
+
+
+@contextmanager
+def fake_process_group(world_size: int):
+    """A process group of ``world_size`` ranks in which this process is rank 0 and every collective is a no-op
+    (torch's "fake" backend; private API, pinned by tests/test_simulate_fsdp.py). Destroyed on exit."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise BadInput("the simulated engine needs its own (fake) process group, and this process already has one",
+                       "call oomdoctor.engines.simulate.simulate_plan, which runs in a subprocess then")
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:
+        raise BadInput(f"this torch has no fake process group ({exc}): sharded plans cannot be simulated",
+                       "use --engine analytic") from None
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_model(spec, plan, num_layers, bnb_decompose: bool):
+    """The meta-built model of ``plan``, wrapped by FSDP2 (``strategy: fsdp``) on the current process group."""
+    from oomdoctor.execute.build import build_model
+
+    built = build_model(spec, plan, device="meta", num_layers=num_layers, bnb_decompose=bnb_decompose)
+    if plan.strategy == "fsdp":
+        from oomdoctor.execute.shard import apply_fsdp, device_mesh
+
+        apply_fsdp(built.model, plan, device_mesh(plan, "cpu"), "cpu")
+    return built
 
 
 @dataclass
@@ -101,23 +172,25 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
     """One fake-tensor simulation of ``plan`` with ``num_layers`` blocks (None = the spec's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomdoctor.execute.build import build_model, make_batch
+    from oomdoctor.execute.build import make_batch
     from oomdoctor.execute.tracking import LiveBytes
 
-    if plan.offload_params:
-        raise BadInput("the simulated engine does not model --offload-params yet", "use --engine analytic")
-    built = build_model(spec, plan, device="meta", num_layers=num_layers, bnb_decompose=bnb_decompose)
-    model = built.model
-    # no fallback kernels: an op without a fake implementation must never run for real on full-size zeros
-    fake = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
-    with fake, _fake_gaps():
-        model.to_empty(device="cpu")
-        _retie(model)
-        batch = make_batch(spec, plan, "cpu")
-        lb = LiveBytes(round_to=round_to, record_timeline=timeline, param_copy_category="master_weights")
-        stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=built.head_module)
-    stats.layers = built.num_layers
-    del model, built
+    why = not_simulated(plan)
+    if why:
+        raise BadInput(f"the simulated engine cannot run this plan: {why}", "use --engine analytic")
+    with fake_process_group(plan.world_size) if plan.strategy == "fsdp" else nullcontext():
+        built = _sharded_model(spec, plan, num_layers, bnb_decompose)
+        model = built.model
+        # no fallback kernels: an op without a fake implementation must never run for real on full-size zeros
+        fake = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+        with fake, _fake_gaps():
+            model.to_empty(device="cpu")
+            _retie(model)
+            batch = make_batch(spec, plan, "cpu")
+            lb = LiveBytes(round_to=round_to, record_timeline=timeline, param_copy_category="master_weights")
+            stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=built.head_module)
+        stats.layers = built.num_layers
+        del model, built
     return stats
 
 
@@ -147,14 +220,24 @@ def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_
                  steps: int = 2, target: str = "cuda", round_to: int = 512, bnb_decompose: bool = True,
                  seed: int = 0, timeline: bool = False) -> RunStats:
     """The same two steps on REAL tensors on the CPU (random init of the real shape, or ``model``), counted by the
-    same tracker: the reference the fake-tensor replay is checked against."""
+    same tracker: the reference the fake-tensor replay is checked against. ``strategy: fsdp`` plans run on the
+    process group this process is in (e.g. gloo under torchrun): meta build, ``apply_fsdp``, then each rank
+    materializes and initializes its own shards (no full copy per rank)."""
     import torch
 
     from oomdoctor.execute.build import build_model, make_batch
     from oomdoctor.execute.tracking import LiveBytes
 
     torch.manual_seed(seed)
-    if model is None:
+    if model is None and plan.strategy == "fsdp":
+        built = _sharded_model(spec, plan, num_layers, bnb_decompose)
+        model, head, layers = built.model, built.head_module, built.num_layers
+        model.to_empty(device="cpu")
+        _retie(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                getattr(p, "_local_tensor", p).normal_(0, 0.02)
+    elif model is None:
         built = build_model(spec, plan, device="cpu", num_layers=num_layers, seed=seed, bnb_decompose=bnb_decompose)
         model, head, layers = built.model, built.head_module, built.num_layers
     else:
@@ -208,10 +291,16 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
     from oomdoctor.plan import validate
 
     plan = validate(plan)
+    why = not_simulated(plan)
+    if why:
+        raise BadInput(f"the simulated engine cannot run this plan: {why}", "use --engine analytic")
+    if plan.strategy == "fsdp" and _has_process_group():
+        return _in_subprocess(simulate_plan, spec, plan, layers=layers, timeline=timeline, round_to=round_to,
+                              timeline_layers=timeline_layers)
     t0 = time.perf_counter()
     n = spec.num_layers
     period = layer_period(spec) if layers == "auto" else None
-    extrap = period is not None and n % period == 0 and n > (EXTRAPOLATE_FROM[1] + 1) * period
+    extrap = period is not None and n % period == 0 and n > (extrapolate_from(plan)[1] + 1) * period
     try:
         return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1, timeline_layers)
     except BadInput:
@@ -224,10 +313,36 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
         ) from exc
 
 
+def _has_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _in_subprocess(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a fresh spawned interpreter (no process group there); BadInput comes back whole."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        ok, value = pool.submit(_call_reporting, fn, args, kwargs).result()
+    if not ok:
+        raise BadInput(*value)
+    return value
+
+
+def _call_reporting(fn, args, kwargs):
+    try:
+        return True, fn(*args, **kwargs)
+    except BadInput as exc:
+        return False, (exc.message, exc.hint)
+
+
 def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: int, t0: float,
                    period: int = 1, timeline_layers: str = "full") -> SimulationResult:
+    base = extrapolate_from(plan)
     if extrap:
-        la, lb_ = EXTRAPOLATE_FROM[0] * period, EXTRAPOLATE_FROM[1] * period
+        la, lb_ = base[0] * period, base[1] * period
         r2 = simulate_run(spec, plan, la, timeline=False, round_to=round_to)
         r4 = simulate_run(spec, plan, lb_, timeline=False, round_to=round_to)
         runs = (r2, r4)
@@ -243,17 +358,29 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
             phase_peaks[ph] = best_total
         external = {k: ex(r2.external.get(k, 0), r4.external.get(k, 0)) for k in set(r2.external) | set(r4.external)}
         adapter = ex(r2.adapter_bytes, r4.adapter_bytes)
+        trainable = ex(r2.trainable_bytes, r4.trainable_bytes)
         ref = r4
     else:
         r = simulate_run(spec, plan, None, timeline=timeline, round_to=round_to)
         runs = (r,)
         phase_peaks, phase_cats, external, adapter, ref = r.phase_peaks, r.phase_categories, r.external, r.adapter_bytes, r
+        trainable = r.trainable_bytes
     tl_run = ref
     if timeline and extrap and timeline_layers == "full":
         # a plot needs the real curve: one more replay of every block (slower: ~N/5 times the extrapolated cost)
         tl_run = simulate_run(spec, plan, None, timeline=True, round_to=round_to)
     elif timeline and extrap:
-        tl_run = simulate_run(spec, plan, EXTRAPOLATE_FROM[1] * period, timeline=True, round_to=round_to)
+        tl_run = simulate_run(spec, plan, base[1] * period, timeline=True, round_to=round_to)
+    notes = []
+    if plan.strategy == "ddp":
+        phase_peaks, phase_cats = _with_ddp_bucket(phase_peaks, phase_cats, trainable)
+        notes.append(f"ddp: the single-GPU step simulated + one gradient-sized all-reduce bucket set "
+                     f"({format_bytes(trainable)}, allocated when DDP wraps the model); DDP itself cannot run on "
+                     "fake tensors")
+    elif plan.strategy == "fsdp":
+        mesh = "x".join(map(str, mesh_shape(plan)))
+        notes.append(f"fsdp: rank 0 of {plan.world_size} simulated with a fake process group (mesh {mesh}); "
+                     "bytes per rank; NCCL buffers not included")
     peak_phase = max(PHASES, key=lambda ph: phase_peaks.get(ph, -1))
     cats = phase_cats[peak_phase]
     peak = phase_peaks[peak_phase]
@@ -262,7 +389,6 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
     if drift:
         cats = dict(cats, temporaries=cats["temporaries"] + drift)
     seconds = time.perf_counter() - t0
-    notes = []
     if extrap:
         notes.append(f"simulated {runs[0].layers} and {runs[1].layers} blocks, extrapolated linearly to {n}")
     if plan.attn == "flash":
@@ -282,6 +408,15 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         paged_bytes=external.get("paged_optimizer", 0),
         step_peaks=tuple(ref.step_peaks),
     )
+
+
+def _with_ddp_bucket(phase_peaks: dict, phase_cats: dict, bucket: int) -> tuple[dict, dict]:
+    """DDP = the single-GPU step + its gradient buckets (``bucket`` bytes, alive from wrap time through every phase;
+    counted as gradients): multi-gpu.md §1, measured +4Ψ (fp32 grads) at every world size, with or without
+    ``gradient_as_bucket_view`` when gradients are set to None."""
+    peaks = {ph: v + bucket for ph, v in phase_peaks.items()}
+    cats = {ph: dict(c, gradients=c["gradients"] + bucket) for ph, c in phase_cats.items()}
+    return peaks, cats
 
 
 def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, adapter: int, external: dict,
@@ -340,8 +475,21 @@ def device_overheads(spec, plan, transient_bytes: int) -> dict:
 
 
 def estimate_simulated(spec: "ModelSpec", plan: "Plan") -> MemoryBreakdown:
-    """Entry point of ``oomdoctor.memory.estimate(spec, plan, "simulate")``."""
+    """Entry point of ``oomdoctor.memory.estimate(spec, plan, "simulate")``. Plans the simulation cannot run
+    (:func:`not_simulated`: DeepSpeed ZeRO, parameter offload) get the analytic estimate, with a note."""
+    from oomdoctor.plan import validate
+
+    plan = validate(plan)
+    why = not_simulated(plan)
+    if why:
+        import dataclasses
+
+        from oomdoctor.memory.analytic import estimate_analytic
+
+        bd = estimate_analytic(spec, plan)
+        return dataclasses.replace(bd, notes=bd.notes + (f"{why}: analytic estimate",))
     return simulate_plan(spec, plan).breakdown
 
 
-__all__ = ["simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run", "real_cpu_run", "layer_period"]
+__all__ = ["simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run", "real_cpu_run", "layer_period",
+           "fake_process_group", "extrapolate_from", "not_simulated"]

@@ -29,11 +29,37 @@ def _chunk_loss(head: Any, softcap: float | None, h, labels):
     return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+#: Name of the method an FSDP2 root runs the chunked loss through (:func:`_through_fsdp_root`).
+_FSDP_METHOD = "_oomdoctor_chunked_loss"
+
+
+def _through_fsdp_root(model: Any):
+    """The chunked loss as a method of an FSDP2 root (``register_fsdp_forward_method``), or None when ``model`` is not
+    one. The loss calls the decoder and the head directly, not ``model.forward``: without this the root unit
+    (embeddings, final norm, LM head) would never be gathered nor its gradients reduce-scattered."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(model, FSDPModule):
+        return None
+    if _FSDP_METHOD not in vars(model):
+        setattr(model, _FSDP_METHOD, lambda batch, n: _chunked_loss(model, batch, n))
+        register_fsdp_forward_method(model, _FSDP_METHOD)
+    return getattr(model, _FSDP_METHOD)
+
+
 def chunked_causal_lm_loss(model: Any, batch: dict, num_items_in_batch: int | None = None):
-    """The causal-LM loss of ``model`` (a transformers ``*ForCausalLM``, possibly wrapped by peft) on ``batch``
-    (``input_ids``, ``labels``, optional ``attention_mask`` / ``position_ids``), computed chunk by chunk.
+    """The causal-LM loss of ``model`` (a transformers ``*ForCausalLM``, possibly wrapped by peft, possibly the root
+    of an FSDP2 model) on ``batch`` (``input_ids``, ``labels``, optional ``attention_mask`` / ``position_ids``),
+    computed chunk by chunk.
 
     Returns ``sum(token losses) / num_items_in_batch`` (or the mean over target tokens without it)."""
+    fsdp_root = _through_fsdp_root(model)
+    if fsdp_root is not None:
+        return fsdp_root(batch, num_items_in_batch)
+    return _chunked_loss(model, batch, num_items_in_batch)
+
+
+def _chunked_loss(model: Any, batch: dict, num_items_in_batch: int | None):
     import torch
     from torch.utils.checkpoint import checkpoint
 

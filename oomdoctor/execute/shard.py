@@ -74,4 +74,23 @@ def apply_fsdp(model: Any, plan: "Plan", mesh: Any, device_type: str) -> Any:
     return model
 
 
-__all__ = ["apply_fsdp", "decoder_layers", "device_mesh", "mesh_shape"]
+def gathered_buffers(model: Any) -> list[tuple[Any, bool]]:
+    """``(buffer, cast)`` for every sharded parameter's all-gather output: the storage FSDP2 gathers the unsharded
+    parameter into before a unit's forward/backward and frees (``UntypedStorage.resize_(0)``) after it. ``cast``:
+    gathered in a lower compute dtype (``MixedPrecisionPolicy.param_dtype``) than the stored shard. The buffers
+    exist from the unit's first all-gather on (an empty list before the first forward). Reads FSDP2's private
+    ``FSDPParam.all_gather_outputs`` (torch 2.6+), checked by tests/test_simulate_fsdp.py."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        group = mod._get_fsdp_state()._fsdp_param_group
+        for fp in group.fsdp_params if group is not None else ():
+            cast = fp.param_dtype is not None and fp.param_dtype != fp.orig_dtype
+            out.extend((t, cast) for t in fp.all_gather_outputs)
+    return out
+
+
+__all__ = ["apply_fsdp", "decoder_layers", "device_mesh", "gathered_buffers", "mesh_shape"]
