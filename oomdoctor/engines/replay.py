@@ -312,9 +312,8 @@ def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int, trai
     last: dict[str, tuple] = {}
     for name, start, end, _pk in lb.spans():
         last[name] = (start, end)
-    candidates = {
-        ph: [phase_cats[ph], lb.categories_at(last[ph][0]), lb.categories_at(last[ph][1])] for ph in phase_cats
-    }
+    candidates = {ph: [phase_cats[ph]] + [_within(lb.categories_at(ev), phase_cats[ph], peaks[ph]) for ev in last[ph]]
+                  for ph in phase_cats}
     best = max(PHASES, key=lambda ph: peaks.get(ph, -1))
     return RunStats(
         layers=0,
@@ -331,6 +330,14 @@ def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int, trai
         trainable_bytes=trainable_bytes,
         candidates=candidates,
     )
+
+
+def _within(cats: dict[str, int], peak_cats: dict[str, int], phase_peak: int) -> dict[str, int]:
+    """A phase boundary's categories, or the phase peak's when they add up to more than the phase ever held: at the
+    boundary event tensors freed just before the phase began are still counted alive (a death is recorded as "gone
+    after the next event"), e.g. the forward's outputs at the start of backward; that moment belongs to the previous
+    phase, and extrapolating it would overstate this phase (seen with FSDP reshard_after_forward=False)."""
+    return cats if sum(cats.values()) <= phase_peak else peak_cats
 
 
 def _untrack_host_scalars(opt, lb) -> None:
