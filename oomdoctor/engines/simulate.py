@@ -381,6 +381,10 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         mesh = "x".join(map(str, mesh_shape(plan)))
         notes.append(f"fsdp: rank 0 of {plan.world_size} simulated with a fake process group (mesh {mesh}); "
                      "bytes per rank; NCCL buffers not included")
+        if plan.quant is not None:
+            notes.append("fsdp + bitsandbytes: the packed quantized weights are sharded like any parameter (FSDP-QLoRA "
+                         "with bnb_4bit_quant_storage), quantization constants replicated; not checked against a "
+                         "real bitsandbytes FSDP run")
     peak_phase = max(PHASES, key=lambda ph: phase_peaks.get(ph, -1))
     cats = phase_cats[peak_phase]
     peak = phase_peaks[peak_phase]
