@@ -1,7 +1,9 @@
 """Memory engines behind one entry point.
 
 ``estimate(spec, plan, engine=...)``: ``analytic`` (formulas, instant, no torch), ``simulate`` (the real HF step
-replayed on fake tensors) and ``measure`` (the real step on the local CUDA GPU).
+replayed on fake tensors; for ``world_size`` > 1 one rank: FSDP on a fake process group, DDP as the single step plus
+its gradient bucket, ZeRO and parameter offload by the analytic formulas, with a note) and ``measure`` (the real step
+on the local CUDA GPU). Multi-GPU numbers are per rank.
 """
 
 from __future__ import annotations

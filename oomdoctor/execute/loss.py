@@ -37,6 +37,10 @@ def _through_fsdp_root(model: Any):
     """The chunked loss as a method of an FSDP2 root (``register_fsdp_forward_method``), or None when ``model`` is not
     one. The loss calls the decoder and the head directly, not ``model.forward``: without this the root unit
     (embeddings, final norm, LM head) would never be gathered nor its gradients reduce-scattered."""
+    import torch.distributed as dist
+
+    if not dist.is_available():  # torch built without distributed support: no FSDP either
+        return None
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
     if not isinstance(model, FSDPModule):
