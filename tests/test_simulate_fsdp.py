@@ -95,13 +95,13 @@ def test_livebytes_equals_torch_fsdp_mem_tracker_on_fsdp2(tiny_config):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from oomdoctor.engines.simulate import _sharded_model, fake_process_group
+    from oomdoctor.engines.simulate import _meta_model, fake_process_group
     from oomdoctor.execute.build import make_batch
     from oomdoctor.execute.tracking import LiveBytes
 
     spec, plan = _spec(tiny_config), _fsdp(2)
     with fake_process_group(2):
-        model = _sharded_model(spec, plan, None, True).model
+        model = _meta_model(spec, plan, None, True).model
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             batch = make_batch(spec, plan)
@@ -234,6 +234,10 @@ def test_ddp_is_the_single_gpu_step_plus_one_gradient_bucket(tiny_config):
     assert b.gradients - a.gradients == grads
     assert b.tensor_sum() == b.peak_allocated
     assert any("bucket" in n and "fake tensors" in n for n in b.notes)
+    from oomdoctor.engines.simulate import simulate_plan
+
+    plot = simulate_plan(spec, ddp, timeline=True)
+    assert max(sum(c.values()) for _, _, c in plot.timeline) == b.peak_allocated
 
 
 @pytest.mark.parametrize("kw", [dict(strategy="zero2"), dict(strategy="zero3"), dict(strategy="fsdp", offload_params=True)])

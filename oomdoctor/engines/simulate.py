@@ -98,8 +98,8 @@ def fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
-def _sharded_model(spec, plan, num_layers, bnb_decompose: bool):
-    """The meta-built model of ``plan``, wrapped by FSDP2 (``strategy: fsdp``) on the current process group."""
+def _meta_model(spec, plan, num_layers, bnb_decompose: bool):
+    """The meta-built model of ``plan``; wrapped by FSDP2 on the current process group when ``strategy: fsdp``."""
     from oomdoctor.execute.build import build_model
 
     built = build_model(spec, plan, device="meta", num_layers=num_layers, bnb_decompose=bnb_decompose)
@@ -179,7 +179,7 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
     if why:
         raise BadInput(f"the simulated engine cannot run this plan: {why}", "use --engine analytic")
     with fake_process_group(plan.world_size) if plan.strategy == "fsdp" else nullcontext():
-        built = _sharded_model(spec, plan, num_layers, bnb_decompose)
+        built = _meta_model(spec, plan, num_layers, bnb_decompose)
         model = built.model
         # no fallback kernels: an op without a fake implementation must never run for real on full-size zeros
         fake = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
@@ -230,7 +230,7 @@ def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_
 
     torch.manual_seed(seed)
     if model is None and plan.strategy == "fsdp":
-        built = _sharded_model(spec, plan, num_layers, bnb_decompose)
+        built = _meta_model(spec, plan, num_layers, bnb_decompose)
         model, head, layers = built.model, built.head_module, built.num_layers
         model.to_empty(device="cpu")
         _retie(model)
@@ -372,8 +372,11 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
     elif timeline and extrap:
         tl_run = simulate_run(spec, plan, base[1] * period, timeline=True, round_to=round_to)
     notes = []
+    timeline_samples = tl_run.timeline
     if plan.strategy == "ddp":
         phase_peaks, phase_cats = _with_ddp_bucket(phase_peaks, phase_cats, trainable)
+        bucket = tl_run.trainable_bytes  # of the model the timeline comes from
+        timeline_samples = [(ev, ph, dict(c, gradients=c["gradients"] + bucket)) for ev, ph, c in tl_run.timeline]
         notes.append(f"ddp: the single-GPU step simulated + one gradient-sized all-reduce bucket set "
                      f"({format_bytes(trainable)}, allocated when DDP wraps the model); DDP itself cannot run on "
                      "fake tensors")
@@ -402,7 +405,7 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
     bd = breakdown_from(cats, peak, peak_phase, phase_peaks, adapter, external, spec, plan, notes)
     return SimulationResult(
         breakdown=bd,
-        timeline=tl_run.timeline,
+        timeline=timeline_samples,
         phase_peaks=phase_peaks,
         phase_categories=phase_cats,
         seconds=seconds,
