@@ -26,8 +26,9 @@ below is a small function citing where it comes from:
   sharded weights, gradients and optimizer states (the step runs on the CPU). Host RAM per node = ranks per node ×
   per-rank host bytes, × DeepSpeed's ``additional_buffer_factor`` 1.5 for ZeRO (its estimators' "per CPU" column).
 
-The load phase (``load_device_bytes``): ``from_pretrained`` on every rank puts a full copy on each (single, ddp; and
-ZeRO-2, whose engine takes the loaded model); ``oomdoctor train`` builds fsdp models on the meta device and
+The load phase (``RankStates.load``): ``from_pretrained`` on every rank puts a full copy on each (single, ddp; ZeRO-2
+casts it to the compute dtype before moving it to the device, the full stored copy stays in host RAM);
+``oomdoctor train`` builds fsdp models on the meta device and
 materializes the shards only; ZeRO-3 ``zero.Init`` partitions at construction (one layer gathered).
 
 Limits: activations are the single-GPU formulas at the per-rank micro-batch, the autocast step's (an upper bound
@@ -236,7 +237,9 @@ def zero2(c: Ctx, t: SingleTerms) -> RankStates:
     bucket = zero_bucket_elems(c) * bc
     buffers = {p: bucket for p in ("forward", "backward", "optimizer-step")}
     scale = grads / t.gradients if t.gradients else 0.0
-    load = t.parameters  # from_pretrained on every rank, then deepspeed.initialize casts and partitions
+    # from_pretrained loads every rank's full copy in host RAM; the engine casts it (``module.bfloat16()``) and
+    # only then moves it to the device (DeepSpeedEngine._configure_distributed_model)
+    load = params
     host_load = c.wb * _numel(c)
     if c.plan.offload_optimizer:
         # offload_optimizer: fp32 master, states and fp32 gradients on the host; the GPU keeps 2Ψ (the estimator)
