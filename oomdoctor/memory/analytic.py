@@ -78,8 +78,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     ga = plan.grad_accum > 1
 
     # ---- model states
-    streamed = prm.streamed_weight_bytes(c)
-    P = prm.parameter_bytes(c) - streamed
+    P = prm.parameter_bytes(c)
     A = adapter_bytes(c)
     G = grads.gradient_bytes(c)
     opt = optm.optimizer_memory(c)
@@ -163,7 +162,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
 
     phases: dict[str, tuple[int, dict[str, int]]] = {}
     # ---- per rank: the strategy's shards, gathered units and buckets on top of the single-GPU terms (sharding.py)
-    rs = shd.rank_states(c, shd.SingleTerms(parameters=prm.parameter_bytes(c), gradients=G, optimizer_states=O,
+    rs = shd.rank_states(c, shd.SingleTerms(parameters=P, gradients=G, optimizer_states=O,
                                             optimizer_host=opt.cpu, step_temporaries=opt.temporaries))
 
     def rank(phase: str, d: dict[str, int]) -> dict[str, int]:
@@ -228,7 +227,6 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     nccl = rt.nccl_buffer_bytes(c)
     reserved = peak_alloc + slack + cublas
     device_peak = reserved + ctx_bytes + nccl + opt.paged
-    host = opt.cpu + streamed if plan.strategy == "single" else rs.host
 
     return MemoryBreakdown(
         **{c: comps[c] for c in TENSOR_COMPONENTS},
@@ -237,7 +235,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         cuda_context=ctx_bytes,
         cublas_workspace=cublas,
         paged_optimizer=opt.paged,
-        cpu_offloaded=host + cpu_act,
+        cpu_offloaded=rs.host + cpu_act,
         comm_buffers=rs.comm_buffers(peak_phase) if plan.strategy != "single" else 0,
         nccl_buffers=nccl,
         host_per_node=shd.host_per_node(rs, plan.world_size) + cpu_act * plan.world_size,
@@ -283,8 +281,6 @@ def _notes(c: Ctx) -> list[str]:
         notes.append("eager attention saves fp32 B*heads*S^2 probabilities per layer (grows with seq_len^2)")
     if plan.grad_accum > 1:
         notes.append("grad_accum > 1: gradients stay allocated through every micro-batch's forward/backward")
-    if plan.offload_params:
-        notes.append("offload_params: two blocks' weights resident at a time (double-buffered streaming)")
     if plan.offload_activations:
         notes.append("offload_activations: every saved tensor (weight casts included) goes to host memory (save_on_cpu); "
                      "backward copies one node's tensors back at a time")

@@ -41,8 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from oomdoctor.memory.context import Ctx
+from oomdoctor.memory.runtime import NCCL_BUFFER_BYTES
 from oomdoctor.memory.gradients import param_bytes_per_trainable, trainable_numel
 from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
+from oomdoctor.units import format_bytes
 
 #: DeepSpeed's estimators multiply host memory by this (``additional_buffer_factor=1.5`` in
 #: ``deepspeed/runtime/zero/stage_1_and_2.py`` / ``stage3.py`` ``estimate_zero*_model_states_mem_needs``).
@@ -63,7 +65,7 @@ class SingleTerms:
     """The single-GPU terms the strategies start from (``analytic.py`` computes them)."""
 
     parameters: int
-    """Every stored weight (quantization constants and adapters included), none streamed."""
+    """Every stored weight (quantization constants and adapters included)."""
     gradients: int
     """Every gradient of a trainable parameter."""
     optimizer_states: int
@@ -269,8 +271,8 @@ def zero3(c: Ctx, t: SingleTerms) -> RankStates:
     buffers = {p: bucket * bc for p in phases}
     scale = grads / t.gradients if t.gradients else 0.0
     host_load = FP32 * units(c).largest_layer  # zero.Init: one layer at a time (estimator, zero_init=1)
-    kw = dict(host_load=host_load, load=params + zero3_gathered_bytes(c), amp_copies=False,
-              host_factor=DEEPSPEED_HOST_BUFFER_FACTOR)
+    load = (0 if c.plan.offload_params else params) + zero3_gathered_bytes(c)  # zero.Init: partitions + one layer
+    kw = dict(host_load=host_load, load=load, amp_copies=False, host_factor=DEEPSPEED_HOST_BUFFER_FACTOR)
     if c.plan.offload_params:
         return RankStates(0, 0.0, 0, 0, gathered_by, buffers, host=params + grads + opt, **kw)
     if c.plan.offload_optimizer:
@@ -311,9 +313,6 @@ def notes(c: Ctx) -> list[str]:
     p = c.plan
     if p.strategy == "single":
         return []
-    from oomdoctor.units import format_bytes
-    from oomdoctor.memory.runtime import NCCL_BUFFER_BYTES
-
     out = [f"per rank of {p.world_size} ({p.strategy}); activations of the per-rank micro-batch"]
     if p.strategy == "ddp":
         out.append("ddp: a full replica per rank + gradient buckets as large as the gradients (kept from "
