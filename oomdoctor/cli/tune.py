@@ -175,7 +175,7 @@ def _print(r, written=None) -> None:
                   "rough, for ranking)")
     parts = [(LABELS.get(c, c), getattr(m, c)) for c in TENSOR_COMPONENTS if getattr(m, c)]
     parts += [(LABELS.get(c, c), getattr(m, c)) for c in ("allocator_slack", "cuda_context", "cublas_workspace",
-                                                          "paged_optimizer") if getattr(m, c)]
+                                                          "nccl_buffers", "paged_optimizer") if getattr(m, c)]
     con.print("      " + ", ".join(f"{n} {format_bytes(v)}" for n, v in parts))
 
     if r.strategies:
