@@ -162,8 +162,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
 
     phases: dict[str, tuple[int, dict[str, int]]] = {}
     # ---- per rank: the strategy's shards, gathered units and buckets on top of the single-GPU terms (sharding.py)
-    rs = shd.rank_states(c, shd.SingleTerms(parameters=P, gradients=G, optimizer_states=O,
-                                            optimizer_host=opt.cpu, step_temporaries=opt.temporaries))
+    rs = shd.rank_states(c, shd.single_terms(c))
 
     def rank(phase: str, d: dict[str, int]) -> dict[str, int]:
         return d if plan.strategy == "single" else _per_rank(phase, d, rs)

@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 
 from oomdoctor.memory.context import Ctx
 from oomdoctor.memory.runtime import NCCL_BUFFER_BYTES
-from oomdoctor.memory.gradients import param_bytes_per_trainable, trainable_numel
+from oomdoctor.memory.gradients import gradient_bytes, param_bytes_per_trainable, trainable_numel
+from oomdoctor.memory.optimizer import optimizer_memory
+from oomdoctor.memory.parameters import parameter_bytes
 from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
 from oomdoctor.units import format_bytes
 
@@ -109,10 +111,6 @@ class RankStates:
 
 def single_terms(c: Ctx) -> SingleTerms:
     """The single-GPU terms of ``c`` (``parameters``, ``gradients``, ``optimizer`` modules)."""
-    from oomdoctor.memory.gradients import gradient_bytes
-    from oomdoctor.memory.optimizer import optimizer_memory
-    from oomdoctor.memory.parameters import parameter_bytes
-
     opt = optimizer_memory(c)
     return SingleTerms(parameters=parameter_bytes(c), gradients=gradient_bytes(c), optimizer_states=opt.device,
                        optimizer_host=opt.cpu, step_temporaries=opt.temporaries)
@@ -136,10 +134,8 @@ class Units:
 def units(c: Ctx) -> Units:
     """Unit sizes from the spec's module inventory (plus LoRA adapters, which sit inside the blocks)."""
     s = c.sums
-    total = s.linear_numel + s.head_numel + s.embed_numel + s.other_numel
     L = max(c.spec.num_layers, 1)
-    adapters = c.lora_numel // L
-    return Units(root=total - s.per_layer_numel * L, block=s.per_layer_numel + adapters,
+    return Units(root=_numel(c) - c.lora_numel - s.per_layer_numel * L, block=s.per_layer_numel + c.lora_numel // L,
                  largest_layer=s.max_tensor_numel)
 
 
@@ -152,9 +148,7 @@ def _compute_bytes(c: Ctx) -> int:
 def gathered_unit_bytes(c: Ctx, numel: int, single_params: int) -> int:
     """Bytes of ``numel`` gathered weights: b_c each, or, for a quantized base, their share of the stored bytes."""
     if c.quant is not None:
-        s = c.sums
-        total = s.linear_numel + s.head_numel + s.embed_numel + s.other_numel + c.lora_numel
-        return int(single_params * numel / max(total, 1))
+        return int(single_params * numel / max(_numel(c), 1))
     return numel * _compute_bytes(c)
 
 
@@ -281,6 +275,7 @@ def zero3(c: Ctx, t: SingleTerms) -> RankStates:
 
 
 def _numel(c: Ctx) -> int:
+    """Ψ: every parameter, LoRA adapters included."""
     s = c.sums
     return s.linear_numel + s.head_numel + s.embed_numel + s.other_numel + c.lora_numel
 
