@@ -5,6 +5,8 @@ Prints one row per case: median wall time of N runs, the goal, and whether the m
 
 - ``oomdoctor --help`` in a fresh interpreter (goal: instant; heavy imports are lazy).
 - The analytic estimate of 192 plans of a 70B Llama (goal: < 1 s in total, ~0.25 ms per plan).
+- ``tune`` of Llama-2-7B on 8 GPUs, every technique stack climbing the strategy ladder, no verification (goal:
+  < 3 s per decision, issue 13).
 - ``load_spec`` of an unknown id when nothing listens at the hub endpoint (goal: one refused connection, not
   huggingface_hub's retries of about 20 s).
 
@@ -35,6 +37,14 @@ ANALYTIC = (
     " ('adamw','adamw-8bit','paged-adamw-8bit','adafactor'), (False, True), (1, 2, 4, 8))]\n"
     "t = time.perf_counter()\n"
     "for p in plans: estimate_analytic(s, p)\n"
+    "print(time.perf_counter() - t)\n"
+)
+
+TUNE_MULTI = (
+    "import time\n"
+    "from oomdoctor.tune.tuner import tune\n"
+    "t = time.perf_counter()\n"
+    "tune('meta-llama/Llama-2-7b-hf', gpu_mem=24 * 10**9, pins={'world_size': 8}, gpu=None, verify_mode='none')\n"
     "print(time.perf_counter() - t)\n"
 )
 
@@ -71,6 +81,7 @@ def main() -> None:
     cases = [
         ("oomdoctor --help, fresh process", lambda: _wall(HELP, base), 1.5),
         ("analytic estimate, 192 plans of a 70B", lambda: _inner(ANALYTIC, base), 1.0),
+        ("tune Llama-2-7B on 8 GPUs (strategy ladder)", lambda: _inner(TUNE_MULTI, base), 3.0),
         ("unknown id, hub unreachable, fresh process", lambda: _wall(HUB, hub_env), 15.0),
     ]
     print(f"{'case':<46} {'median s':>9} {'goal s':>7}  ok")

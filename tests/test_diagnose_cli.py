@@ -149,3 +149,36 @@ def test_smaller_model_never_contradicts_the_advice():
         rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single))
                       for r in rep.results)
         assert not (rescued and rep.smaller_model)
+
+
+def test_gpus_span_the_strategies_per_rank(capsys):
+    """--gpus 8 without --strategy prices each stack under ddp, fsdp, zero2 and zero3, per GPU (issue 13)."""
+    args = ["diagnose", "meta-llama/Llama-2-7b-hf", "--gpus", "8", "--method", "full", "--precision", "bf16-mixed",
+            "--gradient-checkpointing", "--gpu-mem", "24GB", "--json"]
+    code, out, _ = run_ok(args, capsys)
+    assert code in (0, None)
+    plans = [p for p in json.loads(out)["plans"] if p["settings"]["optimizer"] == "adamw"]
+    by = {(p["settings"]["strategy"], p["settings"]["offload_optimizer"]): p for p in plans}
+    assert set(by) == {("ddp", False), ("fsdp", False), ("zero2", False), ("zero2", True), ("zero3", False),
+                       ("zero3", True)}
+    assert all(p["settings"]["world_size"] == 8 for p in plans)
+    assert by[("ddp", False)]["fits"] is False and by[("fsdp", False)]["fits"] is True
+    assert by[("fsdp", False)]["memory"]["comm_buffers_bytes"] > 0
+    assert by[("fsdp", False)]["memory"]["nccl_buffers_bytes"] > 0
+    assert by[("zero3", True)]["memory"]["host_per_node_bytes"] > 100 * 2**30  # DeepSpeed: 150.65 GiB per CPU
+    assert by[("fsdp", False)]["memory"]["host_per_node_bytes"] == 0
+    ddp_advice = by[("ddp", False)]["advice"]
+    assert any(c["id"] == "strategy:fsdp" and c["fits"] for c in ddp_advice["changes"])
+
+
+def test_topology_flags_pin_and_render(capsys):
+    args = ["diagnose", "meta-llama/Llama-2-7b-hf", "--gpus", "8", "--strategy", "fsdp", "--shard-group", "4",
+            "--no-reshard-after-forward", "--method", "full", "--precision", "bf16-mixed", "--optimizer", "adamw",
+            "--gradient-checkpointing", "--gpu-mem", "80GB"]
+    code, out, _ = run_ok(args, capsys)
+    assert code in (0, None)
+    assert "per GPU of 8" in out and "hsdp 2x4" in out and "keep-gathered" in out
+    assert "NCCL buffers" in out
+    code, _, err = run_cli(["diagnose", "meta-llama/Llama-2-7b-hf", "--gpus", "8", "--strategy", "ddp",
+                            "--bucket-size", "0", "--method", "full"], capsys)
+    assert code != 0 and "bucket_size" in err and "Traceback" not in err

@@ -298,3 +298,74 @@ def test_cli_tune_emit_trl(tmp_path, monkeypatch, capsys, gpu_bf16):
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2 and "exists" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- several GPUs
+
+MULTI: dict[str, Plan] = {
+    "ddp": Plan(method="lora", precision="bf16", world_size=2, strategy="ddp", micro_batch=2, seq_len=1024),
+    "fsdp": Plan(method="full", precision="bf16-mixed", gradient_checkpointing=True, world_size=8, strategy="fsdp"),
+    "hsdp": Plan(method="full", precision="bf16-mixed", world_size=16, strategy="fsdp", shard_group=8,
+                 reshard_after_forward=False),
+    "fsdp-offload": Plan(method="full", precision="bf16-mixed", world_size=4, strategy="fsdp", offload_params=True),
+    "zero3-offload": Plan(method="full", precision="bf16-mixed", world_size=8, strategy="zero3",
+                          offload_optimizer=True),
+    "zero2": Plan(method="full", precision="bf16-mixed", world_size=8, strategy="zero2", bucket_size=10**7),
+}
+
+
+@pytest.mark.parametrize("name", list(MULTI))
+def test_accelerate_launch_config_for_each_strategy(name, spec7b, tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    plan = MULTI[name]
+    req = EmitRequest(plan=plan, model=LLAMA7B, spec=spec7b, dataset="d.jsonl",
+                      gpus_per_node=8 if plan.world_size > 8 else None)
+    em = emit("accelerate", req)
+    path = _write(tmp_path, "acc.yaml", em.text)
+    cfg = load_config_from_file(path)
+    assert cfg.num_processes == plan.world_size and cfg.num_machines == plan.world_size // min(plan.world_size, 8)
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", path, "train.py"]))
+    assert args.num_processes == plan.world_size
+    if plan.strategy == "ddp":
+        assert args.multi_gpu and not args.use_fsdp and not args.use_deepspeed
+    elif plan.strategy == "fsdp":
+        assert args.use_fsdp and int(args.fsdp_version) == 2
+        assert args.fsdp_transformer_layer_cls_to_wrap == "LlamaDecoderLayer"
+        assert args.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+        assert str(args.fsdp_reshard_after_forward).lower() == str(plan.reshard_after_forward).lower()
+        assert str(args.fsdp_offload_params).lower() == str(plan.offload_params).lower()
+        if plan.shard_group:
+            assert cfg.parallelism_config == {"parallelism_config_dp_replicate_size": 2,
+                                              "parallelism_config_dp_shard_size": 8}
+    else:
+        assert args.use_deepspeed and args.zero_stage == (3 if plan.strategy == "zero3" else 2)
+        assert args.offload_optimizer_device == ("cpu" if plan.offload_optimizer else "none")
+        if plan.bucket_size:
+            assert any("bucket_size 10,000,000: not expressible" in n for n in em.notes)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "hsdp", "zero3-offload", "zero2"])
+def test_hf_and_trl_set_fsdp_or_deepspeed(name, spec7b, tmp_path, gpu_bf16):
+    from transformers import HfArgumentParser, TrainingArguments
+
+    plan = MULTI[name]
+    em = emit("hf", _request(spec7b, plan))
+    (args,) = HfArgumentParser(TrainingArguments).parse_json_file(_write(tmp_path, "hf.json", em.text),
+                                                                  allow_extra_keys=True)
+    assert any("torchrun --nproc-per-node" in n for n in em.notes)
+    if plan.strategy == "fsdp":
+        assert args.fsdp_config["version"] == 2
+        assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+        assert args.fsdp_config["reshard_after_forward"] is plan.reshard_after_forward
+        assert (any("shard_group 8 (HSDP): not expressible" in n for n in em.notes)) is bool(plan.shard_group)
+    else:
+        zero = args.deepspeed["zero_optimization"]
+        assert zero["stage"] == (3 if plan.strategy == "zero3" else 2)
+        assert zero["reduce_bucket_size"] == (plan.bucket_size or 4096 ** 2)
+        assert ("offload_optimizer" in zero) is plan.offload_optimizer
+        assert not any(n.startswith("offload_optimizer: not expressible") for n in em.notes)
+    trl = emit("trl", _request(spec7b, plan))
+    _, sft, _, _ = _trl_parse(_write(tmp_path, "trl.yaml", trl.text))
+    assert (sft.deepspeed is not None) is (plan.strategy != "fsdp")

@@ -17,6 +17,9 @@ config.json, or a config.json path. Flags you give pin that technique; the table
 (or a GPU found through NVML) each plan gets a fit verdict, and plans that do not fit get the smallest changes
 that make them fit, with the bytes each saves.
 
+Several GPUs: --gpus N prices one rank of N data-parallel GPUs (every number is per GPU) under each strategy (DDP,
+FSDP, DeepSpeed ZeRO-2/3; pin one with --strategy); offload plans also show the host RAM a node needs.
+
 Techniques, correctly: LoRA is Low-Rank Adaptation (peft: frozen base + rank-r adapters). AdamW keeps exactly
 Adam's two states (decoupled weight decay costs nothing); leaner are 8-bit/paged AdamW, Adafactor, Lion, SGD.
 Gradient checkpointing is the biggest activation saver. Efficient init means building on the meta device and
@@ -42,6 +45,12 @@ def diagnose(
     quant: Optional[str] = plan_option("quant"),
     double_quant: Optional[bool] = plan_option("double_quant"),
     offload: Optional[str] = offload_option(),
+    world_size: Optional[int] = plan_option("world_size", "1"),
+    strategy: Optional[str] = plan_option("strategy", "single on one GPU; with --gpus N > 1 ddp, fsdp, zero2, "
+                                                      "zero3 spanned"),
+    shard_group: Optional[int] = plan_option("shard_group", "every rank"),
+    reshard_after_forward: Optional[bool] = plan_option("reshard_after_forward", "on"),
+    bucket_size: Optional[int] = plan_option("bucket_size", "hidden^2 for ZeRO"),
     micro_batch: Optional[int] = plan_option("micro_batch", "1"),
     seq_len: Optional[int] = plan_option("seq_len", "min(2048, model max)"),
     gpu_mem: Optional[str] = typer.Option(None, help="card size: 24GB (10^9), 24GiB (2^30), 24000MiB; default: NVML"),
@@ -62,7 +71,8 @@ def diagnose(
         gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
         optimizer_in_backward=optimizer_in_backward, lora_targets=lora_targets,
         lora_on_head=lora_on_head, quant=quant, double_quant=double_quant, offload=offload,
-        micro_batch=micro_batch, seq_len=seq_len,
+        micro_batch=micro_batch, seq_len=seq_len, world_size=world_size, strategy=strategy, shard_group=shard_group,
+        reshard_after_forward=reshard_after_forward, bucket_size=bucket_size,
     )
     capacity = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
     report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top)

@@ -43,8 +43,10 @@ def plan_table(report) -> Table:
     """One row per plan; on terminals narrower than 130 columns a compact set of columns."""
     first = report.results[0].plan
     compact = console.width < 130
+    ranks = f", per GPU of {first.world_size}" if first.world_size > 1 else ""
+    host = any(r.memory.host_per_node for r in report.results)
     t = Table(
-        title=f"Training memory per plan, GiB  (micro-batch {first.micro_batch} x {first.seq_len} tokens, "
+        title=f"Training memory per plan, GiB  (micro-batch {first.micro_batch} x {first.seq_len} tokens{ranks}, "
         f"engine: {report.engine})",
         header_style="bold",
         box=box.SIMPLE_HEAD,
@@ -52,6 +54,8 @@ def plan_table(report) -> Table:
     )
     cols = (("#", "plan", "states", "activ.", "peak dev", "fits") if compact else
             ("#", "plan", "weights", "grads", "optim", "activ.", "logits", "other", "peak alloc", "peak dev", "fits"))
+    if host:
+        cols = cols[:-1] + ("host/node",) + cols[-1:]
     for name in cols:
         if name == "plan":
             t.add_column(name, min_width=26, overflow="fold")
@@ -66,12 +70,15 @@ def plan_table(report) -> Table:
         else:
             cells = (_g(m.parameters), _g(m.gradients), _g(optim), _g(m.activations), _g(m.logits),
                      _g(m.master_weights + m.temporaries), _g(m.peak_allocated), _g(m.peak_device))
+        if host:
+            cells += (_g(m.host_per_node) if m.host_per_node else "-",)
         t.add_row(str(i), r.plan.label(), *cells, FIT[r.fits])
     return t
 
 
 def breakdown_table(m) -> Table:
-    t = Table(title="Breakdown at the peak", header_style="bold")
+    t = Table(title="Breakdown at the peak" + (" (one GPU of the plan)" if m.nccl_buffers else ""),
+              header_style="bold")
     t.add_column("component")
     t.add_column("bytes", justify="right")
     t.add_column("GiB", justify="right")
@@ -82,11 +89,16 @@ def breakdown_table(m) -> Table:
     t.add_row("[bold]peak allocated[/] (" + m.peak_phase + ")", f"{m.peak_allocated:,}", _g(m.peak_allocated))
     t.add_row(LABELS["allocator_slack"], f"{m.allocator_slack:,}", _g(m.allocator_slack))
     t.add_row("[bold]peak reserved[/]", f"{m.peak_reserved:,}", _g(m.peak_reserved))
-    for key in ("cuda_context", "cublas_workspace", "paged_optimizer"):
-        t.add_row(LABELS[key], f"{getattr(m, key):,}", _g(getattr(m, key)))
+    for key in ("cuda_context", "cublas_workspace", "nccl_buffers", "paged_optimizer"):
+        if key != "nccl_buffers" or m.nccl_buffers:
+            t.add_row(LABELS[key], f"{getattr(m, key):,}", _g(getattr(m, key)))
     t.add_row("[bold]peak device[/] (nvidia-smi)", f"{m.peak_device:,}", _g(m.peak_device))
+    if m.comm_buffers:
+        t.add_row(LABELS["comm_buffers"] + " (of the above, at the peak)", f"{m.comm_buffers:,}", _g(m.comm_buffers))
     if m.cpu_offloaded:
         t.add_row(LABELS["cpu_offloaded"] + " (host RAM)", f"{m.cpu_offloaded:,}", _g(m.cpu_offloaded))
+    if m.host_per_node:
+        t.add_row(LABELS["host_per_node"], f"{m.host_per_node:,}", _g(m.host_per_node))
     return t
 
 
@@ -130,6 +142,10 @@ def print_diagnose(report) -> None:
         "upcast + loss; other: AMP weight copies + temporaries; peak alloc: tensor bytes (max_memory_allocated); "
         "peak dev: + allocator slack, CUDA context, cuBLAS workspace (what nvidia-smi shows).[/]"
     )
+    if any(r.plan.world_size > 1 for r in report.results):
+        console.print("[dim]several GPUs: every number is one GPU's (the largest rank); weights/grads include the "
+                      "gathered units and communication buckets; peak dev adds NCCL's buffers; host/node: host RAM "
+                      "one node needs for offloaded states (every rank on one node).[/]")
     if len(report.results) == 1:
         console.print(breakdown_table(report.results[0].memory))
         for note in report.results[0].memory.notes:

@@ -24,6 +24,11 @@ most faithful plan (full > LoRA > QLoRA, fp32 master weights > pure bf16, 32-bit
 no gradient checkpointing > checkpointing), then the fastest; --prefer speed ranks by estimated throughput first.
 Verification: on a GPU a child process runs 2 real steps at --seq-len (steps down on OOM); without one, the
 simulated engine replays the Hugging Face step on fake tensors, and the output says so.
+
+Several GPUs: --gpus N (--gpus-per-node M) prices one rank per plan and climbs the strategies cheapest first: DDP
+when it fits, then FSDP (HSDP across nodes), CPU offload last with the host RAM per node it needs; DeepSpeed
+ZeRO-2/3 only with --strategy zero2|zero3. --global-batch is the batch over every GPU (micro-batch x accumulation x
+GPUs).
 """
 HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
 
@@ -57,6 +62,15 @@ def tune(
     quant: Optional[str] = plan_option("quant"),
     double_quant: Optional[bool] = plan_option("double_quant"),
     offload: Optional[str] = offload_option(),
+    world_size: Optional[int] = plan_option("world_size", "1"),
+    gpus_per_node: Optional[int] = typer.Option(
+        None, "--gpus-per-node", help="GPUs per node (default --gpus: one node); more nodes: FSDP shards inside a "
+                                      "node and replicates across nodes (HSDP), host RAM is checked per node"),
+    strategy: Optional[str] = plan_option("strategy", "ddp when it fits, else fsdp, offload last; zero2/zero3 only "
+                                                      "when given"),
+    shard_group: Optional[int] = plan_option("shard_group", "one node"),
+    reshard_after_forward: Optional[bool] = plan_option("reshard_after_forward", "on"),
+    bucket_size: Optional[int] = plan_option("bucket_size", "hidden^2 for ZeRO"),
     verify: str = typer.Option("auto", help="auto (GPU if present, else simulate) | gpu | simulate | none"),
     output: Optional[str] = typer.Option(
         None, "--output", "-o", help="YAML to write (default ./oomdoctor-plan.yaml, or -2, -3... if it exists)"),
@@ -98,6 +112,8 @@ def tune(
         gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
         optimizer_in_backward=optimizer_in_backward, lora_targets=lora_targets,
         lora_on_head=lora_on_head, quant=quant, double_quant=double_quant, offload=offload,
+        world_size=world_size, strategy=strategy, shard_group=shard_group,
+        reshard_after_forward=reshard_after_forward, bucket_size=bucket_size,
     )
     if output is not None and os.path.exists(output) and not force:
         raise BadInput(f"--output {output} exists; not overwriting it",
@@ -107,7 +123,7 @@ def tune(
     if micro_batch is not None:
         pins["micro_batch"] = micro_batch
     result = run_tune(model, gpu_mem=cap, seq_len=seq, global_batch=global_batch, method=method, prefer=prefer,
-                      margin=margin, pins=pins, verify_mode=verify)
+                      margin=margin, pins=pins, verify_mode=verify, gpus_per_node=gpus_per_node)
     written = None
     if emit == "oomdoctor":
         path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)
@@ -148,7 +164,8 @@ def _print(r, written=None) -> None:
               f"{format_bytes(r.budget.margin_bytes)} -> budget {format_bytes(r.budget_bytes)}")
     con.print(f"\n[bold green]plan[/]  {p.label()}")
     eff = f"effective batch {p.effective_batch}" + (" (exact)" if r.batch.exact and r.global_batch else "")
-    con.print(f"      micro-batch {p.micro_batch} x gradient accumulation {p.grad_accum} = {eff}; "
+    gpus = f" x {p.world_size} GPUs" if p.world_size > 1 else ""
+    con.print(f"      micro-batch {p.micro_batch} x gradient accumulation {p.grad_accum}{gpus} = {eff}; "
               f"largest micro-batch that fits: {r.batch.max_micro_batch}")
     evictable = f" (+ {format_bytes(m.paged_optimizer)} paged optimizer state, evictable)" if m.paged_optimizer else ""
     con.print(f"      predicted resident peak {format_bytes(r.budget.needed(m))}{evictable} ({m.peak_phase}) of "
@@ -158,9 +175,19 @@ def _print(r, written=None) -> None:
                   "rough, for ranking)")
     parts = [(LABELS.get(c, c), getattr(m, c)) for c in TENSOR_COMPONENTS if getattr(m, c)]
     parts += [(LABELS.get(c, c), getattr(m, c)) for c in ("allocator_slack", "cuda_context", "cublas_workspace",
-                                                          "paged_optimizer") if getattr(m, c)]
+                                                          "nccl_buffers", "paged_optimizer") if getattr(m, c)]
     con.print("      " + ", ".join(f"{n} {format_bytes(v)}" for n, v in parts))
 
+    if r.strategies:
+        st = Table(title=f"strategies on {r.topology.world_size} GPUs ({r.topology.gpus_per_node} per node), "
+                         "cheapest communication first", title_justify="left")
+        for col in ("strategy", "per GPU", "host RAM/node", "verdict"):
+            st.add_column(col)
+        for s in r.strategies:
+            st.add_row(s.label, format_bytes(s.needed_bytes),
+                       format_bytes(s.host_per_node_bytes) if s.host_per_node_bytes else "-",
+                       "[green]chosen[/]" if s.reason == "chosen" else s.reason)
+        con.print(st)
     if r.trials:
         t = Table(title=f"verification: {r.verification}", title_justify="left")
         for col in ("trial", "plan", "micro x accum", "outcome", "predicted", "measured", "time"):
@@ -183,8 +210,8 @@ def _print(r, written=None) -> None:
                     f"{c.throughput.tokens_per_s:,.0f}" if c.throughput else "-")
     con.print(alt)
     if r.memory.cpu_offloaded:
-        con.print(f"[yellow]the plan offloads to the CPU: it needs {format_bytes(r.memory.cpu_offloaded)} of host RAM "
-                  "(checked against this machine's RAM); no on-device plan of its quality tier fits[/]")
+        con.print(f"[yellow]the plan offloads to the CPU: it needs {format_bytes(r.host_per_node_bytes)} of host RAM "
+                  "per node (checked against this machine's RAM); no on-device plan of its quality tier fits[/]")
     for c in r.search.candidates:
         if c.why_not:
             con.print(f"[dim]out: {c.plan.label()}: {c.why_not}[/]")

@@ -116,6 +116,28 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
             1,
             dict(gradient_checkpointing=True),
         ))
+    if plan.world_size > 1 and plan.strategy == "ddp":
+        c.append((
+            "strategy:fsdp",
+            f"shard weights, gradients and optimizer states over the {plan.world_size} GPUs (torch FSDP2): each "
+            "keeps its share plus the layers being gathered (communication 3 instead of 2 model sizes per step)",
+            1,
+            dict(strategy="fsdp"),
+        ))
+    if plan.strategy == "zero2":
+        c.append((
+            "strategy:zero3",
+            "DeepSpeed ZeRO-3: partition the weights too (gathered layer by layer; more communication)",
+            1,
+            dict(strategy="zero3"),
+        ))
+    if plan.strategy == "fsdp" and not plan.reshard_after_forward:
+        c.append((
+            "reshard-after-forward",
+            "free each layer's gathered weights after its forward and gather them again in backward",
+            1,
+            dict(reshard_after_forward=True),
+        ))
     if not plan.offload_activations:
         c.append((
             "offload:activations",

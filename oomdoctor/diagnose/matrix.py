@@ -2,7 +2,8 @@
 
 Every flag the user gives pins that dimension; the matrix spans the rest over curated values (the stacks people
 actually run: full fine-tune in fp32 / AMP / pure bf16, LoRA, QLoRA; +/- gradient checkpointing; leaner
-optimizers; optimizer offload). When every technique is pinned there is exactly one plan.
+optimizers; optimizer offload; with ``--gpus N`` > 1, the strategies DDP, FSDP, ZeRO-2, ZeRO-3). When every technique
+is pinned there is exactly one plan.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ OFFLOAD_OPTIMIZERS: tuple[str, ...] = ("adamw",)
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_on_head")
 QUANT_FIELDS = ("quant", "double_quant")
 OFFLOAD_FIELDS = ("offload_optimizer", "offload_activations", "offload_params")
+#: Strategies spanned for more than one GPU when ``--strategy`` is not pinned: torch DDP and FSDP2, DeepSpeed
+#: ZeRO-2 and ZeRO-3 (each priced per rank, ``oomdoctor.memory.sharding``).
+MULTI_GPU_STRATEGIES: tuple[str, ...] = ("ddp", "fsdp", "zero2", "zero3")
+
+
+def _strategies(pins: dict[str, Any]) -> tuple[str, ...]:
+    if "strategy" in pins or pins.get("world_size", 1) <= 1:
+        return (pins.get("strategy", Plan().strategy),)
+    return MULTI_GPU_STRATEGIES
 
 
 def _pinned_methods(pins: dict[str, Any]) -> tuple[str, ...]:
@@ -73,16 +83,19 @@ def enumerate_plans(pins: dict[str, Any] | None = None, base: Plan | None = None
         else:
             quants = ((None, False),)
         pinned_offload = any(k in pins for k in OFFLOAD_FIELDS)
-        for precision, gc, (quant, dq), optimizer in product(precisions, gcs, quants, optimizers):
+        for precision, gc, (quant, dq), optimizer, strategy in product(precisions, gcs, quants, optimizers,
+                                                                       _strategies(pins)):
             offloads = [False]
             # Offload is spanned only when neither it nor the optimizer is pinned, so that pinning every flag of
             # the documented interface leaves exactly one plan.
             if method == "full" and not pinned_offload and "optimizer" not in pins and optimizer in OFFLOAD_OPTIMIZERS:
                 offloads.append(True)
+            if strategy == "ddp":
+                offloads = [False]  # DDP has no optimizer offload; ZeRO's is spanned with zero2/zero3
             for off in offloads:
                 changes: dict[str, Any] = dict(
                     method=method, precision=precision, optimizer=optimizer, gradient_checkpointing=gc,
-                    quant=quant, double_quant=dq,
+                    quant=quant, double_quant=dq, strategy=strategy,
                 )
                 if not pinned_offload:
                     changes["offload_optimizer"] = off

@@ -39,6 +39,7 @@ COLORS: dict[str, str] = {
     "allocator_slack": "#bbbbbb",
     "cuda_context": "#666666",
     "cublas_workspace": "#999999",
+    "nccl_buffers": "#7f7f5f",
     "paged_optimizer": "#e8a0a2",
 }
 PHASE_COLORS: dict[str, str] = {

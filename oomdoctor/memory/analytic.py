@@ -16,6 +16,10 @@ Peaks: ``peak_allocated`` = the largest phase (tensor bytes, what a TorchDispatc
 counts, minus the cuBLAS workspace); ``peak_reserved`` = allocated + allocator slack + cuBLAS workspace (allocator
 blocks); ``peak_device`` (nvidia-smi) = reserved + CUDA context + bitsandbytes paged optimizer state (unified memory
 outside the allocator, counted as resident: it only pages out under memory pressure).
+
+Per rank (``plan.world_size`` > 1 or a strategy other than ``single``): ``sharding.py`` turns the single-GPU terms
+into one rank's (shards, gathered units, buckets), adds a ``load`` phase (the weights while the model loads) and
+NCCL's buffers at the device level; the activations are those of the per-rank micro-batch.
 """
 
 from __future__ import annotations
@@ -26,14 +30,12 @@ from oomdoctor.memory import logits as lgt
 from oomdoctor.memory import optimizer as optm
 from oomdoctor.memory import parameters as prm
 from oomdoctor.memory import runtime as rt
+from oomdoctor.memory import sharding as shd
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 from oomdoctor.memory.context import Ctx, make_ctx
 from oomdoctor.memory.lora import adapter_bytes
 from oomdoctor.plan import Plan
 from oomdoctor.model.spec import ModelSpec
-
-PHASES = ("forward", "backward", "optimizer-step")
-
 
 def _persistent_tensors(c: Ctx, opt: optm.OptimizerMemory) -> list[tuple[int, int]]:
     """(bytes, count) of the long-lived tensors, for the allocator's per-block rounding."""
@@ -76,8 +78,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     ga = plan.grad_accum > 1
 
     # ---- model states
-    streamed = prm.streamed_weight_bytes(c)
-    P = prm.parameter_bytes(c) - streamed
+    P = prm.parameter_bytes(c)
     A = adapter_bytes(c)
     G = grads.gradient_bytes(c)
     opt = optm.optimizer_memory(c)
@@ -160,6 +161,11 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         g_end = G
 
     phases: dict[str, tuple[int, dict[str, int]]] = {}
+    # ---- per rank: the strategy's shards, gathered units and buckets on top of the single-GPU terms (sharding.py)
+    rs = shd.rank_states(c, shd.single_terms(c))
+
+    def rank(phase: str, d: dict[str, int]) -> dict[str, int]:
+        return d if plan.strategy == "single" else _per_rank(phase, d, rs)
 
     # forward: end of forward (loss) or the last block's working set
     fwd_extra_logits = lg.forward_peak
@@ -170,6 +176,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     else:
         fwd = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
                           activations=A_end - fin, temporaries=fwd_tmp)
+    fwd = rank("forward", fwd)
     phases["forward"] = (sum(fwd.values()), fwd)
 
     # backward candidates
@@ -195,7 +202,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom,
                                  optimizer_states=O, activations=bottom_acts + la.gc_recompute))
     cands.append(_components(parameters=P, gradients=G_pre + (g_end if not ga else 0), optimizer_states=O))
-    bwd = max(cands, key=lambda d: sum(d.values()))
+    bwd = max((rank("backward", d) for d in cands), key=lambda d: sum(d.values()))
     phases["backward"] = (sum(bwd.values()), bwd)
 
     # optimizer step
@@ -205,16 +212,20 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         step = _components(parameters=P, gradients=G)
     else:
         step = _components(parameters=P, gradients=G, optimizer_states=O, temporaries=opt.temporaries)
+    step = rank("optimizer-step", step)
     phases["optimizer-step"] = (sum(step.values()), step)
+    if plan.strategy != "single":  # one GPU loads its weights only: below every training phase
+        phases[shd.LOAD] = (rs.load, _components(parameters=rs.load))
 
-    peak_phase = max(PHASES, key=lambda p: phases[p][0])
+    peak_phase = max(phases, key=lambda p: phases[p][0])
     peak_alloc, comps = phases[peak_phase]
     transient = comps["activations"] + comps["logits"] + comps["temporaries"] + comps["master_weights"]
     slack = rt.allocator_slack_bytes(_persistent_tensors(c, opt), transient) if device == "cuda" else 0
     cublas = rt.cublas_workspace_bytes(c)
     ctx_bytes = rt.cuda_context_bytes(c)
+    nccl = rt.nccl_buffer_bytes(c)
     reserved = peak_alloc + slack + cublas
-    device_peak = reserved + ctx_bytes + opt.paged
+    device_peak = reserved + ctx_bytes + nccl + opt.paged
 
     return MemoryBreakdown(
         **{c: comps[c] for c in TENSOR_COMPONENTS},
@@ -223,12 +234,15 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         cuda_context=ctx_bytes,
         cublas_workspace=cublas,
         paged_optimizer=opt.paged,
-        cpu_offloaded=opt.cpu + streamed + cpu_act,
+        cpu_offloaded=rs.host + cpu_act,
+        comm_buffers=rs.comm_buffers(peak_phase) if plan.strategy != "single" else 0,
+        nccl_buffers=nccl,
+        host_per_node=shd.host_per_node(rs, plan.world_size) + cpu_act * plan.world_size,
         peak_allocated=peak_alloc,
         peak_reserved=reserved,
         peak_device=device_peak,
         peak_phase=peak_phase,
-        phases={p: phases[p][0] for p in PHASES},
+        phases={p: v[0] for p, v in phases.items()},
         engine="analytic",
         notes=tuple(_notes(c)),
     )
@@ -266,8 +280,6 @@ def _notes(c: Ctx) -> list[str]:
         notes.append("eager attention saves fp32 B*heads*S^2 probabilities per layer (grows with seq_len^2)")
     if plan.grad_accum > 1:
         notes.append("grad_accum > 1: gradients stay allocated through every micro-batch's forward/backward")
-    if plan.offload_params:
-        notes.append("offload_params: two blocks' weights resident at a time (double-buffered streaming)")
     if plan.offload_activations:
         notes.append("offload_activations: every saved tensor (weight casts included) goes to host memory (save_on_cpu); "
                      "backward copies one node's tensors back at a time")
@@ -281,6 +293,20 @@ def _notes(c: Ctx) -> list[str]:
             "cuBLAS workspace (2 x 32 MiB on Hopper) is an allocator block: counted in peak_reserved, "
             "not in peak_allocated"
         )
-    if plan.world_size > 1:
-        notes.append("world_size > 1 is not modelled (per-device memory of one replica)")
+    notes.extend(shd.notes(c))
     return notes
+
+
+def _per_rank(phase: str, d: dict[str, int], rs: shd.RankStates) -> dict[str, int]:
+    """One phase's single-GPU components as one rank holds them under the strategy: the rank's weights plus the
+    gathered units, its share of every gradient plus the gradient buffers, its optimizer states and step
+    temporaries; no autocast weight casts where the gathered units / the bf16 model are the compute copies."""
+    d = dict(d)
+    d["parameters"] = rs.parameters + rs.gathered.get(phase, 0)
+    d["gradients"] = int(d["gradients"] * rs.grad_scale) + rs.grad_buffers.get(phase, 0)
+    d["optimizer_states"] = rs.optimizer_states
+    if phase == "optimizer-step":
+        d["temporaries"] = rs.step_temporaries
+    if not rs.amp_copies:
+        d["master_weights"] = 0
+    return d

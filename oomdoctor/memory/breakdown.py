@@ -3,7 +3,7 @@
 Categories follow torch's MemTracker: parameter, gradient, optimizer state, activation, temporary — plus the
 items users hit in practice and naive estimators skip: logits/loss (the fp32 upcast), AMP weight copies, CUDA
 context, cuBLAS workspace, allocator slack and bitsandbytes' paged (unified-memory) optimizer state.
-All values are integer bytes on one device.
+All values are integer bytes on one device (one rank of a multi-GPU plan).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ TENSOR_COMPONENTS: tuple[str, ...] = (
     "temporaries",
 )
 #: Components outside the tensor bytes (allocator / driver level).
-DEVICE_COMPONENTS: tuple[str, ...] = ("allocator_slack", "cuda_context", "cublas_workspace", "paged_optimizer")
+DEVICE_COMPONENTS: tuple[str, ...] = ("allocator_slack", "cuda_context", "cublas_workspace", "nccl_buffers",
+                                      "paged_optimizer")
 
 LABELS: dict[str, str] = {
     "parameters": "weights",
@@ -37,6 +38,9 @@ LABELS: dict[str, str] = {
     "cublas_workspace": "cuBLAS workspace",
     "paged_optimizer": "paged optimizer",
     "cpu_offloaded": "offloaded to CPU",
+    "comm_buffers": "communication buffers",
+    "nccl_buffers": "NCCL buffers",
+    "host_per_node": "host RAM per node",
 }
 
 
@@ -77,15 +81,26 @@ class MemoryBreakdown:
     evictable — the driver pages it out to host RAM when the device runs short, so it is not in
     :attr:`resident_device`."""
     cpu_offloaded: int = 0
-    """Bytes moved to host RAM by offloading (not on the device)."""
+    """Bytes moved to host RAM by offloading (not on the device), per rank."""
+    comm_buffers: int = 0
+    """Of the tensor components (weights and gradients), the communication buffers at the peak: FSDP's gathered
+    (unsharded) units and the unsharded gradients in reduce-scatter, DDP's gradient bucket, ZeRO's gathered layer and
+    reduce/prefetch buckets (0 on one GPU)."""
+    nccl_buffers: int = 0
+    """NCCL's own communication buffers (``cudaMalloc``, outside the caching allocator; 0 on one rank), in
+    ``peak_device``: a CUDA assumption, see ``oomdoctor.memory.runtime``."""
+    host_per_node: int = 0
+    """Host RAM one node needs for what its ranks offload (every rank on one node; ×1.5 for DeepSpeed), 0 when
+    nothing is offloaded."""
     peak_allocated: int = 0
     """Peak tensor bytes (``torch.cuda.max_memory_allocated``)."""
     peak_reserved: int = 0
     """Peak caching-allocator reservation (``torch.cuda.max_memory_reserved``)."""
     peak_device: int = 0
-    """What nvidia-smi would show at the peak: reserved + context + paged memory."""
+    """What nvidia-smi would show at the peak: reserved + context + NCCL buffers + paged memory."""
     peak_phase: str = "forward"
-    """Phase at which ``peak_allocated`` occurs: ``forward``, ``backward`` or ``optimizer-step``."""
+    """Phase at which ``peak_allocated`` occurs: ``forward``, ``backward`` or ``optimizer-step`` (``load``: the
+    weights while the model loads, priced for multi-rank strategies)."""
     phases: dict[str, int] = field(default_factory=dict)
     """Peak allocated bytes per phase."""
     engine: str = "analytic"

@@ -82,20 +82,6 @@ def parameter_bytes(c: Ctx) -> int:
     return base_weight_bytes(c) + adapter_bytes(c)
 
 
-def streamed_weight_bytes(c: Ctx) -> int:
-    """With ``offload_params``: base weights that live on the CPU and are streamed one block at a time.
-
-    Model: every per-layer weight is on the CPU; two blocks are resident (the one computing + the prefetched one,
-    accelerate/DeepSpeed-style double buffering). Embedding, head and norms stay on the device.
-    Limit: real offload engines differ (accelerate ``cpu_offload`` streams per module, DeepSpeed ZeRO-Infinity
-    prefetches by bucket size).
-    """
-    if not c.plan.offload_params:
-        return 0
-    per_layer = c.sums.per_layer_numel * c.wb
-    return max(0, per_layer * c.spec.num_layers - 2 * per_layer)
-
-
 def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
     """AMP's low-precision copies of fp32 weights that are alive while their layer's activations are.
 

@@ -22,6 +22,11 @@ All constants are named module-level values so that a GPU calibration (``measure
   (activations, logits, temporaries), which are freed and re-allocated in changing sizes every step.
   Limits: fragmentation depends on allocation order and ``expandable_segments``; the allowance is a calibrated
   average, not a bound (field reports: torchtune #1185 saw 16.4 -> 10.8 GiB with expandable segments).
+* NCCL buffers (a CUDA assumption, like the context): with more than one rank NCCL allocates its communication
+  buffers through ``cudaMalloc``, outside the caching allocator: ``NCCL_BUFFSIZE`` (4 MiB, NCCL's default) per
+  channel for each peer connection and protocol. Field reports put them at hundreds of MB per GPU on large jobs
+  (``shared/research/multi-gpu.md`` §7.7); the fake process group of the simulate engine cannot see them. We use
+  :data:`NCCL_BUFFER_BYTES` per rank until calibrated on GPUs.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 CUBLAS_WORKSPACE_BYTES = 32 * MiB
 #: Handles holding a workspace during a step: the main thread (forward) and autograd's device thread (backward).
 CUBLAS_HANDLES = 2
+#: NCCL's buffers per rank when world_size > 1: 2 directions x 32 channels x NCCL_BUFFSIZE 4 MiB. Calibrate on GPUs.
+NCCL_BUFFER_BYTES = 256 * MiB
 #: Allocator rounding granularity (kMinBlockSize) and large-allocation rounding (kRoundLarge above kMinLargeAlloc).
 ALLOC_BLOCK = 512
 ALLOC_ROUND_LARGE = 2 * MiB
@@ -63,6 +70,11 @@ def rounding_waste(tensor_sizes: list[tuple[int, int]]) -> int:
 
 def cuda_context_bytes(c: Ctx) -> int:
     return CUDA_CONTEXT_BYTES if c.device == "cuda" else 0
+
+
+def nccl_buffer_bytes(c: Ctx) -> int:
+    """NCCL's communication buffers of one rank (0 on one rank or off CUDA)."""
+    return NCCL_BUFFER_BYTES if c.device == "cuda" and c.plan.world_size > 1 else 0
 
 
 def cublas_workspace_bytes(c: Ctx) -> int:

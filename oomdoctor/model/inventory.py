@@ -122,6 +122,13 @@ def _groups(model, head_module) -> tuple[tuple[ParamGroup, ...], int]:
                                          module=type(mod).__name__))
             g["count"] += 1
             continue
+        direct = [(n, p) for n, p in own if n not in ("weight", "bias")]
+        if kind != "norm" and direct:  # raw Parameters (fused MoE experts, routers): each at its own path (spec.py)
+            for n, p in direct:
+                _add_other(agg, f"{tmpl}.{n}", n, p.numel(), per_layer)
+            own = [(n, p) for n, p in own if n in ("weight", "bias")]
+            if not own:
+                continue
         numel = sum(p.numel() for _n, p in own)
         if kind == "norm":
             key = ("norm", tmpl, numel)

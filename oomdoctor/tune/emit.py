@@ -15,9 +15,14 @@ Targets and the parser that accepts each document (tests/test_emit.py parses eve
   (``from_pretrained`` kwargs), ``quantization_config`` (``BitsAndBytesConfig`` kwargs), ``peft_config``
   (``LoraConfig`` kwargs), ``dataset`` (``load_dataset`` kwargs), ``max_length`` and ``oomdoctor`` (plan, notes);
 - ``axolotl``: a YAML in axolotl's config schema for ``axolotl train FILE``;
-- ``accelerate``: a launch config for ``accelerate launch --config_file FILE train.py`` (mixed precision, processes,
-  DeepSpeed ZeRO-Offload for the offload knobs); the training knobs belong to the script and are listed in the
-  header.
+- ``accelerate``: a launch config for ``accelerate launch --config_file FILE train.py`` (mixed precision, processes
+  and machines, the strategy: DDP, the FSDP2 plugin, the DeepSpeed plugin; DeepSpeed ZeRO-Offload for the offload
+  knobs on one GPU); the training knobs belong to the script and are listed in the header.
+
+Several GPUs (``tune --gpus N``): ``hf`` and ``trl`` set TrainingArguments' ``fsdp`` / ``fsdp_config`` (FSDP2) or
+``deepspeed`` (a ZeRO config dict with explicit buckets) and are launched with ``torchrun --nproc-per-node``; what a
+target cannot express (HSDP's shard group in TrainingArguments, DeepSpeed buckets in an accelerate launch config) is
+a note.
 """
 
 from __future__ import annotations
@@ -78,6 +83,12 @@ class EmitRequest:
     """Lines describing the tune result (capacity, plan, predicted peak), first in the file's header."""
     model_has_weights: bool = True
     """False for a config-only model (``config.json``): the foreign tools need real weights (a note says so)."""
+    gpus_per_node: int | None = None
+    """GPUs per machine (None: every rank on one machine)."""
+
+    @property
+    def machines(self) -> int:
+        return self.plan.world_size // (self.gpus_per_node or self.plan.world_size)
 
 
 @dataclass(frozen=True)
@@ -169,6 +180,72 @@ def lora_targets(plan: Plan, spec: ModelSpec) -> str | list[str]:
     return sorted(names)
 
 
+def decoder_layer_class(spec: ModelSpec) -> str | None:
+    """The decoder layer class FSDP wraps (``_no_split_modules`` of the model class transformers builds for the
+    config's ``architectures``), None when transformers does not name one."""
+    arch = (spec.config.get("architectures") or [None])[0]
+    if not arch:
+        return None
+    import transformers
+
+    cls = getattr(transformers, arch, None)
+    names = list(getattr(cls, "_no_split_modules", None) or [])
+    return names[0] if names else None
+
+
+def bucket_elems(plan: Plan, spec: ModelSpec) -> int:
+    """DeepSpeed's reduce bucket: the plan's ``bucket_size`` or hidden² (Hugging Face's ``auto``, what the memory
+    model prices)."""
+    return plan.bucket_size or spec.hidden_size ** 2
+
+
+def deepspeed_config(plan: Plan, spec: ModelSpec) -> dict[str, Any]:
+    """A DeepSpeed config for the plan's ZeRO stage with explicit buckets (DeepSpeed's own 5e8 default costs 1 GB
+    bf16 per rank, multi-gpu.md §3); batch, precision and clipping ``auto`` (filled by HF Trainer)."""
+    b = bucket_elems(plan, spec)
+    zero: dict[str, Any] = {"stage": 3 if plan.strategy == "zero3" else 2, "overlap_comm": True,
+                            "contiguous_gradients": True, "reduce_bucket_size": b, "allgather_bucket_size": b}
+    if plan.strategy == "zero3":
+        zero.update(stage3_prefetch_bucket_size=int(0.9 * b), stage3_param_persistence_threshold=10 * spec.hidden_size,
+                    stage3_gather_16bit_weights_on_model_save=True)
+    if plan.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if plan.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto"}
+
+
+def _trainer_topology(req: EmitRequest, tool: str) -> tuple[dict[str, Any], list[str]]:
+    """TrainingArguments keys for the plan's strategy (FSDP2 ``fsdp``/``fsdp_config`` or a ``deepspeed`` dict) and
+    the notes: how to launch it, and what TrainingArguments cannot express."""
+    p = req.plan
+    if p.world_size == 1 and p.strategy == "single":
+        return {}, []
+    nodes = f" --nnodes {req.machines}" if req.machines > 1 else ""
+    notes = [f"{p.world_size} GPUs: launch the script with `torchrun --nproc-per-node "
+             f"{p.world_size // req.machines}{nodes}`; per_device_train_batch_size is per GPU"]
+    doc: dict[str, Any] = {}
+    if p.strategy == "fsdp":
+        layer = decoder_layer_class(req.spec)
+        cfg: dict[str, Any] = {"version": 2, "reshard_after_forward": p.reshard_after_forward,
+                               "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "cpu_ram_efficient_loading": True,
+                               "state_dict_type": "SHARDED_STATE_DICT", "cpu_offload": p.offload_params}
+        if layer:
+            cfg["transformer_layer_cls_to_wrap"] = [layer]
+        else:
+            notes.append("fsdp: set fsdp_config.transformer_layer_cls_to_wrap to the model's decoder layer class")
+        doc.update(fsdp=True, fsdp_config=cfg)
+        if p.shard_group:
+            notes.append(f"shard_group {p.shard_group} (HSDP): not expressible in {tool}'s fsdp_config; use "
+                         "`--emit accelerate` (parallelism_config dp_replicate/dp_shard)")
+    elif p.strategy in ("zero2", "zero3"):
+        doc["deepspeed"] = deepspeed_config(p, req.spec)
+        notes.append("deepspeed: `pip install deepspeed`; the offload knobs are in its zero_optimization")
+    return doc, notes
+
+
 def _dataset_kwargs(path: str | None) -> dict[str, Any]:
     """``load_dataset`` kwargs: a local file through its builder (``json`` for .jsonl), else a directory/hub id."""
     p = path or DATASET_PLACEHOLDER
@@ -200,10 +277,11 @@ def _common_notes(req: EmitRequest, tool: str) -> list[str]:
     if not req.model_has_weights:
         notes.append(f"{req.model} is a config without weights: point the model at real weights")
     p = req.plan
-    if p.offload_optimizer:
+    sharded_offload = p.strategy in ("fsdp", "zero2", "zero3")  # written in fsdp_config / the deepspeed dict
+    if p.offload_optimizer and not sharded_offload:
         notes.append(f"offload_optimizer: not expressible in {tool} (DeepSpeed ZeRO-Offload does it: "
                      "`--emit accelerate` writes that launch config)")
-    if p.offload_params:
+    if p.offload_params and not sharded_offload:
         notes.append(f"offload_params: not expressible in {tool} (DeepSpeed ZeRO-3 parameter offload: "
                      "`--emit accelerate`)")
     return notes
@@ -267,6 +345,9 @@ def emit_trl(req: EmitRequest) -> Emitted:
                          f"({prec.dtype})")
     doc.update(_schedule())
     doc["report_to"] = "none"
+    topo, topo_notes = _trainer_topology(req, "TRL")
+    doc.update(topo)
+    notes += topo_notes
     run = run_command("trl", "THIS.yaml")
     return Emitted("trl", _header(req, "TRL", run, notes) + _yaml(doc), tuple(notes))
 
@@ -291,6 +372,9 @@ def emit_hf(req: EmitRequest) -> Emitted:
         doc["optim_args"] = opt.args
     doc.update(_schedule())
     doc["report_to"] = "none"
+    topo, topo_notes = _trainer_topology(req, "HF TrainingArguments")
+    doc.update(topo)
+    notes += topo_notes
     quant: dict[str, Any] | None = None
     if p.quant == "int8":
         quant = {"load_in_8bit": True}
@@ -368,46 +452,102 @@ def emit_axolotl(req: EmitRequest) -> Emitted:
     doc["attn_implementation"] = HF_ATTN_NAMES[p.attn]
     doc.update(seed=s["seed"], logging_steps=s["logging_steps"], save_steps=s["save_steps"],
                save_total_limit=s["save_total_limit"])
+    if p.strategy != "single":
+        notes.append(f"strategy {p.strategy} on {p.world_size} GPUs: not written for axolotl (set its fsdp_config / "
+                     "deepspeed keys: `--emit hf` has the values; launch with accelerate or torchrun)")
     run = run_command("axolotl", "THIS.yaml")
     return Emitted("axolotl", _header(req, "axolotl", run, notes) + _yaml(doc), tuple(notes))
 
 
+def _accelerate_strategy(req: EmitRequest) -> tuple[dict[str, Any], list[str]]:
+    """``distributed_type`` and the plugin section for the plan's strategy: DDP (``MULTI_GPU``), the FSDP2 plugin
+    (``fsdp_version: 2``, per-decoder-layer wrapping, ``reshard_after_forward``, CPU offload; HSDP through
+    ``parallelism_config``), or the DeepSpeed plugin (ZeRO stage, offload); on one GPU DeepSpeed ZeRO-Offload for
+    the offload knobs, else nothing."""
+    p = req.plan
+    notes: list[str] = []
+    if p.strategy == "fsdp":
+        layer = decoder_layer_class(req.spec)
+        fsdp: dict[str, Any] = {
+            "fsdp_version": 2, "fsdp_reshard_after_forward": p.reshard_after_forward,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_offload_params": p.offload_params,
+            "fsdp_cpu_ram_efficient_loading": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_activation_checkpointing": False,
+        }
+        if layer:
+            fsdp["fsdp_transformer_layer_cls_to_wrap"] = layer
+        else:
+            notes.append("fsdp: set fsdp_transformer_layer_cls_to_wrap to the model's decoder layer class")
+        doc: dict[str, Any] = {"distributed_type": "FSDP", "fsdp_config": fsdp}
+        if p.shard_group:
+            doc["parallelism_config"] = {"parallelism_config_dp_replicate_size": p.world_size // p.shard_group,
+                                         "parallelism_config_dp_shard_size": p.shard_group}
+        if p.gradient_checkpointing:
+            notes.append("gradient checkpointing: the plan uses the model's own (model.gradient_checkpointing_enable"
+                         "(gradient_checkpointing_kwargs={'use_reentrant': False}) in train.py), not "
+                         "fsdp_activation_checkpointing")
+        return doc, notes
+    if p.strategy in ("zero2", "zero3"):
+        b = bucket_elems(p, req.spec)
+        doc = {"distributed_type": "DEEPSPEED", "deepspeed_config": {
+            "gradient_accumulation_steps": p.grad_accum,
+            "offload_optimizer_device": "cpu" if p.offload_optimizer else "none",
+            "offload_param_device": "cpu" if p.offload_params else "none",
+            "zero3_init_flag": p.strategy == "zero3", "zero_stage": 3 if p.strategy == "zero3" else 2}}
+        if p.bucket_size is None:
+            notes.append(f"DeepSpeed buckets: accelerate fills reduce_bucket_size 'auto' with hidden^2 = {b:,} "
+                         "elements, as priced")
+        else:
+            notes.append(f"bucket_size {b:,}: not expressible in an accelerate launch config; write "
+                         "reduce_bucket_size/allgather_bucket_size in a deepspeed_config_file (`--emit hf` has the "
+                         "dict)")
+        return doc, notes
+    if p.strategy == "ddp":
+        return {"distributed_type": "MULTI_GPU"}, notes
+    if p.offload_optimizer or p.offload_params:  # one GPU: DeepSpeed ZeRO-Offload
+        return {"distributed_type": "DEEPSPEED", "deepspeed_config": {
+            "gradient_accumulation_steps": p.grad_accum,
+            "offload_optimizer_device": "cpu" if p.offload_optimizer else "none",
+            "offload_param_device": "cpu" if p.offload_params else "none",
+            "zero3_init_flag": False, "zero_stage": 3 if p.offload_params else 2}}, [
+            "offload: DeepSpeed ZeRO-Offload (`pip install deepspeed`) keeps the optimizer state and step on the "
+            "CPU" + (" and streams the parameters from it" if p.offload_params else "")]
+    return {"distributed_type": "NO"}, notes
+
+
 def emit_accelerate(req: EmitRequest) -> Emitted:
-    """An accelerate launch config (``ClusterConfig``): one process, the plan's mixed precision, and DeepSpeed
-    ZeRO-Offload (stage 2, optimizer on the CPU; stage 3 when the parameters are offloaded too). Everything else
-    is the training script's: the header lists the values it must use."""
+    """An accelerate launch config (``ClusterConfig``): the plan's processes and machines, mixed precision and
+    strategy (:func:`_accelerate_strategy`). Everything else is the training script's: the header lists the values
+    it must use."""
     p, prec, opt = req.plan, _precision(req.plan), _optim(req.plan)
-    offload = p.offload_optimizer or p.offload_params
+    strategy, strategy_notes = _accelerate_strategy(req)
     doc: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
-        "distributed_type": "DEEPSPEED" if offload else "NO",
+        "distributed_type": strategy.pop("distributed_type"),
         "downcast_bf16": "no",
         "enable_cpu_affinity": False,
         "gpu_ids": "all",
         "machine_rank": 0,
         "main_training_function": "main",
         "mixed_precision": "bf16" if prec.bf16 else ("fp16" if prec.fp16 else "no"),
-        "num_machines": 1,
+        "num_machines": req.machines,
         "num_processes": p.world_size,
         "rdzv_backend": "static",
         "same_network": True,
         "use_cpu": False,
     }
-    if offload:
-        doc["deepspeed_config"] = {
-            "gradient_accumulation_steps": p.grad_accum,
-            "offload_optimizer_device": "cpu" if p.offload_optimizer else "none",
-            "offload_param_device": "cpu" if p.offload_params else "none",
-            "zero3_init_flag": False,
-            "zero_stage": 3 if p.offload_params else 2,
-        }
+    doc.update(strategy)
+    if req.machines > 1:
+        doc["main_process_ip"] = "MAIN_NODE_IP"
+        doc["main_process_port"] = 29500
     notes = []
     if req.dataset is None:
         notes.append(f"dataset is a placeholder ({DATASET_PLACEHOLDER}): point your script at your data")
-    if offload:
-        notes.append("offload: DeepSpeed ZeRO-Offload (`pip install deepspeed`) keeps the optimizer state and step "
-                     "on the CPU" + (" and streams the parameters from it" if p.offload_params else ""))
+    if req.machines > 1:
+        notes.append(f"{req.machines} machines: set main_process_ip and run the launch on each with its "
+                     "machine_rank")
+    notes += strategy_notes
     if prec.dtype == "bfloat16":
         notes.append("pure bf16: mixed_precision bf16 only autocasts; load the model with dtype=torch.bfloat16")
     script = [f"model {req.model}", f"dtype {prec.dtype}", f"attn_implementation {HF_ATTN_NAMES[p.attn]}",
@@ -463,7 +603,7 @@ def request_from_result(result: TuneResult, model_ref: str, dataset: str | None 
         f"{format_bytes(result.budget_bytes)} budget (verification: {result.verification}).",
     )
     return EmitRequest(plan=plan, model=ref, spec=result.spec, dataset=dataset, header=header,
-                       model_has_weights=has_weights)
+                       model_has_weights=has_weights, gpus_per_node=result.topology.gpus_per_node)
 
 
 def default_emit_path(target: str, directory: str | os.PathLike = ".") -> Path:
@@ -495,7 +635,8 @@ def write_emitted(result: TuneResult, model_ref: str, target: str, path: str | o
 
 
 __all__ = [
-    "DATASET_PLACEHOLDER", "EMITTERS", "EMIT_TARGETS", "EmitRequest", "EmitWritten", "Emitted", "default_emit_path",
-    "emit", "emit_accelerate", "emit_axolotl", "emit_hf", "emit_trl", "lora_targets", "request_from_result",
+    "DATASET_PLACEHOLDER", "EMITTERS", "EMIT_TARGETS", "EmitRequest", "EmitWritten", "Emitted", "bucket_elems",
+    "decoder_layer_class", "deepspeed_config", "default_emit_path", "emit", "emit_accelerate", "emit_axolotl",
+    "emit_hf", "emit_trl", "lora_targets", "request_from_result",
     "run_command", "write_emitted",
 ]

@@ -83,6 +83,61 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     return plans
 
 
+def price(
+    spec: ModelSpec,
+    plan: Plan,
+    budget: Budget,
+    *,
+    global_batch: int | None = None,
+    estimator: Estimator = analytic_estimator,
+    profile: HardwareProfile = REFERENCE_PROFILE,
+    micro_limit: int = DEFAULT_MICRO_LIMIT,
+    host_ram: int | None = None,
+    gpus_per_node: int | None = None,
+    trace: SearchTrace | None = None,
+) -> Candidate:
+    """One plan priced at micro-batch 1 and, when it fits ``budget``, sized (largest micro-batch, exact
+    accumulation for the per-rank ``global_batch``). ``host_ram``: bytes of host RAM per node; an offload plan
+    whose host share for ``gpus_per_node`` ranks (default: every rank on one node) exceeds it does not fit."""
+    trace = trace if trace is not None else SearchTrace()
+    # optimizer in backward cannot accumulate: the micro-batch alone must reach the global batch
+    oib = plan.optimizer_in_backward and global_batch is not None
+    choice, mem = micro_batch_search(spec, plan, budget, estimator, global_batch=None if oib else global_batch,
+                                     limit=min(micro_limit, global_batch) if oib else micro_limit, trace=trace)
+    if choice is None:
+        return Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None)
+    if oib and choice.micro_batch < global_batch:
+        return Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
+                         why_not=f"optimizer in backward cannot accumulate gradients: the global batch "
+                                 f"{global_batch} needs micro-batch {global_batch}, at most "
+                                 f"{choice.micro_batch} fits")
+    if oib:
+        choice = BatchChoice(choice.max_micro_batch, global_batch, 1, global_batch)
+    host = node_host_bytes(mem, plan, gpus_per_node)
+    if host_ram is not None and host > host_ram:
+        return Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
+                         why_not=f"offload needs {format_bytes(host)} of host RAM per node, the machine has "
+                                 f"{format_bytes(host_ram)}")
+    sized = plan.with_(micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
+    return Candidate(sized, mem, choice, estimate_throughput(spec, sized, profile, mem))
+
+
+def node_host_bytes(mem, plan: Plan, gpus_per_node: int | None = None) -> int:
+    """Host RAM one node needs for ``plan``: the breakdown's ``host_per_node`` (every rank on one node) scaled to
+    ``gpus_per_node`` ranks."""
+    ranks = min(gpus_per_node or plan.world_size, plan.world_size)
+    return mem.host_per_node * ranks // plan.world_size
+
+
+def rank(cands: list[Candidate], budget: Budget, prefer: Prefer = "quality", evaluations: int = 0) -> SearchResult:
+    """Fitting candidates best first (``rank_key``), then the others by what they need."""
+    fitting = sorted((c for c in cands if c.fits), key=lambda c: rank_key(c, prefer))
+    rest = sorted((c for c in cands if not c.fits), key=lambda c: (c.why_not is not None, budget.needed(c.memory)))
+    for i, c in enumerate(fitting, 1):
+        c.rank = i
+    return SearchResult(fitting + rest, budget, prefer, evaluations)
+
+
 def search(
     spec: ModelSpec,
     plans: Iterable[Plan],
@@ -94,43 +149,17 @@ def search(
     profile: HardwareProfile = REFERENCE_PROFILE,
     micro_limit: int = DEFAULT_MICRO_LIMIT,
     host_ram: int | None = None,
+    gpus_per_node: int | None = None,
 ) -> SearchResult:
-    """Price every plan at micro-batch 1, size the micro-batch of those that fit ``budget`` and rank them.
-    ``host_ram``: bytes of host RAM; an offload plan whose host share (``cpu_offloaded``) exceeds it does not fit."""
+    """Price every plan at micro-batch 1, size the micro-batch of those that fit ``budget`` (:func:`price`) and rank
+    them (:func:`rank`)."""
     if prefer not in PREFERS:
         raise BadInput(f"--prefer {prefer!r}: use quality or speed")
-    cands: list[Candidate] = []
-    evaluations = 0
-    for plan in plans:
-        trace = SearchTrace()
-        # optimizer in backward cannot accumulate: the micro-batch alone must reach the global batch
-        oib = plan.optimizer_in_backward and global_batch is not None
-        choice, mem = micro_batch_search(spec, plan, budget, estimator, global_batch=None if oib else global_batch,
-                                         limit=min(micro_limit, global_batch) if oib else micro_limit, trace=trace)
-        evaluations += len(trace.evaluations)
-        if choice is None:
-            cands.append(Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None))
-            continue
-        if oib and choice.micro_batch < global_batch:
-            cands.append(Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
-                                   why_not=f"optimizer in backward cannot accumulate gradients: the global batch "
-                                           f"{global_batch} needs micro-batch {global_batch}, at most "
-                                           f"{choice.micro_batch} fits"))
-            continue
-        if oib:
-            choice = BatchChoice(choice.max_micro_batch, global_batch, 1, global_batch)
-        if host_ram is not None and mem.cpu_offloaded > host_ram:
-            cands.append(Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
-                                   why_not=f"offload needs {format_bytes(mem.cpu_offloaded)} of host RAM, the "
-                                           f"machine has {format_bytes(host_ram)}"))
-            continue
-        sized = plan.with_(micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
-        cands.append(Candidate(sized, mem, choice, estimate_throughput(spec, sized, profile, mem)))
-    fitting = sorted((c for c in cands if c.fits), key=lambda c: rank_key(c, prefer))
-    rest = sorted((c for c in cands if not c.fits), key=lambda c: (c.why_not is not None, budget.needed(c.memory)))
-    for i, c in enumerate(fitting, 1):
-        c.rank = i
-    return SearchResult(fitting + rest, budget, prefer, evaluations)
+    trace = SearchTrace()
+    cands = [price(spec, plan, budget, global_batch=global_batch, estimator=estimator, profile=profile,
+                   micro_limit=micro_limit, host_ram=host_ram, gpus_per_node=gpus_per_node, trace=trace)
+             for plan in plans]
+    return rank(cands, budget, prefer, len(trace.evaluations))
 
 
-__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "search"]
+__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "node_host_bytes", "price", "rank", "search"]

@@ -29,6 +29,8 @@ class HardwareProfile:
     """Host memory bandwidth available to a CPU optimizer step (offloaded AdamW is memory-bound)."""
     mfu: float = 0.4
     """Fraction of peak FLOP/s a training step reaches (model FLOPs utilization; 0.3-0.5 is typical)."""
+    link_bytes_per_s: float | None = None
+    """GPU-to-GPU bandwidth per rank for collectives (None: the PCIe figure, a PCIe-only box; NVLink is faster)."""
 
 
 #: Reference profile when the GPU is unknown (``--gpu-mem`` without a GPU): an A10/L4-class 24 GB card on PCIe 4.0.
@@ -104,6 +106,8 @@ class Throughput:
     transfer_s: float
     """Host<->device copies (offload) and the CPU optimizer step, assumed not overlapped with compute."""
     profile: str
+    comm_s: float = 0.0
+    """Collectives between the GPUs (all-reduce, all-gather, reduce-scatter), assumed not overlapped."""
 
     def to_dict(self) -> dict:
         return {
@@ -112,6 +116,7 @@ class Throughput:
             "compute_s": self.compute_s,
             "memory_s": self.memory_s,
             "transfer_s": self.transfer_s,
+            "comm_s": self.comm_s,
             "profile": self.profile,
         }
 
@@ -182,10 +187,37 @@ def estimate_throughput(spec: ModelSpec, plan: Plan, profile: HardwareProfile,
     compute_s = ga * compute_micro
     memory_s = ga * mem_micro + memory_step
     transfer_s = ga * transfer_micro + transfer_step
-    step = compute_s + memory_s + transfer_s
+    comm_s = communication_bytes(spec, plan) / (profile.link_bytes_per_s or profile.pcie_bytes_per_s)
+    step = compute_s + memory_s + transfer_s + comm_s
     tokens = ga * tokens_micro
-    return Throughput(tokens / step if step > 0 else 0.0, step, compute_s, memory_s, transfer_s, profile.name)
+    return Throughput(tokens / step if step > 0 else 0.0, step, compute_s, memory_s, transfer_s, profile.name, comm_s)
+
+
+def communication_bytes(spec: ModelSpec, plan: Plan) -> float:
+    """Bytes one rank sends per optimizer step, ring collectives ((n-1)/n of the buffer per all-gather or
+    reduce-scatter, twice that per all-reduce; ZeRO paper §7 and multi-gpu.md §5: 2Ψ for DDP and ZeRO-1/2, 3Ψ for
+    FSDP/ZeRO-3). DDP all-reduces the gradients once per step (``no_sync`` while accumulating); FSDP and ZeRO-3
+    all-gather the weights in forward and again in backward (once with ``reshard_after_forward=False``) and
+    reduce-scatter the gradients (fp32) every micro-batch; ZeRO-2 reduce-scatters the gradients every micro-batch
+    and all-gathers the updated weights once per step."""
+    n = plan.world_size
+    if n == 1 or plan.strategy == "single":
+        return 0.0
+    bc = 4 if plan.precision == "fp32" else 2
+    grad_b = plan.weight_dtype_bytes if plan.method == "full" else 4
+    trainable = trainable_params(spec, plan)
+    ga = plan.grad_accum
+    if plan.strategy == "ddp":
+        return 2 * (n - 1) / n * trainable * grad_b
+    if plan.strategy == "zero2":
+        return (n - 1) / n * (ga * trainable * bc + spec.num_params * bc)
+    shards = plan.shards
+    gathers = 2 if plan.reshard_after_forward or plan.strategy == "zero3" else 1
+    per_micro = (shards - 1) / shards * (gathers * spec.num_params * bc + trainable * 4)
+    replicas = n // shards
+    across = 2 * (replicas - 1) / replicas * trainable * 4 / shards  # HSDP: all-reduce of the shards across groups
+    return ga * per_micro + across
 
 
 __all__ = ["HardwareProfile", "REFERENCE_PROFILE", "GPU_PROFILES", "profile_for", "trainable_params", "Throughput",
-           "estimate_throughput"]
+           "communication_bytes", "estimate_throughput"]

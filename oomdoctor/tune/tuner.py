@@ -37,7 +37,8 @@ from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_b
 from oomdoctor.plan.techniques import TECHNIQUES
 from oomdoctor.tune.batch_search import SEQ_STEP, Estimator, analytic_estimator, longest_seq_len, verify_and_refine
 from oomdoctor.tune.ranking import Candidate, fidelity_key
-from oomdoctor.tune.search import SearchResult, enumerate_candidates, search
+from oomdoctor.tune.search import SearchResult, enumerate_candidates, node_host_bytes, price, rank, search
+from oomdoctor.tune.strategies import TOPOLOGY_FIELDS, StrategyTrial, Topology, ladder, topology, trials
 from oomdoctor.tune.throughput import HardwareProfile, Throughput, estimate_throughput, profile_for
 from oomdoctor.units import format_bytes
 
@@ -126,6 +127,15 @@ class TuneResult:
     alloc_conf: str = ALLOC_CONF
     config_path: str | None = None
     """Where the YAML was written (set by :func:`write_config`)."""
+    topology: Topology = Topology(1, 1)
+    """The GPUs planned for (``--gpus``, ``--gpus-per-node``)."""
+    strategies: list[StrategyTrial] = field(default_factory=list)
+    """The strategies tried for the chosen plan's stack, cheapest first, up to the chosen one (N > 1)."""
+
+    @property
+    def host_per_node_bytes(self) -> int:
+        """Host RAM one node needs for what the plan offloads (0: nothing offloaded)."""
+        return node_host_bytes(self.memory, self.plan, self.topology.gpus_per_node)
 
     @property
     def capacity_bytes(self) -> int:
@@ -144,7 +154,15 @@ class TuneResult:
     def command(self) -> str:
         """The exact command that runs the emitted config."""
         path = self.config_path or DEFAULT_OUTPUT
-        return f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} oomdoctor train {shlex.quote(path)}"
+        return f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} oomdoctor train {shlex.quote(path)}{self.launch_flags}"
+
+    @property
+    def launch_flags(self) -> str:
+        """torchrun's process counts for ``oomdoctor train`` (empty on one GPU)."""
+        t = self.topology
+        if t.world_size == 1:
+            return ""
+        return f" --nproc-per-node {t.gpus_per_node}" + (f" --nnodes {t.nodes}" if t.nodes > 1 else "")
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -180,6 +198,10 @@ class TuneResult:
             "candidates_total": len(self.search.candidates),
             "candidates_fitting": len(self.search.fitting),
             "memory_evaluations": self.search.evaluations,
+            "world_size": self.topology.world_size,
+            "gpus_per_node": self.topology.gpus_per_node,
+            "host_per_node_bytes": self.host_per_node_bytes,
+            "strategies": [t.to_dict() for t in self.strategies],
             "notes": list(self.notes),
         }
 
@@ -329,8 +351,11 @@ def tune(
     max_trials: int = 6,
     gpu: GpuInfo | None | bool = True,
     micro_limit: int = DEFAULT_MICRO_LIMIT,
+    gpus_per_node: int | None = None,
 ) -> TuneResult:
-    """Find the plan for ``model`` (see the module docstring). ``seq_len="max"``: the longest sequence any plan fits
+    """Find the plan for ``model`` (see the module docstring). ``pins["world_size"]`` (``--gpus``) plans for that
+    many GPUs (``gpus_per_node`` per node, default one node): each technique stack climbs the strategy ladder
+    (``oomdoctor.tune.strategies``) and ``global_batch`` is the batch over every GPU. ``seq_len="max"``: the longest sequence any plan fits
     (:func:`longest_context`), then the plan for it. ``margin``: what ``oomdoctor.plan.budget.parse_margin``
     reads (None: the default margin). ``gpu=True`` queries NVML, ``None``/``False`` means "no GPU" (tests), a
     :class:`GpuInfo` is used as given."""
@@ -354,10 +379,14 @@ def tune(
     all_pins = dict(pins or {})
     if method is not None:
         all_pins["method"] = method
+    topo = topology(all_pins.get("world_size"), gpus_per_node)
+    topo_pins = {k: all_pins.pop(k) for k in TOPOLOGY_FIELDS if k in all_pins}
+    rank_batch = _rank_batch(global_batch, topo.world_size)
     profile = profile_for(gpu_info.name if gpu_info else None)
     if seq_len == "max":
         best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer)
-        all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES if t.name not in NOT_PINNED_BY_MAX})
+        all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES
+                         if t.name not in NOT_PINNED_BY_MAX + TOPOLOGY_FIELDS})
         notes.append(f"--seq-len max: {seq_len:,} tokens at micro-batch {best.micro_batch} is the longest sequence "
                      f"any plan fits ({best.label()}; searched in steps of {SEQ_STEP} tokens)")
         if spec.context_note(seq_len, "the longest sequence"):
@@ -375,8 +404,13 @@ def tune(
 
     plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16,
                                  chunked_loss=spec.arch_kind == "decoder")
-    result = search(spec, plans, budget, global_batch=global_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
-                    profile=profile, micro_limit=micro_limit, host_ram=host_ram_bytes())
+    if topo.world_size == 1 and not topo_pins:
+        result = search(spec, plans, budget, global_batch=rank_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
+                        profile=profile, micro_limit=micro_limit, host_ram=host_ram_bytes())
+        ladders: dict[Plan, list[Candidate]] = {}
+    else:
+        result, ladders = _climb(spec, plans, budget, topo, topo_pins, global_batch=rank_batch, estimator=estimator,
+                                 prefer=prefer, profile=profile, micro_limit=micro_limit)
     if result.best is None:
         low = result.smallest
         raise DoesNotFit(
@@ -396,6 +430,10 @@ def tune(
         return pred_cache[key]
 
     mode = verify_mode
+    if mode == "auto" and topo.world_size > 1:
+        mode = "none"
+        notes.append(f"{topo.world_size} GPUs: the plan is the per-rank memory model's (verification runs one "
+                     "process; `oomdoctor diagnose --engine simulate --strategy fsdp` prices an FSDP rank exactly)")
     if mode == "auto":
         mode = "gpu" if gpu_info is not None and (gpu_mem is None or gpu_mem <= gpu_info.free_bytes) else "simulate"
     if mode == "gpu" and gpu_info is None:
@@ -407,7 +445,7 @@ def tune(
     if mode != "none":
         prober = (gpu_prober(model_ref, spec, capacity, predicted_peak, steps=probe_steps) if mode == "gpu"
                   else simulate_prober(spec, budget, predicted_peak))
-        cand, vplan, trials = verify(result.fitting, prober, global_batch=global_batch, limit=budget.limit_bytes,
+        cand, vplan, trials = verify(result.fitting, prober, global_batch=rank_batch, limit=budget.limit_bytes,
                                      capacity=capacity, predicted_peak=predicted_peak, max_trials=max_trials,
                                      micro_limit=micro_limit)
         verification = mode
@@ -432,22 +470,82 @@ def tune(
         model_max = chosen.batch.max_micro_batch if chosen.batch else plan.micro_batch
         moved_up = plan.micro_batch > chosen.plan.micro_batch
         batch = BatchChoice(max(model_max, plan.micro_batch) if moved_up else plan.micro_batch, plan.micro_batch,
-                            plan.grad_accum, global_batch,
+                            plan.grad_accum, rank_batch,
                             f"verification moved the micro-batch from {chosen.plan.micro_batch} to "
                             f"{plan.micro_batch} (measured, not predicted)")
         memory = estimator(spec, plan)
     else:
-        batch = chosen.batch or choose_micro_batch(plan.micro_batch, global_batch)
+        batch = chosen.batch or choose_micro_batch(plan.micro_batch, rank_batch)
         memory = chosen.memory
     if batch.note:
         notes.append(batch.note)
     throughput = estimate_throughput(spec, plan, profile, memory)
     if profile is not None and gpu_info is None:
         notes.append(f"throughput ranks use the {profile.name} profile (no GPU detected)")
+    strategies = _strategy_table(chosen, ladders, budget, topo)
     return TuneResult(
         spec=spec, budget=budget, gpu=gpu_info, prefer=prefer, seq_len=seq_len, global_batch=global_batch, plan=plan, memory=memory,
         batch=batch, throughput=throughput, search=result, trials=trials, verification=verification, notes=notes,
+        topology=topo, strategies=strategies,
     )
+
+
+def _rank_batch(global_batch: int | None, world_size: int) -> int | None:
+    """The batch one rank accumulates: ``global_batch / world_size`` (effective batch = micro x accumulation x
+    world size); BadInput when the GPUs cannot share it evenly."""
+    if global_batch is None or world_size == 1:
+        return global_batch
+    if global_batch % world_size:
+        lower = global_batch // world_size * world_size
+        raise BadInput(f"--global-batch {global_batch} does not split over {world_size} GPUs "
+                       "(effective batch = micro-batch x accumulation x GPUs)",
+                       f"use a multiple of {world_size}, e.g. --global-batch {lower or world_size} or "
+                       f"{lower + world_size}")
+    return global_batch // world_size
+
+
+def _climb(spec: ModelSpec, stacks: list[Plan], budget: Budget, topo: Topology, pins: dict[str, Any], *,
+           global_batch: int | None, estimator: Estimator, prefer: str, profile: HardwareProfile,
+           micro_limit: int) -> tuple[SearchResult, dict[Plan, list[Candidate]]]:
+    """Each stack climbs its strategy ladder until a rung fits (``oomdoctor.tune.strategies``); the kept rungs are
+    ranked like single-GPU plans. Returns the ranking and every stack's priced rungs (ladder order)."""
+    from oomdoctor.plan.batch import SearchTrace
+
+    trace = SearchTrace()
+    host_ram = host_ram_bytes()
+    cands: list[Candidate] = []
+    ladders: dict[Plan, list[Candidate]] = {}
+    for stack in stacks:
+        rungs: list[Candidate] = []
+        for plan in ladder(stack, topo, pins):
+            c = price(spec, plan, budget, global_batch=global_batch, estimator=estimator, profile=profile,
+                      micro_limit=micro_limit, host_ram=host_ram, gpus_per_node=topo.gpus_per_node, trace=trace)
+            rungs.append(c)
+            if c.fits:
+                break
+        if rungs:
+            ladders[stack] = rungs
+            cands.append(rungs[-1] if rungs[-1].fits else min(rungs, key=lambda c: budget.needed(c.memory)))
+    if not cands:
+        raise BadInput(f"no plan can run with these topology flags on {topo.world_size} GPU(s): "
+                       + ", ".join(f"{k}={v}" for k, v in pins.items()),
+                       "see `oomdoctor diagnose MODEL --gpus N --strategy ...` for what each strategy accepts")
+    return rank(cands, budget, prefer, len(trace.evaluations)), ladders  # type: ignore[arg-type]
+
+
+def _strategy_table(chosen: Candidate, ladders: dict[Plan, list[Candidate]], budget: Budget,
+                    topo: Topology) -> list[StrategyTrial]:
+    """The rungs of the chosen plan's stack (after those of its on-device twin when the chosen plan offloads)."""
+    mine = next((s for s, rungs in ladders.items() if chosen in rungs), None)
+    if mine is None:
+        return []
+    stacks = [mine]
+    if mine.offload_optimizer or mine.offload_params:
+        twin = mine.with_(offload_optimizer=False, offload_params=False)
+        if twin in ladders:
+            stacks.insert(0, twin)
+    rungs = [c for s in stacks for c in ladders[s]]
+    return trials(rungs, budget, chosen, lambda c: node_host_bytes(c.memory, c.plan, topo.gpus_per_node))
 
 
 # ---------------------------------------------------------------------------------------------- emitting
@@ -513,7 +611,30 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
     if config_only and not tokenizer:
         lines.append(f"model: built from the config with random weights and the bundled sample tokenizer "
                      f"({SAMPLE_TOKENIZER}) - a smoke run; point model.path at real weights to fine-tune.")
-    return render_yaml(cfg, header="\n".join(lines))
+    text = render_yaml(cfg, header="\n".join(lines))
+    # the train renderer writes the topology itself once train executes it; until then tune appends it
+    return text if "\nworld_size:" in text else text + topology_yaml(result.plan)
+
+
+#: Topology keys the emitted YAML carries when they differ from the default (``world_size`` and ``strategy`` always
+#: on more than one GPU).
+TOPOLOGY_YAML_KEYS: tuple[str, ...] = ("world_size", "strategy", "shard_group", "reshard_after_forward", "bucket_size",
+                                       "offload_params")
+
+
+def topology_yaml(plan: Plan) -> str:
+    """The plan's topology as train YAML keys (technique-table names, each with its memory note); empty on one GPU
+    with the default strategy."""
+    from oomdoctor.plan.techniques import DEFAULTS, how_yaml, technique
+
+    if plan.world_size == 1 and plan.strategy == "single":
+        return ""
+    lines = ["", "# --- topology: `oomdoctor train THIS.yaml --nproc-per-node N` runs it under torchrun"]
+    for name in TOPOLOGY_YAML_KEYS:
+        value = getattr(plan, name)
+        if name in ("world_size", "strategy") or value != DEFAULTS[name]:
+            lines.append(f"{how_yaml(name, value)}  # {technique(name).memory}")
+    return "\n".join(lines) + "\n"
 
 
 def write_config(result: TuneResult, model_ref: str, path: str | os.PathLike | None = None, *,
@@ -528,5 +649,5 @@ def write_config(result: TuneResult, model_ref: str, path: str | os.PathLike | N
     return out
 
 
-__all__ = ["tune", "TuneResult", "Trial", "write_config", "render_config", "default_output_path", "verify",
+__all__ = ["tune", "TuneResult", "Trial", "write_config", "render_config", "default_output_path", "verify", "topology_yaml",
            "ALLOC_CONF", "DEFAULT_OUTPUT", "VERIFY_MODES"]
