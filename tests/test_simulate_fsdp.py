@@ -217,6 +217,11 @@ def test_estimate_prices_fsdp_per_rank_through_the_engine_dispatch(tiny_config):
     assert four.engine == "simulate" and four.tensor_sum() == four.peak_allocated
     assert four.optimizer_states * 4 == pytest.approx(one.optimizer_states, abs=4 * 512 * 64)
     assert any("fake process group" in n for n in four.notes)
+    # the gathered root unit is a communication buffer; NCCL's own buffers are the runtime constant of N > 1 ranks
+    vocab, hidden = tiny_config["vocab_size"], tiny_config["hidden_size"]
+    assert four.comm_buffers >= 4 * 2 * vocab * hidden and one.nccl_buffers == 0 < four.nccl_buffers
+    assert four.peak_device == four.peak_reserved + four.cuda_context + four.nccl_buffers
+    assert 0 < four.phases["load"] < four.peak_allocated
 
 
 # ---------------------------------------------------------------------------------------------- ddp, zero
@@ -231,7 +236,7 @@ def test_ddp_is_the_single_gpu_step_plus_one_gradient_bucket(tiny_config):
     grads = simulate_run(spec, single).trainable_bytes
     a, b = estimate(spec, single, "simulate"), estimate(spec, ddp, "simulate")
     assert b.peak_allocated - a.peak_allocated == grads == pytest.approx(4 * _num_params(spec), rel=0.01)
-    assert b.gradients - a.gradients == grads
+    assert b.gradients - a.gradients == grads == b.comm_buffers
     assert b.tensor_sum() == b.peak_allocated
     assert any("bucket" in n and "fake tensors" in n for n in b.notes)
     from oomdoctor.engines.simulate import simulate_plan

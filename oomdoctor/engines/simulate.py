@@ -46,6 +46,7 @@ from oomdoctor.errors import BadInput
 from oomdoctor.execute.shard import mesh_shape
 from oomdoctor.execute.step import PHASES
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
+from oomdoctor.memory.sharding import LOAD
 from oomdoctor.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -359,12 +360,13 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         external = {k: ex(r2.external.get(k, 0), r4.external.get(k, 0)) for k in set(r2.external) | set(r4.external)}
         adapter = ex(r2.adapter_bytes, r4.adapter_bytes)
         trainable = ex(r2.trainable_bytes, r4.trainable_bytes)
+        stored = ex(r2.param_bytes, r4.param_bytes)
         ref = r4
     else:
         r = simulate_run(spec, plan, None, timeline=timeline, round_to=round_to)
         runs = (r,)
         phase_peaks, phase_cats, external, adapter, ref = r.phase_peaks, r.phase_categories, r.external, r.adapter_bytes, r
-        trainable = r.trainable_bytes
+        trainable, stored = r.trainable_bytes, r.param_bytes
     tl_run = ref
     if timeline and extrap and timeline_layers == "full":
         # a plot needs the real curve: one more replay of every block (slower: ~N/5 times the extrapolated cost)
@@ -383,7 +385,7 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
     elif plan.strategy == "fsdp":
         mesh = "x".join(map(str, mesh_shape(plan)))
         notes.append(f"fsdp: rank 0 of {plan.world_size} simulated with a fake process group (mesh {mesh}); "
-                     "bytes per rank; NCCL buffers not included")
+                     "bytes per rank; NCCL's own buffers are the runtime model's constant, not simulated")
         if plan.quant is not None:
             notes.append("fsdp + bitsandbytes: the packed quantized weights are sharded like any parameter (FSDP-QLoRA "
                          "with bnb_4bit_quant_storage), quantization constants replicated; not checked against a "
@@ -402,7 +404,14 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         notes.append("flash attention simulated with SDPA's flash kernel (same O(seq) saved state)")
     if plan.quant == "int8":
         notes.append("LLM.int8() outlier columns not modelled (data dependent; usually a handful)")
-    bd = breakdown_from(cats, peak, peak_phase, phase_peaks, adapter, external, spec, plan, notes)
+    comm, load = 0, None
+    if plan.strategy == "ddp":
+        comm, load = trainable, stored
+    elif plan.strategy == "fsdp":
+        # gathered units (and bf16 all-gather inputs) = the weights at the peak beyond the stored shards
+        comm, load = max(cats["parameters"] + cats["master_weights"] - stored, 0), stored
+    bd = breakdown_from(cats, peak, peak_phase, phase_peaks, adapter, external, spec, plan, notes, comm=comm,
+                        load=load)
     return SimulationResult(
         breakdown=bd,
         timeline=timeline_samples,
@@ -427,13 +436,19 @@ def _with_ddp_bucket(phase_peaks: dict, phase_cats: dict, bucket: int) -> tuple[
 
 
 def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, adapter: int, external: dict,
-                   spec, plan, notes: list[str]) -> MemoryBreakdown:
-    """Fill a MemoryBreakdown from tensor categories at the peak plus the device-level model (runtime constants)."""
+                   spec, plan, notes: list[str], *, comm: int = 0, load: int | None = None) -> MemoryBreakdown:
+    """Fill a MemoryBreakdown from tensor categories at the peak plus the device-level model (runtime constants).
+    ``comm``: of the tensor bytes at the peak, the communication buffers (``MemoryBreakdown.comm_buffers``);
+    ``load``: the ``load`` phase of multi-rank plans (the weights a rank holds once built; below every step
+    phase)."""
     paged = external.get("paged_optimizer", 0)
     offloaded = external.get("cpu_offloaded", 0)
     transient = cats["activations"] + cats["logits"] + cats["temporaries"] + cats["master_weights"]
     dev = device_overheads(spec, plan, transient)
     reserved = peak + dev["allocator_slack"] + dev["cublas_workspace"]
+    phases = {ph: int(phase_peaks.get(ph, 0)) for ph in PHASES}
+    if load is not None:
+        phases[LOAD] = int(load)
     return MemoryBreakdown(
         **{c: cats[c] for c in TENSOR_COMPONENTS},
         adapters=min(adapter, cats["parameters"]),
@@ -442,18 +457,21 @@ def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, ad
         cublas_workspace=dev["cublas_workspace"],
         paged_optimizer=paged,
         cpu_offloaded=offloaded,
+        comm_buffers=comm,
+        nccl_buffers=dev["nccl_buffers"],
         peak_allocated=peak,
         peak_reserved=reserved,
-        peak_device=reserved + dev["cuda_context"] + paged,
+        peak_device=reserved + dev["cuda_context"] + dev["nccl_buffers"] + paged,
         peak_phase=peak_phase,
-        phases={ph: int(phase_peaks.get(ph, 0)) for ph in PHASES},
+        phases=phases,
         engine="simulate",
         notes=tuple(notes) + tuple(dev.get("notes", ())),
     )
 
 
 def device_overheads(spec, plan, transient_bytes: int) -> dict:
-    """CUDA context, cuBLAS workspace and allocator slack around a simulated tensor peak.
+    """CUDA context, cuBLAS workspace, NCCL buffers (several ranks) and allocator slack around a simulated tensor
+    peak.
 
     Taken from the analytic engine's runtime model (``oomdoctor.memory.runtime``: named constants calibrated on a
     GPU), so both engines agree on everything outside the tensor bytes: slack = per-block rounding of the
@@ -471,12 +489,14 @@ def device_overheads(spec, plan, transient_bytes: int) -> dict:
             "allocator_slack": int(slack),
             "cuda_context": int(rt.cuda_context_bytes(c)),
             "cublas_workspace": int(rt.cublas_workspace_bytes(c)),
+            "nccl_buffers": int(rt.nccl_buffer_bytes(c)),
         }
     except (ImportError, AttributeError, TypeError):  # runtime model absent or changed: documented fallback
         return {
             "allocator_slack": int(transient_bytes * 0.08) + 12 * 2**20,
             "cuda_context": 512 * 2**20,
             "cublas_workspace": 64 * 2**20,
+            "nccl_buffers": 0,
             "notes": ("device overheads: fallback constants (oomdoctor.memory.runtime not importable)",),
         }
 
