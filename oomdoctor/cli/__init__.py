@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from oomdoctor.cli.app import app
+from oomdoctor.cli.output import stdout_for_json
 from oomdoctor.errors import OomDoctorError
 from oomdoctor.noise import quiet_third_party
 
@@ -23,8 +24,10 @@ from oomdoctor.cli import models as _models  # noqa: E402,F401
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turn our exceptions into one line on stderr and an exit code."""
     quiet_third_party()
+    args = sys.argv[1:] if argv is None else argv
     try:
-        app(args=argv, prog_name="oomdoctor")
+        with stdout_for_json("--json" in args):  # library chatter goes to stderr, the document to stdout
+            app(args=argv, prog_name="oomdoctor")
     except OomDoctorError as exc:
         print(f"error: {exc.message}", file=sys.stderr)
         if exc.hint:

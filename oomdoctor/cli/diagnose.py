@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import typer
 
 from oomdoctor.cli.app import app
 from oomdoctor.cli.options import offload_option, pins_from, plan_option
+from oomdoctor.cli.output import emit_json
 
 HELP = """Memory of fine-tuning MODEL under each stack of techniques, from its config alone (no weights, no GPU).
 
@@ -79,7 +79,7 @@ def diagnose(
     if plot:
         _write_plot(report, plot)
     if as_json:
-        typer.echo(json.dumps(report.to_dict(), indent=2))
+        emit_json(report.to_dict())
         return
     from oomdoctor.cli.render import print_diagnose
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -10,6 +9,7 @@ from typing import Optional
 import typer
 
 from oomdoctor.cli.app import app
+from oomdoctor.cli.output import emit_json
 
 HELP = """Read an out-of-memory error (a log or traceback) and explain it: what was asked, what was free, where the
 rest went, the likely causes with their numbers, and the fixes, best first.
@@ -111,6 +111,6 @@ def explain(
         d["source"] = source
         if note:
             d["plan_note"] = note
-        typer.echo(json.dumps(d, indent=2))
+        emit_json(d)
         return
     print_explanation(diag, source, note)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import typer
 
 from oomdoctor.cli.app import app
+from oomdoctor.cli.output import emit_json
 
 HELP = (
     "List the bundled model configs: every id here resolves offline in diagnose/tune/train (aliases too, case "
@@ -31,7 +31,7 @@ def models(
 
     rows = bundled_models(pattern)
     if as_json:
-        typer.echo(json.dumps({"models": rows}, indent=2))
+        emit_json({"models": rows})
         return
     from rich.console import Console
     from rich.table import Table

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Optional
@@ -10,6 +9,7 @@ from typing import Optional
 import typer
 
 from oomdoctor.cli.app import app
+from oomdoctor.cli.output import emit_json
 
 HELP = """Train from a YAML config (what `oomdoctor tune` writes; see configs/train/ and docs/train.md).
 
@@ -250,7 +250,7 @@ def train(
 
         d = do_dry(cfg, gpu_mem=cap, engine=engine)
         if json_out:
-            print(json.dumps({"config": config, **d.to_dict()}, indent=1))
+            emit_json({"config": config, **d.to_dict()}, indent=1)
         else:
             _print_dry(d)
         if d.fits is False:
@@ -267,15 +267,15 @@ def train(
                         on_event=rep, command=f"oomdoctor train {config}")
     except OomDoctorError as exc:
         if json_out:  # CI still gets one JSON object; the message also goes to stderr (oomdoctor.cli.main)
-            print(json.dumps({"config": config, "error": exc.message, "hint": exc.hint,
-                              "exit_code": exc.exit_code}, indent=1))
+            emit_json({"config": config, "error": exc.message, "hint": exc.hint,
+                       "exit_code": exc.exit_code}, indent=1)
         raise
     finally:
         rep.close()
     if os.environ.get("RANK", "0") != "0":
         return  # rank 0 reports for the job
     if json_out:
-        print(json.dumps({"config": config, **res.to_dict()}, indent=1, default=str))
+        emit_json({"config": config, **res.to_dict()}, indent=1)
         return
     pred = res.memory.get("peak_allocated_bytes") if res.memory else None
     loss = (f"loss {res.first_loss:.4f} -> {res.final_loss:.4f}" if res.first_loss is not None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import typer
 
 from oomdoctor.cli.app import app
 from oomdoctor.cli.options import offload_option, pins_from, plan_option
+from oomdoctor.cli.output import emit_json
 
 HELP = """Pick the training plan that fits, the largest micro-batch, and the gradient accumulation that keeps
 --global-batch exact; verify it; write a commented `oomdoctor train` config and print the command to run it.
@@ -136,7 +136,7 @@ def tune(
         doc["emit_notes"] = list(written.emitted.notes) if written is not None else []
         if written is not None:
             doc["command"] = written.command
-        typer.echo(json.dumps(doc, indent=2))
+        emit_json(doc)
     else:
         _print(result, written)
     if launch:

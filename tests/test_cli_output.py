@@ -1,0 +1,39 @@
+"""Under --json, stdout carries the document only: library chatter goes to stderr (oomdoctor.cli.output)."""
+
+import json
+import logging
+import sys
+
+from oomdoctor.cli import main
+from oomdoctor.cli.output import emit_json, stdout_for_json
+
+
+def test_library_output_goes_to_stderr_and_the_document_to_stdout(capsys):
+    with stdout_for_json(True):
+        # DeepSpeed binds its log handler to sys.stdout when accelerate imports it, after the CLI started
+        handler = logging.StreamHandler(stream=sys.stdout)
+        log = logging.getLogger("oomdoctor-test-chatter")
+        log.addHandler(handler)
+        log.warning("Setting accelerator to CPU.")
+        print("progress 3/10")
+        emit_json({"ok": 1})
+        log.removeHandler(handler)
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"ok": 1}
+    assert "Setting accelerator to CPU." in err and "progress 3/10" in err
+    assert sys.stdout is not sys.stderr  # restored
+
+
+def test_without_json_stdout_is_untouched(capsys):
+    with stdout_for_json(False):
+        print("table")
+    assert capsys.readouterr().out == "table\n"
+
+
+def test_a_json_command_prints_one_document(capsys):
+    try:
+        main(["models", "--json", "qwen3"])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    doc = json.loads(capsys.readouterr().out)
+    assert any(m["id"] == "Qwen/Qwen3-30B-A3B" for m in doc["models"])
