@@ -205,6 +205,8 @@ def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_save
         if p > 0:
             d_bytes = 2 if c.mixed else 4  # dropout output (fp32), re-cast to bf16 by autocast in mixed
             total += t * i * (d_bytes + c.mask_b)
+        elif c.gathered_in_compute_dtype:
+            shared_x = True  # bf16 adapters read the bf16 input as it is
         elif c.mixed:
             total += 2 * t * i  # per-module cast of the (fp32) input to bf16
         elif x_bytes == 4:

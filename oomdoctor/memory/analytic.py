@@ -164,30 +164,29 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
     # ---- per rank: the strategy's shards, gathered units and buckets on top of the single-GPU terms (sharding.py)
     rs = shd.rank_states(c, shd.single_terms(c))
 
-    def rank(phase: str, d: dict[str, int]) -> dict[str, int]:
-        return d if plan.strategy == "single" else _per_rank(phase, d, rs)
+    def rank(moment: str, d: dict[str, int]) -> dict[str, int]:
+        return d if plan.strategy == "single" else _per_rank(moment, d, rs)
 
     # forward: end of forward (loss) or the last block's working set
     fwd_extra_logits = lg.forward_peak
     fwd_tmp = la.fwd_transient
-    if fwd_extra_logits >= fwd_tmp:
-        fwd = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
-                          activations=A_end, logits=fwd_extra_logits)
-    else:
-        fwd = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
-                          activations=A_end - fin, temporaries=fwd_tmp)
-    fwd = rank("forward", fwd)
+    fwd_at_loss = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
+                              activations=A_end, logits=fwd_extra_logits)
+    fwd_in_block = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
+                               activations=A_end - fin, temporaries=fwd_tmp)
+    fwd = max(rank("forward" + shd.LOSS_MOMENT, fwd_at_loss), rank("forward", fwd_in_block),
+              key=lambda d: sum(d.values()))
     phases["forward"] = (sum(fwd.values()), fwd)
 
     # backward candidates
     cands = []
     # (a) loss backward: under GC the forward's autocast cache is gone (cleared when the autocast region exits)
     # and checkpointed blocks saved no casts: only the head's copy is left.
-    cands.append(_components(parameters=P, master_weights=M_loss, gradients=G_pre, optimizer_states=O,
-                             activations=A_end, logits=lg.backward_peak))
+    at_loss = _components(parameters=P, master_weights=M_loss, gradients=G_pre, optimizer_states=O,
+                          activations=A_end, logits=lg.backward_peak)
     top_acts = layers_saved + shared + (recompute if (gc or plan.offload_activations) else 0)
-    cands.append(_components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
-                             activations=top_acts, temporaries=la.bwd_extra + unpack_tmp))
+    at_top = _components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
+                         activations=top_acts, temporaries=la.bwd_extra + unpack_tmp)
     if gc:
         # block 0 recomputed: its first norm's save is either the kept input (full) or absent (LoRA discount)
         bottom_acts = la.gc_saved + la.gc_extra + la.saved - (la.first_layer_discount if not c.full else la.gc_alias) + shared
@@ -202,7 +201,9 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom,
                                  optimizer_states=O, activations=bottom_acts + la.gc_recompute))
     cands.append(_components(parameters=P, gradients=G_pre + (g_end if not ga else 0), optimizer_states=O))
-    bwd = max((rank("backward", d) for d in cands), key=lambda d: sum(d.values()))
+    bwd = max([rank("backward" + shd.LOSS_MOMENT, at_loss), rank("backward" + shd.TOP_MOMENT, at_top)]
+              + [rank("backward", d) for d in cands],
+              key=lambda d: sum(d.values()))
     phases["backward"] = (sum(bwd.values()), bwd)
 
     # optimizer step
@@ -297,15 +298,16 @@ def _notes(c: Ctx) -> list[str]:
     return notes
 
 
-def _per_rank(phase: str, d: dict[str, int], rs: shd.RankStates) -> dict[str, int]:
-    """One phase's single-GPU components as one rank holds them under the strategy: the rank's weights plus the
+def _per_rank(moment: str, d: dict[str, int], rs: shd.RankStates) -> dict[str, int]:
+    """One moment's single-GPU components as one rank holds them under the strategy: the rank's weights plus the
     gathered units, its share of every gradient plus the gradient buffers, its optimizer states and step
-    temporaries; no autocast weight casts where the gathered units / the bf16 model are the compute copies."""
+    temporaries; no autocast weight casts where the gathered units / the bf16 model are the compute copies.
+    ``moment``: a phase, or ``<phase>-loss`` for the head and loss (``sharding.LOSS_MOMENT``)."""
     d = dict(d)
-    d["parameters"] = rs.parameters + rs.gathered.get(phase, 0)
-    d["gradients"] = int(d["gradients"] * rs.grad_scale) + rs.grad_buffers.get(phase, 0)
+    d["parameters"] = rs.parameters + rs.gathered_at(moment)
+    d["gradients"] = int(d["gradients"] * rs.grad_scale) + rs.grad_buffers_at(moment)
     d["optimizer_states"] = rs.optimizer_states
-    if phase == "optimizer-step":
+    if moment == "optimizer-step":
         d["temporaries"] = rs.step_temporaries
     if not rs.amp_copies:
         d["master_weights"] = 0

@@ -158,6 +158,13 @@ class Ctx:
     def mixed(self) -> bool:
         return self.plan.is_mixed
 
+    @property
+    def gathered_in_compute_dtype(self) -> bool:
+        """FSDP2 with a ``*-mixed`` plan: every weight, adapters included, is gathered in the compute dtype
+        (``MixedPrecisionPolicy(param_dtype)``, execute/shard.py), so the step computes like a pure low-precision
+        model: a bf16 residual stream, no autocast weight casts, no per-adapter input casts."""
+        return self.plan.strategy == "fsdp" and self.plan.is_mixed
+
     def is_adapted(self, name: str) -> bool:
         return any(g.name == name for g in self.lora_groups)
 
@@ -167,6 +174,8 @@ def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:
     wb = plan.weight_dtype_bytes
     ab = 4 if plan.precision == "fp32" else 2
     rb = 4 if plan.precision in ("fp32", "fp16-mixed", "bf16-mixed") else 2
+    if plan.strategy == "fsdp" and plan.is_mixed:  # Ctx.gathered_in_compute_dtype
+        rb = ab
     if plan.quant is not None and plan.precision == "bf16":
         # peft's prepare_model_for_kbit_training (which the executor applies, as QLoRA recipes do) upcasts every
         # non-quantized fp16/bf16 parameter to fp32 (peft utils/other.py): embeddings, norms, head and biases are

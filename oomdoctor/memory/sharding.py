@@ -60,6 +60,18 @@ DS_LARGEST_LAYER_BYTES = 4
 PREFETCH_FRACTION = 0.9
 
 LOAD = "load"
+#: Moments inside a phase, as suffixes: the LM head and the loss (``forward-loss``, ``backward-loss``), the first
+#: decoder layer backward reaches (``backward-top``). A strategy that does not tell a moment apart uses its phase's.
+LOSS_MOMENT = "-loss"
+TOP_MOMENT = "-top"
+
+
+def phase_of(moment: str) -> str:
+    """The phase a moment belongs to (``backward-loss`` -> ``backward``)."""
+    for suffix in (LOSS_MOMENT, TOP_MOMENT):
+        if moment.endswith(suffix):
+            return moment.removesuffix(suffix)
+    return moment
 
 
 @dataclass(frozen=True)
@@ -105,8 +117,17 @@ class RankStates:
     host_factor: float = 1.0
     """Buffer factor on host RAM (DeepSpeed's 1.5 for ZeRO)."""
 
-    def comm_buffers(self, phase: str) -> int:
-        return self.gathered.get(phase, 0) + self.grad_buffers.get(phase, 0)
+    def gathered_at(self, moment: str) -> int:
+        """Unsharded weights at ``moment``: a phase or a moment in it (``LOSS_MOMENT``, ``TOP_MOMENT``; the phase's
+        own figure when the strategy does not tell them apart)."""
+        return self.gathered.get(moment, self.gathered.get(phase_of(moment), 0))
+
+    def grad_buffers_at(self, moment: str) -> int:
+        """Gradient communication buffers at ``moment`` (as :meth:`gathered_at`)."""
+        return self.grad_buffers.get(moment, self.grad_buffers.get(phase_of(moment), 0))
+
+    def comm_buffers(self, moment: str) -> int:
+        return self.gathered_at(moment) + self.grad_buffers_at(moment)
 
 
 def single_terms(c: Ctx) -> SingleTerms:
@@ -175,11 +196,19 @@ def fsdp_gathered(c: Ctx, t: SingleTerms) -> dict[str, int]:
     u = units(c)
     root = gathered_unit_bytes(c, u.root, t.parameters)
     block = gathered_unit_bytes(c, u.block, t.parameters)
+    # the head and the loss: the root and one decoder layer's unsharded weights (measured by the fake-process-group
+    # replay at the logits-bound moments of forward and backward; in backward it is the last layer, prefetched as
+    # the loss backward starts), with no block gradient in reduce-scatter yet
+    at_loss = root + block
+    in_layers = root + 2 * block  # the computing and the prefetched layer
     if c.plan.reshard_after_forward:
-        live = root + 2 * block
-    else:
-        live = root + block * max(c.spec.num_layers, 1)
-    return {"forward": live, "backward": live, "optimizer-step": 0}
+        return {"forward": in_layers, "backward": in_layers, "optimizer-step": 0,
+                "forward" + LOSS_MOMENT: at_loss, "backward" + LOSS_MOMENT: at_loss}
+    # every layer stays gathered from its forward until its own backward resharded it: all of them at the end of
+    # forward and when backward enters the last layer, the computing and prefetched ones near the first
+    everything = root + block * max(c.spec.num_layers, 1)
+    return {"forward": everything, "backward": in_layers, "optimizer-step": 0,
+            "backward" + LOSS_MOMENT: everything, "backward" + TOP_MOMENT: everything}
 
 
 def fsdp_block_grad_bytes(c: Ctx) -> int:
@@ -196,7 +225,7 @@ def fsdp(c: Ctx, t: SingleTerms) -> RankStates:
     S = c.plan.shards
     params, grads, opt = t.parameters // S, t.gradients // S, (t.optimizer_states + t.optimizer_host) // S
     gathered = fsdp_gathered(c, t)
-    rs_grads = {"backward": fsdp_block_grad_bytes(c)}
+    rs_grads = {"backward": fsdp_block_grad_bytes(c), "backward" + LOSS_MOMENT: 0}  # no block in reduce-scatter yet
     if c.plan.offload_params:
         # CPUOffloadPolicy: sharded weights, gradients and optimizer states on the host; the step runs there
         # (torch ``fully_shard(offload_policy=CPUOffloadPolicy())``); the device holds the units in flight.
