@@ -31,9 +31,15 @@ casts it to the compute dtype before moving it to the device, the full stored co
 ``oomdoctor train`` builds fsdp models on the meta device and
 materializes the shards only; ZeRO-3 ``zero.Init`` partitions at construction (one layer gathered).
 
-Limits: activations are the single-GPU formulas at the per-rank micro-batch, the autocast step's (an upper bound
-under FSDP/ZeRO mixed precision, where the gathered bf16 weights make the residual stream bf16 too); FSDP's reduce-scatter output and DeepSpeed's
-meta-tensor lists are not priced; the ``simulate`` engine runs FSDP exactly (fake process group).
+Moments: a phase's peak is the largest of its moments, and FSDP gathers different units at each: the head and the
+loss (``LOSS_MOMENT``: the root + one layer), inside the layers (root + the computing and the prefetched layer), and,
+without ``reshard_after_forward``, every layer until its own backward (``TOP_MOMENT``). Under FSDP ``*-mixed`` the
+gathered bf16 weights make the step compute like a pure bf16 one (``Ctx.gathered_in_compute_dtype``). Checked
+against the fake-process-group replay within 0.1 % (tests/test_sharding.py).
+
+Limits: activations under ZeRO mixed precision are the autocast step's (an upper bound: DeepSpeed's bf16 model makes
+the residual stream bf16); FSDP's reduce-scatter output and DeepSpeed's meta-tensor lists are not priced; QLoRA
+under FSDP is +3 % over the replay (bitsandbytes under FSDP is not checked against a real run).
 """
 
 from __future__ import annotations
@@ -358,8 +364,8 @@ def notes(c: Ctx) -> list[str]:
     if p.offload_params or p.offload_optimizer:
         out.append("host RAM per node assumes every rank on one node"
                    + (" and includes DeepSpeed's 1.5 buffer factor" if p.strategy in ("zero2", "zero3") else ""))
-    if c.mixed:
-        out.append("activations priced as the autocast step (an upper bound: gathered bf16 weights make the "
+    if c.mixed and p.strategy in ("zero2", "zero3"):
+        out.append("activations priced as the autocast step (an upper bound: DeepSpeed's bf16 model makes the "
                    "residual stream bf16)")
     if c.device == "cuda" and p.world_size > 1:
         out.append(f"NCCL buffers: {format_bytes(NCCL_BUFFER_BYTES)} per rank, a CUDA assumption (calibrate on GPUs)")
