@@ -127,3 +127,12 @@ def test_cli_json_and_table(capsys, tmp_path):
         assert e.code in (0, None)
     text = capsys.readouterr().out
     assert "strategies on 8 GPUs" in text and "ddp(8) needs" in text and "--nproc-per-node 8" in text
+
+
+def test_fsdp_plans_are_verified_by_the_fake_process_group_replay(tiny_spec):
+    """--verify auto without a GPU replays the chosen FSDP rank (simulate engine, fake process group)."""
+    r = tune(tiny_spec, gpu_mem=2 * 10**9, seq_len=128, gpu=None, verify_mode="auto",
+             pins=dict(world_size=2, strategy="fsdp", method="full", precision="fp32", micro_batch=2))
+    assert r.plan.strategy == "fsdp" and r.verification == "simulate"
+    assert r.trials and r.trials[-1].outcome == "fits" and r.trials[-1].verified_by == "simulate"
+    assert r.trials[-1].measured_peak_allocated_bytes > 0

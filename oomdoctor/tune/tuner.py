@@ -430,10 +430,10 @@ def tune(
         return pred_cache[key]
 
     mode = verify_mode
-    if mode == "auto" and topo.world_size > 1:
+    if mode == "auto" and result.best.plan.strategy in ("zero2", "zero3"):
         mode = "none"
-        notes.append(f"{topo.world_size} GPUs: the plan is the per-rank memory model's (verification runs one "
-                     "process; `oomdoctor diagnose --engine simulate --strategy fsdp` prices an FSDP rank exactly)")
+        notes.append(f"{result.best.plan.strategy}: DeepSpeed is priced by its formulas only (the simulated engine "
+                     "replays FSDP ranks and DDP, not DeepSpeed): the plan is unverified")
     if mode == "auto":
         mode = "gpu" if gpu_info is not None and (gpu_mem is None or gpu_mem <= gpu_info.free_bytes) else "simulate"
     if mode == "gpu" and gpu_info is None:
