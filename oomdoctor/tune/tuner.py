@@ -435,9 +435,13 @@ def tune(
         notes.append(f"{result.best.plan.strategy}: DeepSpeed is priced by its formulas only (the simulated engine "
                      "replays FSDP ranks and DDP, not DeepSpeed): the plan is unverified")
     if mode == "auto":
-        mode = "gpu" if gpu_info is not None and (gpu_mem is None or gpu_mem <= gpu_info.free_bytes) else "simulate"
+        on_gpu = gpu_info is not None and (gpu_mem is None or gpu_mem <= gpu_info.free_bytes)
+        mode = "gpu" if on_gpu and topo.world_size == 1 else "simulate"
     if mode == "gpu" and gpu_info is None:
         raise BadInput("--verify gpu: no NVIDIA GPU found", "use --verify simulate (fake-tensor replay) or none")
+    if mode == "gpu" and topo.world_size > 1:
+        raise BadInput(f"--verify gpu probes one process; a plan for {topo.world_size} GPUs cannot run there",
+                       "use --verify simulate (one rank replayed with a fake process group) or none")
     chosen = result.best
     plan = chosen.plan
     trials: list[Trial] = []
