@@ -13,6 +13,10 @@ and reports:
 * ``peak_device`` from NVML: this process's device memory after the steps (the caching allocator keeps its peak
   reservation), plus other processes' usage in the notes; ``cuda_context`` = NVML process usage - reserved.
 
+``strategy: fsdp`` plans of one rank (``offload_params`` on one GPU, or world size 1) run as ``train`` runs them: a
+one-rank NCCL process group, the meta-built model wrapped by ``oomdoctor.execute.shard.apply_fsdp`` and materialized
+on the GPU. Several ranks need several processes: the engine refuses them (``--engine simulate`` replays one rank).
+
 Without a CUDA GPU it raises :class:`oomdoctor.errors.NoGPU` (exit 2).
 """
 
@@ -21,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from oomdoctor.errors import NoGPU
+from oomdoctor.errors import BadInput, NoGPU
 from oomdoctor.gpu import detect_gpu, process_bytes
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 
@@ -92,19 +96,72 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
     require_cuda()
     import torch
 
-    from oomdoctor.execute.build import build_model, make_batch
     from oomdoctor.plan import validate
-    from oomdoctor.engines.replay import run_steps
-    from oomdoctor.execute.step import PHASES
-    from oomdoctor.execute.tracking import LiveBytes
 
     plan = validate(plan)
+    if plan.strategy != "single" and (plan.world_size > 1 or plan.strategy != "fsdp" or model_path is not None):
+        raise BadInput(f"--engine measure runs one process on this GPU; {plan.label()} needs "
+                       f"{plan.world_size} rank(s) of {plan.strategy}", "use --engine simulate (one rank replayed)")
     t0 = time.perf_counter()
     gpu_before = _gpu_info()
     torch.manual_seed(seed)
     torch.cuda.init()
+    with _one_rank_group(plan):
+        return _measure(spec, plan, model_path, steps, t0, gpu_before, seed)
+
+
+def _one_rank_group(plan: "Plan"):
+    """A one-rank NCCL process group for an FSDP plan (a null context otherwise), destroyed on exit."""
+    import contextlib
+    import tempfile
+
+    import torch.distributed as dist
+
+    if plan.strategy != "fsdp" or dist.is_initialized():
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def group():
+        with tempfile.TemporaryDirectory() as tmp:
+            dist.init_process_group("nccl", store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
+            try:
+                yield
+            finally:
+                dist.destroy_process_group()
+
+    return group()
+
+
+def _fsdp_model(spec: "ModelSpec", plan: "Plan", seed: int):
+    """The plan's model built on the meta device, wrapped by FSDP2 and materialized on the GPU (random weights)."""
+    import torch
+
+    from oomdoctor.execute.build import build_model
+    from oomdoctor.execute.shard import apply_fsdp, device_mesh
+
+    built = build_model(spec, plan, device="meta", seed=seed)
+    model = apply_fsdp(built.model, plan, device_mesh(plan, "cuda"), "cuda")
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        for p in model.parameters():
+            getattr(p, "_local_tensor", p).normal_(0, 0.02)
+    return model, built.head_module
+
+
+def _measure(spec, plan, model_path, steps: int, t0: float, gpu_before: dict, seed: int = 0) -> MeasureResult:
+    import time
+
+    import torch
+
+    from oomdoctor.execute.build import build_model, make_batch
+    from oomdoctor.engines.replay import run_steps
+    from oomdoctor.execute.step import PHASES
+    from oomdoctor.execute.tracking import LiveBytes
+
     if model_path is not None:
         model, head = _load_local(plan, model_path)
+    elif plan.strategy == "fsdp":
+        model, head = _fsdp_model(spec, plan, seed)
     else:
         if plan.quant is not None:
             built = build_model(spec, plan, device="meta", real_quant_device="cuda", seed=seed)
