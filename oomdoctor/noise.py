@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 
 def quiet_third_party() -> None:
     """bitsandbytes warns at import that an optional CPU 4-bit speed kernel (the ``kernels`` package) is missing;
-    transformers 5.x warns on every gradient-checkpointing call that the name changes in v6. Neither is actionable
-    for an oomdoctor user."""
+    transformers 5.x warns on every gradient-checkpointing call that the name changes in v6; DeepSpeed announces
+    that it falls back to the CPU. None is actionable for an oomdoctor user."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    _no_deepspeed_accelerator_probe()
     warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6.*", category=FutureWarning)
+
+
+def _no_deepspeed_accelerator_probe() -> None:
+    """Once deepspeed is installed, accelerate imports it, and on a machine without an NVIDIA driver its accelerator
+    probe logs "Setting accelerator to CPU. If you have GPU ..." on stdout at every command. Telling it the answer
+    (``DS_ACCELERATOR=cpu``, its documented override) when no NVIDIA device node exists keeps it quiet; a user's own
+    ``DS_ACCELERATOR`` wins, and a machine with a GPU probes as usual."""
+    if "DS_ACCELERATOR" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+        os.environ["DS_ACCELERATOR"] = "cpu"

@@ -37,3 +37,17 @@ def test_a_json_command_prints_one_document(capsys):
         assert exc.code in (0, None)
     doc = json.loads(capsys.readouterr().out)
     assert any(m["id"] == "Qwen/Qwen3-30B-A3B" for m in doc["models"])
+
+
+def test_deepspeed_is_told_there_is_no_gpu_unless_the_user_says_otherwise(monkeypatch):
+    import os
+
+    from oomdoctor.noise import quiet_third_party
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    quiet_third_party()
+    if not os.path.exists("/dev/nvidiactl"):
+        assert os.environ["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    quiet_third_party()
+    assert os.environ["DS_ACCELERATOR"] == "cuda"
