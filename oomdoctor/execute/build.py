@@ -95,6 +95,20 @@ def attn_implementation(plan: "Plan") -> str:
     return {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[plan.attn]
 
 
+def experts_kwargs(plan: "Plan", config) -> dict:
+    """``experts_implementation=`` for ``from_config``/``from_pretrained`` of a MoE config (dense models refuse it)."""
+    return {"experts_implementation": experts_implementation(plan)} if _num_experts(config) else {}
+
+
+def experts_implementation(plan: "Plan") -> str:
+    """transformers' MoE experts kernel for the plan (ignored by dense models): its default ``grouped_mm`` where the
+    expert weights are bf16, else ``eager`` (one matmul per expert). torch's grouped matmul takes bf16 only on CUDA
+    (``aten/src/ATen/native/cuda/Blas.cpp``, mirrored by its meta kernel), so fp32 master weights (``fp32``,
+    ``*-mixed``) and QLoRA's fp32-upcast experts (``prepare_model_for_kbit_training``) fail there with
+    "Expected inputs of BF16 type": the eager experts are what runs, on a GPU and in the replay alike."""
+    return "grouped_mm" if plan.precision == "bf16" and plan.quant is None else "eager"
+
+
 #: Leaf class names of the linear layers LoRA can adapt (torch, bitsandbytes, the bnb stand-ins subclass these).
 _LINEAR_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
 
@@ -262,14 +276,16 @@ def build_model(
     try:
         try:
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
+                                                         **experts_kwargs(plan, config))
         except ValueError as exc:
             if attn == "eager" or "attention implementation" not in str(exc):
                 raise
             # the architecture has no SDPA path (e.g. Gemma 2 with soft-capping): transformers uses eager
             attn = "eager"
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
+                                                         **experts_kwargs(plan, config))
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unsupported configs
         raise BadInput(
             f"{spec.name}: transformers could not build the model ({type(exc).__name__}: {exc})",

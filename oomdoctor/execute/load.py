@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput, NoGPU
+from oomdoctor.execute.build import experts_kwargs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -143,12 +144,13 @@ class LoadedModel:
 
 
 def _from_pretrained(path: str, plan: "Plan", device: "torch.device", qconf):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from oomdoctor.execute.dtypes import weight_dtype
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype(plan), device_map={"": str(device)},
-                                                quantization_config=qconf, attn_implementation=hf_attn_implementation(plan))
+                                                quantization_config=qconf, attn_implementation=hf_attn_implementation(plan),
+                                                **experts_kwargs(plan, AutoConfig.from_pretrained(path)))
 
 
 def _random_model(source: ModelSource, plan: "Plan", device: "torch.device", qconf, vocab_size: int, seed: int,
@@ -167,7 +169,8 @@ def _random_model(source: ModelSource, plan: "Plan", device: "torch.device", qco
     if qconf is None:
         with torch.device(device):
             return AutoModelForCausalLM.from_config(hcfg, dtype=weight_dtype(plan),
-                                                    attn_implementation=hf_attn_implementation(plan))
+                                                    attn_implementation=hf_attn_implementation(plan),
+                                                    **experts_kwargs(plan, hcfg))
     with torch.device("cpu"):
         tmp_model = AutoModelForCausalLM.from_config(hcfg, dtype=torch_dtype(compute_dtype or plan.compute_dtype))
     tmp = tempfile.mkdtemp(prefix="oomdoctor-init-")
