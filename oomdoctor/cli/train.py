@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import sys
+import uuid
 from dataclasses import replace
 from typing import Optional
 
@@ -178,6 +179,14 @@ def _without_launch_flags(args: list[str]) -> list[str]:
     return out
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return int(sock.getsockname()[1])
+
+
 def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int | None, rdzv: str | None,
               command: list[str]) -> int:
     """Run ``command`` (``-m oomdoctor train ...``) in ``nproc`` processes through torch's own launcher
@@ -189,11 +198,15 @@ def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int 
     from oomdoctor.errors import EXIT_INTERRUPTED
 
     argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
+    if rdzv is None and nnodes is None:
+        rdzv = f"localhost:{_free_port()}"
+        argv += ["--rdzv-id", uuid.uuid4().hex]  # this launch's TORCHELASTIC_RUN_ID (restart markers name it)
     for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv)):
         if value is not None:
             argv += [flag, str(value)]
-    if nnodes is None:
-        argv += ["--standalone"]
+    # the c10d rendezvous on a fixed port: with --standalone (port 0) or the static one, torch 2.13's restarted
+    # ranks hang in gloo's connectFullMesh (measured), so --max-restarts could not restart anything
+    argv += ["--rdzv-backend", "c10d"]
     args = get_args_parser().parse_args(argv + ["--no-python", sys.executable] + command)
     try:
         run(args)

@@ -63,10 +63,16 @@ def timeout_s() -> float:
         return float(DEFAULT_TIMEOUT_S)
 
 
-def init(info: DistInfo, device_type: str, *, one_rank_group: bool = False) -> None:
+def init(info: DistInfo, device_type: str, *, one_rank_group: bool = False, shared_dir: str | None = None) -> None:
     """Join the process group (no-op when already joined). Alone: nothing, unless ``one_rank_group`` (FSDP2 on one
-    rank), which makes a group of this process only."""
+    rank), which makes a group of this process only.
+
+    After a torchrun restart the ranks meet through a file store of their own (in the temp directory on one node,
+    in ``shared_dir`` across nodes) instead of the agent's TCP store: with the agent's store, restarted gloo ranks
+    intermittently connect to addresses of the previous attempt and fail ("Gloo connectFullMesh failed ...
+    Connection refused"; torch 2.13, measured with slow-starting ranks whose peers outlived the failure)."""
     import datetime
+    import tempfile
 
     import torch.distributed as dist
 
@@ -74,7 +80,13 @@ def init(info: DistInfo, device_type: str, *, one_rank_group: bool = False) -> N
         return
     backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s())
-    if info.enabled:
+    if info.enabled and info.restarts:
+        one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(info.world_size)
+        where = tempfile.gettempdir() if one_node or not shared_dir else shared_dir
+        store = os.path.join(where, f".oomdoctor-pg-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}-{info.restarts}")
+        dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
+    elif info.enabled:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

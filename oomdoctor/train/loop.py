@@ -415,7 +415,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
         raise BadInput("optimizer_in_backward steps each rank's local gradients in backward, before the ranks sum "
                        "them: it cannot run data-parallel", "drop optimizer_in_backward, or train on one process")
     sharded = cfg.to_plan(micro_batch=1).strategy == "fsdp"
-    dist.init(info, device.type, one_rank_group=sharded)
+    dist.init(info, device.type, one_rank_group=sharded, shared_dir=str(Path(cfg.output_dir).expanduser()))
     budget = run_budget(cfg, gpu_mem, on_cpu=device.type == "cpu")
     # the run cap enforces a capacity the user named (--gpu-mem / gpu_mem); NVML free memory needs no cap
     cap = budget.capacity_bytes if budget is not None and budget.source != "nvml free" else None
