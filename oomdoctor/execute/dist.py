@@ -56,6 +56,10 @@ TIMEOUT_ENV = "OOMDOCTOR_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300
 
 
+#: File stores this process made (removed by :func:`shutdown`).
+_store_files: list[str] = []
+
+
 def timeout_s() -> float:
     try:
         return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
@@ -86,6 +90,7 @@ def init(info: DistInfo, device_type: str, *, one_rank_group: bool = False, shar
         store = os.path.join(where, f".oomdoctor-pg-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}-{info.restarts}")
         dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=info.rank,
                                 world_size=info.world_size, timeout=timeout)
+        _store_files.append(store)
     elif info.enabled:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
@@ -137,11 +142,16 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group (the DDP one, or a one-rank FSDP group)."""
+    """Leave the process group (the DDP one, or a one-rank FSDP group); remove its file store."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    while _store_files:
+        try:
+            os.remove(_store_files.pop())
+        except OSError:
+            pass
 
 
 __all__ = ["DistInfo", "from_env", "init", "timeout_s", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "wrap", "no_sync", "all_reduce_sum", "all_reduce_grads", "barrier",
