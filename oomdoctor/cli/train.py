@@ -162,7 +162,8 @@ def _print_dry(d) -> None:
 
 
 #: Flags the launcher consumes (the processes it starts get the rest of the command line).
-_LAUNCH_FLAGS = {"--nproc-per-node": 1, "--nnodes": 1, "--node-rank": 1, "--rdzv-endpoint": 1, "--max-restarts": 1}
+_LAUNCH_FLAGS = {"--nproc-per-node": 1, "--nnodes": 1, "--node-rank": 1, "--rdzv-endpoint": 1, "--rdzv-id": 1,
+                 "--max-restarts": 1}
 
 
 def _without_launch_flags(args: list[str]) -> list[str]:
@@ -188,7 +189,7 @@ def _free_port() -> int:
 
 
 def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int | None, rdzv: str | None,
-              command: list[str]) -> int:
+              command: list[str], rdzv_id: str | None = None) -> int:
     """Run ``command`` (``-m oomdoctor train ...``) in ``nproc`` processes through torch's own launcher
     (``torch.distributed.run``, in this process); the exit code of the first failed rank, or 0."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -200,8 +201,10 @@ def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int 
     argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
     if rdzv is None and nnodes is None:
         rdzv = f"localhost:{_free_port()}"
-        argv += ["--rdzv-id", uuid.uuid4().hex]  # this launch's TORCHELASTIC_RUN_ID (restart markers name it)
-    for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv)):
+    if rdzv_id is None and nnodes is None:
+        rdzv_id = uuid.uuid4().hex  # this launch's TORCHELASTIC_RUN_ID (restart markers name it)
+    for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv),
+                        ("--rdzv-id", rdzv_id)):
         if value is not None:
             argv += [flag, str(value)]
     # the c10d rendezvous on a fixed port: with --standalone (port 0) or the static one, torch 2.13's restarted
@@ -257,6 +260,9 @@ def train(
     nnodes: Optional[str] = typer.Option(None, "--nnodes", help="torchrun --nnodes (multi-node)"),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="torchrun --node-rank"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="torchrun --rdzv-endpoint host:port"),
+    rdzv_id: Optional[str] = typer.Option(
+        None, "--rdzv-id", help="torchrun --rdzv-id: a job id unique to this run, the same on every node "
+                                "(single node: a fresh one is made)"),
     max_restarts: Optional[int] = typer.Option(
         None, "--max-restarts", help="torchrun --max-restarts (default 3 with strategy fsdp: each OOM restarts the "
                                      "job with half the micro-batch; 0 otherwise)"),
@@ -301,7 +307,7 @@ def train(
         if max_restarts is None:
             max_restarts = 3 if cfg.to_plan(micro_batch=1).strategy == "fsdp" else 0
         raise typer.Exit(_torchrun(nproc, max_restarts, nnodes, node_rank, rdzv_endpoint,
-                                   ["-m", "oomdoctor", "train"] + _without_launch_flags(rest)))
+                                   ["-m", "oomdoctor", "train"] + _without_launch_flags(rest), rdzv_id))
     if dry_run:  # priced per rank, for the world size the launch flags (or the config) give
         from oomdoctor.train.dryrun import dry_run as do_dry
 

@@ -15,15 +15,16 @@ the peers of a rank that runs out of memory are already blocked in the next all-
    last checkpoint are recomputed (``save_steps`` is the knob: every step = least replay).
 
 Exit 4 instead when the micro-batch is already 1 or torchrun has no restart left (``TORCHELASTIC_MAX_RESTARTS``).
-Any other failure of a rank is recorded in a per-job file (:func:`record_failure`) so that a restart torchrun makes
-anyway exits at once with the same code instead of running the job again (torchrun restarts on every failure).
+Any other failure of a rank is recorded in a file of the launch (:func:`record_failure`) so that a restart torchrun
+makes anyway exits at once with the same code instead of running the job again (torchrun restarts on every failure).
+Markers name the launch by ``TORCHELASTIC_RUN_ID``: ``oomdoctor train`` gives each single-node launch a fresh one;
+multi-node launches should pass a unique ``--rdzv-id``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -129,16 +130,22 @@ def injected_oom(step: int, rank: int, current: Job) -> bool:
     return s.strip() == str(step) and (r.strip() or "0") == str(rank)
 
 
-def _failure_file(current: Job) -> Path:
-    return Path(tempfile.gettempdir()) / f"oomdoctor-job-{current.run_id}.failed"
+def _failure_file() -> Path | None:
+    """A file in the directory torchrun's agent keeps for this launch on this node (the parent of its
+    ``attempt_N/<rank>/error.json``: the same for every attempt, removed with the launch), None outside torchrun."""
+    err = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not err or len(Path(err).parents) < 3:
+        return None
+    return Path(err).parents[2] / "oomdoctor-failed"
 
 
 def record_failure(code: int, current: Job) -> None:
     """Remember that this launch failed with ``code`` (the first rank to fail wins) so restarts end at once."""
-    if not current.run_id:
+    path = _failure_file()
+    if not current.run_id or path is None:
         return
     try:
-        fd = os.open(_failure_file(current), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except OSError:
         return
     with os.fdopen(fd, "w") as fh:
@@ -148,10 +155,11 @@ def record_failure(code: int, current: Job) -> None:
 def earlier_failure(current: Job, any_attempt: bool = False) -> int | None:
     """The exit code an earlier attempt of this launch failed with (not an OOM restart), else None;
     ``any_attempt``: this attempt's failures too (a peer that failed first)."""
-    if not current.run_id or not (current.attempt or any_attempt):
+    path = _failure_file()
+    if not current.run_id or path is None or not (current.attempt or any_attempt):
         return None
     try:
-        return int(_failure_file(current).read_text().strip() or 1)
+        return int(path.read_text().strip() or 1)
     except (OSError, ValueError):
         return None
 
