@@ -74,6 +74,22 @@ def apply_fsdp(model: Any, plan: "Plan", mesh: Any, device_type: str) -> Any:
     return model
 
 
+def reset_after_error(model: Any) -> None:
+    """After an exception inside forward/backward (an OOM the one-rank guard recovers from), put FSDP2 back in its
+    idle state: if the failed attempt had reached backward, run the end-of-backward callback autograd never ran
+    (it reduce-scatters what landed and clears FSDP's per-iteration state; the guard then zeroes the gradients and
+    replays the step), then reshard every unit so the modules hold their sharded DTensor parameters again. Uses
+    FSDP2's root state (private API, torch 2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = model._get_fsdp_state()  # noqa: SLF001
+    if root._state_ctx.post_backward_final_callback_queued:  # noqa: SLF001
+        root._root_post_backward_final_callback()  # noqa: SLF001
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            mod.reshard()
+
+
 def clip_grad_norm(params: list, max_norm: float):
     """Clip sharded (DTensor) gradients to a total L2 norm of ``max_norm``; returns the total norm (a 0-d tensor).
 
@@ -103,4 +119,4 @@ def clip_grad_norm(params: list, max_norm: float):
     return total
 
 
-__all__ = ["apply_fsdp", "clip_grad_norm", "decoder_layers", "device_mesh", "mesh_shape"]
+__all__ = ["apply_fsdp", "clip_grad_norm", "reset_after_error", "decoder_layers", "device_mesh", "mesh_shape"]

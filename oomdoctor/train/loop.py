@@ -306,8 +306,13 @@ class Run:
 
     @property
     def sharded(self) -> bool:
-        """FSDP2: sharded model, DCP checkpoints, OOM handled by a restart of the job."""
+        """FSDP2: sharded model, DCP checkpoints."""
         return self.plan.strategy == "fsdp"
+
+    @property
+    def restarts_on_oom(self) -> bool:
+        """FSDP2 on several ranks: an OOM restarts the job (one rank alone splits the micro-batch in-process)."""
+        return self.sharded and self.dist.enabled
 
     @property
     def rank_batch(self) -> int:
@@ -684,8 +689,18 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
                         flattens(cfg.model.attn_implementation))
         batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
         tokens[0] += int(batch["input_ids"].numel())
-        with dist.no_sync(run.step.model):  # gradients are summed over the ranks once, after the step's backward
-            return run.step.forward_backward(batch, num_items_in_batch=n_items)  # a tensor: no sync here
+        try:
+            with dist.no_sync(run.step.model):  # gradients are summed over the ranks once, after the step's backward
+                return run.step.forward_backward(batch, num_items_in_batch=n_items)  # a tensor: no sync here
+        except BaseException:
+            if run.sharded and not run.restarts_on_oom:  # one FSDP rank: the guard retries in-process
+                from oomdoctor.execute.shard import reset_after_error
+
+                reset_after_error(run.step.model)
+                # FSDP sets the sharded gradients itself (no post-accumulate hook fires): any backward may have
+                # left some, so the guard replays the step
+                touch.touched = touch.touched or touch.in_backward
+            raise
 
     def zero_grads() -> None:
         run.step.optimizer.zero_grad(set_to_none=True)
@@ -693,7 +708,7 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     try:
         loss, _ = guard.run_step(state.step + 1, samples, run_chunk, zero_grads, touch)
     except OOMAtMicroBatchOne as exc:
-        if run.sharded:
+        if run.restarts_on_oom:
             _restart_smaller(run, state, guard.micro_batch, exc, last_ckpt)
         zero_grads()
         free_memory()
@@ -910,8 +925,9 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     hooks = [p.register_post_accumulate_grad_hook(lambda _p: setattr(touch, "touched", True))
              for p in run.loaded.trainable]
     # optimizer in backward: a split micro-batch would step every parameter twice, so an OOM is not recovered
-    # sharded: no in-process split (an OOM restarts the job: _restart_smaller)
-    retries = 0 if run.plan.optimizer_in_backward or run.sharded else max(0, cfg.max_oom_retries - state.oom_recoveries)
+    # sharded ranks do not split in-process (an OOM restarts the job: _restart_smaller)
+    retries = 0 if run.plan.optimizer_in_backward or run.restarts_on_oom else max(
+        0, cfg.max_oom_retries - state.oom_recoveries)
     guard = OOMGuard(micro_batch=state.micro_batch, max_retries=retries)
 
     def on_recovery(rec) -> None:
