@@ -63,9 +63,14 @@ def test_fsdp_lora_gradient_checkpointing_hsdp_output_loads_with_peft(tmp_path):
     from oomdoctor.execute.load import ModelSource, hf_config
 
     cfg = _cfg(tmp_path, "lora", strategy="fsdp", method="lora", gradient_checkpointing=True, shard_group=1,
-               micro_batch_size=4, gradient_accumulation_steps=1)
-    res, _ = _run(write_yaml(tmp_path / "lora.yaml", cfg), "--nproc-per-node", "2")
+               micro_batch_size=4, gradient_accumulation_steps=1, lora_dropout=0.1, save_steps=1,
+               save_total_limit=None)
+    yaml_path = write_yaml(tmp_path / "lora.yaml", cfg)
+    res, _ = _run(yaml_path, "--nproc-per-node", "2")
     assert "hsdp 2x1" in res["plan"] and res["losses"][-1] < res["losses"][0]
+    shutil.rmtree(tmp_path / "lora" / "checkpoint-3")  # adapters-only DCP checkpoint; dropout RNG per rank
+    again, _ = _run(yaml_path, "--nproc-per-node", "2", "--resume")
+    assert again["resumed_from"].endswith("checkpoint-2") and again["losses"] == pytest.approx(res["losses"], abs=1e-6)
     base = AutoModelForCausalLM.from_config(hf_config(ModelSource(config=cfg.model.config, init="random")))
     model = PeftModel.from_pretrained(base, tmp_path / "lora")
     assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) == res["num_trainable_params"]

@@ -197,10 +197,12 @@ SHARDED_DIR = "sharded"
 
 
 def _dcp_state(model, optimizer, frozen_too: bool):
-    """(options, {"model": ..., "optim": ...}) of a sharded model + optimizer (``get_state_dict``)."""
+    """(options, {"model": ..., "optim": ...}) of a sharded model + optimizer (``get_state_dict``). Without
+    ``frozen_too`` (LoRA) only the trainable weights; loading then checks them itself (``strict=False``: the frozen
+    base is not in the checkpoint)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    options = StateDictOptions(ignore_frozen_params=not frozen_too)
+    options = StateDictOptions(ignore_frozen_params=not frozen_too, strict=frozen_too)
     msd, osd = get_state_dict(model, optimizer, options=options)
     return options, {"model": msd, "optim": osd}
 
@@ -253,8 +255,12 @@ def load_sharded_checkpoint(path: str | Path, *, model, is_peft: bool, optimizer
     try:
         options, sd = _dcp_state(model, optimizer, frozen_too=not is_peft)
         dcp.load(sd, checkpoint_id=str(p / SHARDED_DIR))
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                       options=options)
+        res = set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                             options=options)
+        trainable = {n for n, q in model.named_parameters() if q.requires_grad}
+        bad = [k for k in getattr(res, "missing_keys", []) if k in trainable] + list(getattr(res, "unexpected_keys", []))
+        if bad:
+            raise CorruptCheckpoint(f"weights do not match the model: {bad[:3]}")
         scheduler.load_state_dict(torch.load(p / "scheduler.pt", weights_only=False))
         _set_rng_state(torch.load(p / f"rng_state_{rank}.pth", weights_only=False))
     except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping any rank's read error
