@@ -419,8 +419,6 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     if info.enabled and cfg.optimizer_in_backward:
         raise BadInput("optimizer_in_backward steps each rank's local gradients in backward, before the ranks sum "
                        "them: it cannot run data-parallel", "drop optimizer_in_backward, or train on one process")
-    sharded = cfg.to_plan(micro_batch=1).strategy == "fsdp"
-    dist.init(info, device.type, one_rank_group=sharded, shared_dir=str(Path(cfg.output_dir).expanduser()))
     budget = run_budget(cfg, gpu_mem, on_cpu=device.type == "cpu")
     # the run cap enforces a capacity the user named (--gpu-mem / gpu_mem); NVML free memory needs no cap
     cap = budget.capacity_bytes if budget is not None and budget.source != "nvml free" else None
@@ -447,6 +445,9 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     total = total_steps(cfg, len(data), eff)
     plan, memory = _predict(cfg, int(micro), engine, notes)
 
+    # the process group only now: the prediction may run the simulate engine, which makes a fake group of its own
+    sharded = plan.strategy == "fsdp"
+    dist.init(info, device.type, one_rank_group=sharded, shared_dir=str(Path(cfg.output_dir).expanduser()))
     torch.manual_seed(cfg.seed)
     args = OptimizerArgs(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
                          adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
