@@ -27,6 +27,10 @@ On a CPU, --gpu-mem SIZE caps live tensor bytes and raises torch's OutOfMemoryEr
 An output_dir that already holds a run is refused unless --resume (continue it) or --overwrite (replace it); a lock
 stops a second run into the same directory. Ctrl-C finishes the step, saves a checkpoint and exits 130.
 
+Several processes: --nproc-per-node N (or world_size in the config) runs torchrun inside; strategy ddp replicates
+the model, fsdp shards it with FSDP2 (sharded checkpoints; an OOM on a rank restarts every rank with half the
+micro-batch, --max-restarts). offload_params: true runs FSDP2 with CPU offload, on one process too.
+
 Exit codes: 0 done / fits, 2 bad input (every config problem listed), 3 does not fit, 4 OOM not recoverable,
 130 interrupted (checkpoint saved).
 """

@@ -383,8 +383,6 @@ def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
         problems.append(f"optim {cfg.optim}: the sharded step runs torch optimizers only (adamw_torch, sgd)")
     if cfg.merge_adapter:
         problems.append("merge_adapter: merge the saved adapter after the run (the sharded run saves the adapter)")
-    if plan.offload_optimizer and not plan.offload_params:
-        problems.append("offload_optimizer without offload_params: FSDP2 offloads them together")
     if problems:
         raise BadInput(f"strategy fsdp ({'offload_params' if plan.offload_params else 'FSDP2'}): "
                        + "; ".join(problems), "change the config, or run it with strategy ddp")
