@@ -175,7 +175,7 @@ SAFE_TO_CHANGE = frozenset({
     "max_steps", "num_train_epochs", "eval_steps", "per_device_eval_batch_size", "report_to", "merge_adapter",
     "overwrite_output_dir", "dataset.eval_path", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "offload_activations",
     "output_dir", "save_steps", "save_total_limit", "logging_steps", "gpu_mem", "max_oom_retries", "device",
-    "model.attn_implementation", "optim_impl", "reshard_after_forward",
+    "model.attn_implementation", "optim_impl", "reshard_after_forward", "shard_group",
 })
 
 
