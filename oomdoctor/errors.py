@@ -1,7 +1,8 @@
 """Exceptions that the CLI turns into one clear line and an exit code (in ``oomdoctor.cli``, one place).
 
 Exit codes (documented in the README): 0 done / fits, 2 bad input, 3 does not fit, 4 OOM not recoverable,
-130 interrupted (Ctrl-C; ``train`` saves a checkpoint first).
+130 interrupted (Ctrl-C; ``train`` saves a checkpoint first). 75 is internal to sharded ``train`` runs: a rank that ran
+out of memory exits with it so that torchrun restarts the job smaller (``oomdoctor.train.restart``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
 EXIT_OOM = 4
 EXIT_INTERRUPTED = 130
+#: A rank of a sharded (FSDP) run ran out of memory and asks torchrun for a restart (BSD ``EX_TEMPFAIL``).
+EXIT_OOM_RESTART = 75
 
 
 class OomDoctorError(Exception):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
+from dataclasses import replace
 from typing import Optional
 
 import typer
@@ -23,6 +25,10 @@ On a CPU, --gpu-mem SIZE caps live tensor bytes and raises torch's OutOfMemoryEr
 
 An output_dir that already holds a run is refused unless --resume (continue it) or --overwrite (replace it); a lock
 stops a second run into the same directory. Ctrl-C finishes the step, saves a checkpoint and exits 130.
+
+Several processes: --nproc-per-node N (or world_size in the config) runs torchrun inside; strategy ddp replicates
+the model, fsdp shards it with FSDP2 (sharded checkpoints; an OOM on a rank restarts every rank with half the
+micro-batch, --max-restarts). offload_params: true runs FSDP2 with CPU offload, on one process too.
 
 Exit codes: 0 done / fits, 2 bad input (every config problem listed), 3 does not fit, 4 OOM not recoverable,
 130 interrupted (checkpoint saved).
@@ -159,7 +165,8 @@ def _print_dry(d) -> None:
 
 
 #: Flags the launcher consumes (the processes it starts get the rest of the command line).
-_LAUNCH_FLAGS = {"--nproc-per-node": 1, "--nnodes": 1, "--node-rank": 1, "--rdzv-endpoint": 1, "--max-restarts": 1}
+_LAUNCH_FLAGS = {"--nproc-per-node": 1, "--nnodes": 1, "--node-rank": 1, "--rdzv-endpoint": 1, "--rdzv-id": 1,
+                 "--max-restarts": 1}
 
 
 def _without_launch_flags(args: list[str]) -> list[str]:
@@ -176,8 +183,16 @@ def _without_launch_flags(args: list[str]) -> list[str]:
     return out
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return int(sock.getsockname()[1])
+
+
 def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int | None, rdzv: str | None,
-              command: list[str]) -> int:
+              command: list[str], rdzv_id: str | None = None) -> int:
     """Run ``command`` (``-m oomdoctor train ...``) in ``nproc`` processes through torch's own launcher
     (``torch.distributed.run``, in this process); the exit code of the first failed rank, or 0."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -187,22 +202,42 @@ def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int 
     from oomdoctor.errors import EXIT_INTERRUPTED
 
     argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
-    for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv)):
+    if rdzv is None and nnodes is None:
+        rdzv = f"localhost:{_free_port()}"
+    if rdzv_id is None and nnodes is None:
+        rdzv_id = uuid.uuid4().hex  # this launch's TORCHELASTIC_RUN_ID (restart markers name it)
+    for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv),
+                        ("--rdzv-id", rdzv_id)):
         if value is not None:
             argv += [flag, str(value)]
-    if nnodes is None:
-        argv += ["--standalone"]
+    # the c10d rendezvous on a fixed port: with --standalone (port 0) or the static one, torch 2.13's restarted
+    # ranks hang in gloo's connectFullMesh (measured), so --max-restarts could not restart anything
+    argv += ["--rdzv-backend", "c10d"]
     args = get_args_parser().parse_args(argv + ["--no-python", sys.executable] + command)
     try:
         run(args)
     except ChildFailedError as exc:  # the ranks already printed their one-line messages
-        codes = [f.exitcode for f in exc.failures.values()]
-        return next((c for c in codes if c), 1)
+        _, first = exc.get_first_failure()  # the rank that failed first (the others were stopped because of it)
+        return first.exitcode if first.exitcode and first.exitcode > 0 else 1
     except SignalException:  # Ctrl-C: the launcher passed it on; the ranks finished the step and saved
         print("interrupted: the ranks finished their step and saved a checkpoint; continue with --resume",
               file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _failed_because_of_a_peer(cfg, job) -> bool:
+    """Under torchrun: another rank already failed (an OOM restart, or an error it reported): this rank's own
+    failure (a collective whose peer is gone) is a consequence, exit quietly."""
+    from pathlib import Path
+
+    from oomdoctor.train import restart
+
+    if not job.run_id:
+        return False
+    if restart.peer_ran_out(Path(cfg.output_dir).expanduser(), job):
+        return True
+    return restart.earlier_failure(job, any_attempt=True) is not None
 
 
 @app.command(help=HELP)
@@ -218,13 +253,22 @@ def train(
                                    help="replace the run already in output_dir (HF overwrite_output_dir)"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON summary object on stdout"),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="override max_steps of the config"),
-    nproc_per_node: int = typer.Option(
-        1, "--nproc-per-node", help="data-parallel processes on this node (DDP): runs torch's launcher, "
-                                    "torch.distributed.run (torchrun), with this command in every process"),
+    strategy: Optional[str] = typer.Option(
+        None, "--strategy", help="single | ddp | fsdp (overrides the config's strategy): ddp replicates the model, "
+                                 "fsdp shards it with FSDP2 (zero2 | zero3 are priced by --dry-run, not run)"),
+    nproc_per_node: Optional[int] = typer.Option(
+        None, "--nproc-per-node", help="data-parallel processes on this node: runs torch's launcher, "
+                                       "torch.distributed.run (torchrun), with this command in every process "
+                                       "(default: the config's world_size on this node, else 1)"),
     nnodes: Optional[str] = typer.Option(None, "--nnodes", help="torchrun --nnodes (multi-node)"),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="torchrun --node-rank"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="torchrun --rdzv-endpoint host:port"),
-    max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun --max-restarts"),
+    rdzv_id: Optional[str] = typer.Option(
+        None, "--rdzv-id", help="torchrun --rdzv-id: a job id unique to this run, the same on every node "
+                                "(single node: a fresh one is made)"),
+    max_restarts: Optional[int] = typer.Option(
+        None, "--max-restarts", help="torchrun --max-restarts (default 3 with strategy fsdp: each OOM restarts the "
+                                     "job with half the micro-batch; 0 otherwise)"),
 ) -> None:
     # before anything can initialize CUDA (the allocator reads it once); a user's own setting wins
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -238,14 +282,36 @@ def train(
     if max_steps is not None and max_steps < 1:
         raise BadInput(f"--max-steps must be >= 1, got {max_steps}")
     cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
+    from oomdoctor.train import restart
+
+    earlier = restart.earlier_failure(restart.job())
+    if earlier is not None:  # torchrun restarted a job that failed for another reason than an OOM: stop at once
+        raise typer.Exit(earlier)
     cfg = load_train_config(config)
-    if nproc_per_node < 1:
+    if strategy is not None:
+        from oomdoctor.plan.plan import STRATEGIES
+
+        if strategy not in STRATEGIES:
+            raise BadInput(f"--strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+        cfg = replace(cfg, strategy=strategy)
+    if nproc_per_node is not None and nproc_per_node < 1:
         raise BadInput(f"--nproc-per-node must be >= 1, got {nproc_per_node}")
-    if not dry_run and (nproc_per_node > 1 or nnodes) and "LOCAL_RANK" not in os.environ:
+    launched = "LOCAL_RANK" in os.environ
+    nproc = nproc_per_node or (cfg.world_size if not nnodes else 1)
+    world = nproc * int(nnodes) if nnodes and nnodes.isdigit() else (None if nnodes else nproc)
+    if dry_run and world is not None and cfg.world_size == 1:
+        cfg = replace(cfg, world_size=world)
+    elif not dry_run and not launched and world is not None:
+        from oomdoctor.train.loop import resolve_topology
+
+        cfg = resolve_topology(cfg, world)  # one message here rather than one per rank
+    if not dry_run and (nproc > 1 or nnodes) and not launched:
         rest = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else [config]
-        raise typer.Exit(_torchrun(nproc_per_node, max_restarts, nnodes, node_rank, rdzv_endpoint,
-                                   ["-m", "oomdoctor", "train"] + _without_launch_flags(rest)))
-    if dry_run:
+        if max_restarts is None:
+            max_restarts = 3 if cfg.to_plan(micro_batch=1).strategy == "fsdp" else 0
+        raise typer.Exit(_torchrun(nproc, max_restarts, nnodes, node_rank, rdzv_endpoint,
+                                   ["-m", "oomdoctor", "train"] + _without_launch_flags(rest), rdzv_id))
+    if dry_run:  # priced per rank, for the world size the launch flags (or the config) give
         from oomdoctor.train.dryrun import dry_run as do_dry
 
         d = do_dry(cfg, gpu_mem=cap, engine=engine)
@@ -262,13 +328,22 @@ def train(
     from oomdoctor.errors import OomDoctorError
 
     rep = _Reporter(tty=sys.stderr.isatty() and not json_out)
+    job = restart.job()
     try:
         res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, overwrite=overwrite, engine=engine,
-                        on_event=rep, command=f"oomdoctor train {config}")
+                        on_event=rep, command=f"oomdoctor train {config}")  # --json: oomdoctor.cli.output
     except OomDoctorError as exc:
+        if _failed_because_of_a_peer(cfg, job):
+            raise typer.Exit(restart.earlier_failure(job) or 1) from None
+        restart.record_failure(exc.exit_code, job)
         if json_out:  # CI still gets one JSON object; the message also goes to stderr (oomdoctor.cli.main)
             emit_json({"config": config, "error": exc.message, "hint": exc.hint,
                        "exit_code": exc.exit_code}, indent=1)
+        raise
+    except Exception:
+        if _failed_because_of_a_peer(cfg, job):  # the peer's message is the one to read
+            raise typer.Exit(restart.earlier_failure(job) or 1) from None
+        restart.record_failure(1, job)
         raise
     finally:
         rep.close()

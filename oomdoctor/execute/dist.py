@@ -7,7 +7,11 @@ during the last backward. The sum is exact because every rank's loss is already 
 target tokens (:func:`all_reduce_sum` of the local counts), and it keeps the ranks in lock-step even when one rank's
 OOM guard splits its micro-batch into more backward passes than the others (multi-gpu.md §6: a rank splitting
 inside ``no_sync`` has no collective in flight). DDP still broadcasts rank 0's parameters and buffers at wrap time.
-Backend: NCCL on CUDA, gloo on CPU.
+Backend: NCCL for CUDA tensors (gloo for the small CPU tensors of the step's bookkeeping), gloo on CPU. FSDP2
+(``oomdoctor.execute.shard``) needs a process group even on one rank (``offload_params`` on one GPU): :func:`init`
+then makes a one-process group over an in-memory store. Collectives time out after :data:`TIMEOUT_ENV` seconds
+(default :data:`DEFAULT_TIMEOUT_S`) instead of gloo's 30 min / NCCL's 10 min, so that ranks whose peer died without
+a clean exit fail fast (multi-gpu.md §7.5).
 """
 
 from __future__ import annotations
@@ -46,12 +50,51 @@ def from_env() -> DistInfo:
     return DistInfo(env("WORLD_SIZE", 1), env("RANK", 0), env("LOCAL_RANK", 0), env("TORCHELASTIC_RESTART_COUNT", 0))
 
 
-def init(info: DistInfo, device_type: str) -> None:
-    """Join the process group (no-op alone or when already joined)."""
+#: Environment variable: seconds a collective waits for the peers before it fails.
+TIMEOUT_ENV = "OOMDOCTOR_DIST_TIMEOUT_S"
+#: Default of :data:`TIMEOUT_ENV`: long enough for rank 0 to read a large checkpoint while the others wait.
+DEFAULT_TIMEOUT_S = 300
+
+
+#: File stores this process made (removed by :func:`shutdown`).
+_store_files: list[str] = []
+
+
+def timeout_s() -> float:
+    try:
+        return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return float(DEFAULT_TIMEOUT_S)
+
+
+def init(info: DistInfo, device_type: str, *, one_rank_group: bool = False, shared_dir: str | None = None) -> None:
+    """Join the process group (no-op when already joined). Alone: nothing, unless ``one_rank_group`` (FSDP2 on one
+    rank), which makes a group of this process only.
+
+    After a torchrun restart the ranks meet through a file store of their own (in the temp directory on one node,
+    in ``shared_dir`` across nodes) instead of the agent's TCP store: with the agent's store, restarted gloo ranks
+    intermittently connect to addresses of the previous attempt and fail ("Gloo connectFullMesh failed ...
+    Connection refused"; torch 2.13, measured with slow-starting ranks whose peers outlived the failure)."""
+    import datetime
+    import tempfile
+
     import torch.distributed as dist
 
-    if info.enabled and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    if dist.is_initialized() or not (info.enabled or one_rank_group):
+        return
+    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s())
+    if info.enabled and info.restarts:
+        one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(info.world_size)
+        where = tempfile.gettempdir() if one_node or not shared_dir else shared_dir
+        store = os.path.join(where, f".oomdoctor-pg-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}-{info.restarts}")
+        dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
+        _store_files.append(store)
+    elif info.enabled:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def wrap(model: Any, info: DistInfo, device: Any) -> Any:
@@ -98,13 +141,18 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def shutdown(info: DistInfo) -> None:
-    if info.enabled:
-        import torch.distributed as dist
+def shutdown() -> None:
+    """Leave the process group (the DDP one, or a one-rank FSDP group); remove its file store."""
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    while _store_files:
+        try:
+            os.remove(_store_files.pop())
+        except OSError:
+            pass
 
 
-__all__ = ["DistInfo", "from_env", "init", "wrap", "no_sync", "all_reduce_sum", "all_reduce_grads", "barrier",
+__all__ = ["DistInfo", "from_env", "init", "timeout_s", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "wrap", "no_sync", "all_reduce_sum", "all_reduce_grads", "barrier",
            "shutdown"]

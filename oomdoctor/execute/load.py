@@ -204,17 +204,61 @@ def load_model(source: ModelSource, plan: "Plan", device: "torch.device", *, voc
     except ValueError as exc:
         raise BadInput(f"target_modules: {exc}", "name modules of this model (q_proj, v_proj...) or all-linear") \
             from None
+    return _loaded(model, plan)
+
+
+def _loaded(model, plan: "Plan") -> LoadedModel:
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise BadInput("no trainable parameters after applying the method", "check method / target_modules")
-    return LoadedModel(
-        model=model,
-        trainable=trainable,
-        num_params=sum(p.numel() for p in model.parameters()),
-        num_trainable=sum(p.numel() for p in trainable),
-        is_peft=plan.uses_lora,
-    )
+    return LoadedModel(model=model, trainable=trainable, num_params=sum(p.numel() for p in model.parameters()),
+                       num_trainable=sum(p.numel() for p in trainable), is_peft=plan.uses_lora)
 
 
-__all__ = ["ModelSource", "LoadedModel", "load_model", "load_tokenizer", "resolve_device", "quiet_hf", "hf_config",
+def load_sharded_model(source: ModelSource, plan: "Plan", device: "torch.device", mesh, *, is_main: bool,
+                       vocab_size: int = 0, seed: int = 0) -> LoadedModel:
+    """The model FSDP2-sharded over ``mesh`` without a full copy on any device (torchtitan's / torchtune's recipe).
+
+    Every rank builds the model on the meta device, applies the plan's techniques (GC, LoRA), shards it
+    (:func:`oomdoctor.execute.shard.apply_fsdp`) and allocates only its shards (``to_empty``: on ``device``, or on
+    the CPU with ``offload_params``). Rank 0 alone loads the model the way :func:`load_model` does, in host memory
+    (the checkpoint, or the seeded random init, with LoRA's seeded adapters);
+    ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` sends every rank its shards and the
+    buffers (rotary frequencies, not in the state dict) are broadcast from rank 0 too: the weights equal a
+    one-process load of the same seed. Known cost: one full copy in rank 0's host RAM during the load.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from oomdoctor.execute.build import apply_plan_techniques, lora_targets_of_model
+    from oomdoctor.execute.dtypes import weight_dtype
+    from oomdoctor.execute.shard import apply_fsdp
+
+    full, buffers = None, [None]
+    if is_main:
+        ref = load_model(source, plan, torch.device("cpu"), vocab_size=vocab_size, seed=seed).model
+        full, buffers = ref.state_dict(), [{n: b.detach() for n, b in ref.named_buffers()}]
+        del ref
+    hcfg = hf_config(source)
+    hcfg.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hcfg, dtype=weight_dtype(plan),
+                                                 attn_implementation=hf_attn_implementation(plan))
+    model.config.use_cache = False
+    model = apply_plan_techniques(model, plan, lora_targets_of_model(model, plan))
+    apply_fsdp(model, plan, mesh, device.type)
+    model.to_empty(device="cpu" if plan.offload_params else device)
+    dist.broadcast_object_list(buffers, src=0)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[0][n])
+    set_model_state_dict(model, full if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    return _loaded(model, plan)
+
+
+__all__ = ["ModelSource", "LoadedModel", "load_model", "load_sharded_model", "load_tokenizer", "resolve_device", "quiet_hf", "hf_config",
            "bnb_config", "hf_attn_implementation"]

@@ -93,4 +93,50 @@ def gathered_buffers(model: Any) -> list[tuple[Any, bool]]:
     return out
 
 
-__all__ = ["apply_fsdp", "decoder_layers", "device_mesh", "gathered_buffers", "mesh_shape"]
+def reset_after_error(model: Any) -> None:
+    """After an exception inside forward/backward (an OOM the one-rank guard recovers from), put FSDP2 back in its
+    idle state: if the failed attempt had reached backward, run the end-of-backward callback autograd never ran
+    (it reduce-scatters what landed and clears FSDP's per-iteration state; the guard then zeroes the gradients and
+    replays the step), then reshard every unit so the modules hold their sharded DTensor parameters again. Uses
+    FSDP2's root state (private API, torch 2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root = model._get_fsdp_state()  # noqa: SLF001
+    if root._state_ctx.post_backward_final_callback_queued:  # noqa: SLF001
+        root._root_post_backward_final_callback()  # noqa: SLF001
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            mod.reshard()
+
+
+def clip_grad_norm(params: list, max_norm: float):
+    """Clip sharded (DTensor) gradients to a total L2 norm of ``max_norm``; returns the total norm (a 0-d tensor).
+
+    torch's ``clip_grad_norm_`` math (coefficient ``max_norm / (norm + 1e-6)`` clamped to 1) computed on the local
+    shards: the squared norms of this rank's shards are summed over the mesh's ``shard`` dimension (HSDP replicas
+    hold the same shard and are not counted twice), in float64 on the mesh's device. Done by hand rather than with
+    ``torch.nn.utils.clip_grad_norm_`` because that fails on CPU-offloaded FSDP2 gradients (pytorch#148532) and
+    one code path serves every FSDP plan."""
+    import torch
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    mesh = grads[0].device_mesh
+    local = [g.to_local() for g in grads]
+    comm = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
+        torch.device("cpu")
+    sq = torch.stack([n.to(comm, torch.float64) for n in torch._foreach_norm(local)]).pow(2).sum()
+    group = mesh.get_group("shard") if mesh.ndim == 2 else mesh.get_group()
+    dist.all_reduce(sq, group=group)
+    total = sq.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for dev in {t.device for t in local}:
+        on_dev = [t for t in local if t.device == dev]
+        torch._foreach_mul_(on_dev, coef.to(dev, on_dev[0].dtype))
+    return total
+
+
+__all__ = ["apply_fsdp", "clip_grad_norm", "decoder_layers", "device_mesh", "gathered_buffers", "mesh_shape",
+           "reset_after_error"]

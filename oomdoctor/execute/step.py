@@ -102,6 +102,9 @@ class TrainStep:
     """Mixed precision: make (and drop) accelerate's fp32 copy of the logits, as HF Trainer does."""
     steps_done: int = 0
     """Optimizer steps taken through :meth:`optimizer_step` (including skipped fp16 steps)."""
+    clip: Callable[[list, float], Any] | None = None
+    """Gradient clipping ``clip(params, max_norm)``; None: ``torch.nn.utils.clip_grad_norm_`` (foreach unless the
+    plan says ``for-loop``). Sharded runs pass :func:`oomdoctor.execute.shard.clip_grad_norm`."""
 
     def __post_init__(self) -> None:
         import torch
@@ -196,8 +199,11 @@ class TrainStep:
                 self.scaler.unscale_(self.optimizer)
             if self.max_grad_norm:
                 params = self.clip_params()
-                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm,
-                                               foreach=self.plan.optimizer_impl != "for-loop")
+                if self.clip is not None:
+                    self.clip(params, self.max_grad_norm)
+                else:
+                    torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm,
+                                                   foreach=self.plan.optimizer_impl != "for-loop")
                 del params
             applied = True
             if self.scaler is not None:

@@ -245,13 +245,13 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "offload_params", "bool", False, "no offload",
         "frozen/base weights live on the CPU and are streamed in per layer (accelerate/DeepSpeed style)",
-        "weights leave the GPU but for one layer at a time", flag="--offload", train_executes=False,
+        "weights leave the GPU but for one layer at a time", flag="--offload",
     ),
     Technique(
         "world_size", "int>=1", 1, "one process (torchrun --nproc-per-node 1)",
         "data-parallel ranks: every GPU of every node (diagnose/tune --gpus; train runs them through torchrun "
         "--nproc-per-node)", "memory is priced per rank; the sharding strategies divide model states by it",
-        flag="--gpus", train_executes=False,
+        flag="--gpus",
     ),
     Technique(
         "strategy", "choice", "single", "one process; under torchrun HF Trainer wraps the model in DDP",
@@ -261,20 +261,20 @@ TECHNIQUES: tuple[Technique, ...] = (
         "ddp: single + one gradient-sized all-reduce bucket | fsdp: model states / shard group + the gathered "
         "layers | zero2: weights + (gradients + optimizer states) / N + buckets | zero3: every model state / N + "
         "the gathered layer + buckets",
-        choices=("single", "ddp", "fsdp", "zero2", "zero3"), train_executes=False,
+        choices=("single", "ddp", "fsdp", "zero2", "zero3"),
     ),
     Technique(
         "shard_group", "int>=1|null", None, "FSDP2 shards over every rank (a 1-D device mesh)",
         "fsdp: ranks that share one sharded copy of the model states; fewer than world_size is HSDP (shard inside "
         "the group, replicate across world_size / shard_group groups, e.g. one group per node)",
-        "sharded states divide by shard_group, not world_size", train_executes=False,
+        "sharded states divide by shard_group, not world_size",
     ),
     Technique(
         "reshard_after_forward", "bool", True, "torch FSDP2 fully_shard(reshard_after_forward=True)",
         "fsdp: free each layer's gathered weights after its forward and gather them again in backward; false keeps "
         "them from forward to backward (FSDP1 SHARD_GRAD_OP, ZeRO-2-like): fewer all-gathers",
         "false: + every layer's unsharded weights between forward and backward",
-        flag="--reshard-after-forward/--no-reshard-after-forward", train_executes=False,
+        flag="--reshard-after-forward/--no-reshard-after-forward",
     ),
     Technique(
         "bucket_size", "int>=1|null", None,

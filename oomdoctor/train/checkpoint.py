@@ -17,6 +17,13 @@ Contents (Hugging Face Trainer's ``checkpoint-N`` layout):
 Reading: :func:`read_state` (the JSON alone, to compare fingerprints before touching the model), then
 :func:`load_checkpoint`; a checkpoint that cannot be read raises :class:`CorruptCheckpoint` and the caller falls
 back to an older one.
+
+Sharded runs (strategy ``fsdp``) write the same directory through :func:`save_sharded_checkpoint`, collectively:
+``sharded/`` is a ``torch.distributed.checkpoint`` (DCP) directory with every rank's shards of the model (LoRA: the
+adapters only) and of the optimizer state plus DCP's ``.metadata``; ``scheduler.pt``; ``rng_state_<rank>.pth`` per
+rank; ``trainer_state.json`` last. All ranks write into one temporary directory, rank 0 renames it into place once
+every rank is done (a shared filesystem across nodes, as DCP needs). :func:`load_sharded_checkpoint` reads it back
+(DCP reshards when the shard layout changed).
 """
 
 from __future__ import annotations
@@ -89,6 +96,18 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     return Path(output_dir) / f"checkpoint-{step}"
 
 
+def _replace_into(out: Path, tmp: Path, final: Path, step: int) -> None:
+    """Rename the complete ``tmp`` to ``final``; re-saving the same step (e.g. after an unrecoverable OOM) swaps
+    atomically."""
+    if final.exists():
+        trash = out / f".old-checkpoint-{step}-{os.getpid()}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
 def save_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, optimizer, scheduler, scaler,
                     state: dict, save_total_limit: int | None = None) -> Path:
     """Write ``checkpoint-<step>`` atomically; returns its path. Runs outside any simulated memory budget."""
@@ -110,13 +129,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, 
         torch.save(_rng_state(), tmp / RNG_FILE)
     (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "global_step": step}, indent=1))
     _fsync_dir_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. after an unrecoverable OOM): swap atomically
-        trash = out / f".old-checkpoint-{step}-{os.getpid()}"
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    _replace_into(out, tmp, final, step)
     if save_total_limit:
         for _, p in list_checkpoints(out)[:-save_total_limit]:
             shutil.rmtree(p, ignore_errors=True)
@@ -179,5 +192,91 @@ def load_checkpoint(path: str | Path, *, model, is_peft: bool, optimizer, schedu
     return state
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_state", "latest_checkpoint", "list_checkpoints",
+#: Sub-directory of a sharded checkpoint holding the DCP files.
+SHARDED_DIR = "sharded"
+
+
+def _dcp_state(model, optimizer, frozen_too: bool):
+    """(options, {"model": ..., "optim": ...}) of a sharded model + optimizer (``get_state_dict``). Without
+    ``frozen_too`` (LoRA) only the trainable weights; loading then checks them itself (``strict=False``: the frozen
+    base is not in the checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=not frozen_too, strict=frozen_too)
+    msd, osd = get_state_dict(model, optimizer, options=options)
+    return options, {"model": msd, "optim": osd}
+
+
+def save_sharded_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, optimizer, scheduler,
+                            state: dict, rank: int, tag: str, save_total_limit: int | None = None) -> Path:
+    """Collective (every rank calls it): write ``checkpoint-<step>`` of a sharded run atomically; returns its path.
+    ``tag`` names the temporary directory all ranks share (the same on every rank)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    out = Path(output_dir)
+    final = checkpoint_dir(out, step)
+    tmp = out / f".tmp-checkpoint-{step}-{tag}"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    dist.barrier()
+    with _disable_current_modes():
+        _, sd = _dcp_state(model, optimizer, frozen_too=not is_peft)
+        dcp.save(sd, checkpoint_id=str(tmp / SHARDED_DIR))
+        torch.save(_rng_state(), tmp / f"rng_state_{rank}.pth")
+        if rank == 0:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    dist.barrier()
+    if rank == 0:
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "global_step": step, "sharded": True},
+                                                 indent=1))
+        _fsync_dir_tree(tmp)
+        _replace_into(out, tmp, final, step)
+        if save_total_limit:
+            for _, p in list_checkpoints(out)[:-save_total_limit]:
+                shutil.rmtree(p, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_sharded_checkpoint(path: str | Path, *, model, is_peft: bool, optimizer, scheduler, rank: int) -> dict:
+    """Collective: restore a sharded checkpoint into the sharded ``model`` and ``optimizer`` (DCP), the scheduler
+    and this rank's RNG; returns the trainer state. :class:`CorruptCheckpoint` when this rank could not read it (the
+    caller makes the ranks agree before falling back)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    p = Path(path)
+    state = read_state(p)
+    try:
+        options, sd = _dcp_state(model, optimizer, frozen_too=not is_peft)
+        dcp.load(sd, checkpoint_id=str(p / SHARDED_DIR))
+        res = set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                             options=options)
+        trainable = {n for n, q in model.named_parameters() if q.requires_grad}
+        bad = [k for k in getattr(res, "missing_keys", []) if k in trainable] + list(getattr(res, "unexpected_keys", []))
+        if bad:
+            raise CorruptCheckpoint(f"weights do not match the model: {bad[:3]}")
+        scheduler.load_state_dict(torch.load(p / "scheduler.pt", weights_only=False))
+        _set_rng_state(torch.load(p / f"rng_state_{rank}.pth", weights_only=False))
+    except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping any rank's read error
+        raise CorruptCheckpoint(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}") \
+            from None
+    return state
+
+
+def full_model_state(model) -> dict:
+    """Collective: the whole (unsharded) state dict of a sharded model, on the CPU, on every rank
+    (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``; rank 0 saves it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "full_model_state", "SHARDED_DIR",
+           "save_checkpoint", "load_checkpoint", "read_state", "latest_checkpoint", "list_checkpoints",
            "CorruptCheckpoint", "STATE_FILE"]

@@ -10,6 +10,10 @@ Memory accounting: on CUDA ``torch.cuda.max_memory_allocated`` (``--gpu-mem`` al
 ``torch.cuda.set_per_process_memory_fraction``); on CPU a :class:`oomdoctor.execute.tracking.LiveBytes` dispatch mode counts
 live tensor bytes (weights, gradients, optimizer state, activations) and, with ``--gpu-mem``, raises torch's
 ``OutOfMemoryError`` past the cap — the OOM guard is then exercised for real.
+
+Data parallel (under torchrun): ``strategy`` ddp replicates the model (``oomdoctor.execute.dist``); fsdp shards it
+with FSDP2 (``oomdoctor.execute.shard``: built on the meta device, filled from rank 0's copy, sharded checkpoints
+through ``torch.distributed.checkpoint``), and an OOM there restarts the job smaller (``oomdoctor.train.restart``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from oomdoctor.gpu import detect_gpu
 from oomdoctor.noise import quiet_third_party
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, choose_micro_batch, max_fitting
+from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.train.config import TrainConfig
 from oomdoctor.units import format_bytes
@@ -81,9 +86,10 @@ class TrainResult:
     world_size: int = 1
     """Processes of the data-parallel job (torchrun ``--nproc-per-node`` x nodes)."""
     strategy: str = "single"
-    """``single`` or ``ddp``."""
+    """``single``, ``ddp`` or ``fsdp`` (the plan's, after normalization)."""
     restarts: int = 0
-    """Restarts torchrun made (``--max-restarts``)."""
+    """Restarts torchrun made (``--max-restarts``): under fsdp, each one an OOM that resumed with half the
+    micro-batch (``recoveries`` entries with ``restart: true``)."""
     eval_loss: float | None = None
     """Token-weighted loss on the eval set at the end (None without ``dataset.eval_split`` / ``eval_path``)."""
     tokens_per_second: float = 0.0
@@ -169,7 +175,7 @@ SAFE_TO_CHANGE = frozenset({
     "max_steps", "num_train_epochs", "eval_steps", "per_device_eval_batch_size", "report_to", "merge_adapter",
     "overwrite_output_dir", "dataset.eval_path", "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "offload_activations",
     "output_dir", "save_steps", "save_total_limit", "logging_steps", "gpu_mem", "max_oom_retries", "device",
-    "model.attn_implementation", "optim_impl",
+    "model.attn_implementation", "optim_impl", "reshard_after_forward", "shard_group",
 })
 
 
@@ -299,6 +305,16 @@ class Run:
     """How the user started the run (named in hints)."""
 
     @property
+    def sharded(self) -> bool:
+        """FSDP2: sharded model, DCP checkpoints."""
+        return self.plan.strategy == "fsdp"
+
+    @property
+    def restarts_on_oom(self) -> bool:
+        """FSDP2 on several ranks: an OOM restarts the job (one rank alone splits the micro-batch in-process)."""
+        return self.sharded and self.dist.enabled
+
+    @property
     def rank_batch(self) -> int:
         """Samples each process runs per optimizer step (the effective batch over the world size)."""
         return self.effective_batch // self.dist.world_size if self.dist else self.effective_batch
@@ -340,6 +356,39 @@ def _predict(cfg: TrainConfig, micro: int, engine: str, notes: list[str]) -> tup
         return plan, None
 
 
+def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
+    """The config as a job of ``world_size`` processes runs it, or BadInput (one message) for what train cannot run.
+
+    ``world_size: 1`` (the default) follows the launcher; a larger value must equal the processes launched.
+    Strategies: ``single``/``ddp`` (normalized by the plan from the world size) and ``fsdp`` (FSDP2; also what
+    ``offload_params`` normalizes to); DeepSpeed's ``zero2``/``zero3`` are priced by diagnose/tune but not run."""
+    if cfg.world_size not in (1, world_size):
+        raise BadInput(f"world_size: {cfg.world_size} in the config, but this job has {world_size} process(es)",
+                       f"run `oomdoctor train CONFIG --nproc-per-node {cfg.world_size}` (or N per node with --nnodes), "
+                       "or remove world_size to follow the launcher")
+    cfg = replace(cfg, world_size=world_size)
+    plan = cfg.to_plan(micro_batch=cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1)
+    if plan.strategy in ("zero2", "zero3"):
+        raise BadInput(f"strategy {plan.strategy}: train does not run DeepSpeed ZeRO (diagnose and tune price it)",
+                       "use strategy fsdp (FSDP2 shards weights, gradients and optimizer states like ZeRO-3), or ddp")
+    if plan.strategy != "fsdp":
+        return cfg
+    problems = []
+    if plan.quant is not None:
+        problems.append("a bitsandbytes-quantized base (QLoRA) cannot be sharded by train's FSDP2; use strategy ddp")
+    if plan.precision == "fp16-mixed":
+        problems.append("fp16-mixed: GradScaler's inf/NaN check would see only this rank's gradient shards; use "
+                        "bf16-mixed (or fp32)")
+    if plan.optimizer not in TORCH_OPTIMIZERS:
+        problems.append(f"optim {cfg.optim}: the sharded step runs torch optimizers only (adamw_torch, sgd)")
+    if cfg.merge_adapter:
+        problems.append("merge_adapter: merge the saved adapter after the run (the sharded run saves the adapter)")
+    if problems:
+        raise BadInput(f"strategy fsdp ({'offload_params' if plan.offload_params else 'FSDP2'}): "
+                       + "; ".join(problems), "change the config, or run it with strategy ddp")
+    return cfg
+
+
 def total_steps(cfg: TrainConfig, n_samples: int, effective_batch: int) -> int:
     """Optimizer steps of a run: ``max_steps`` when set (it overrides epochs, as in HF), else enough steps for
     ``num_train_epochs`` passes over ``n_samples`` (at least one)."""
@@ -368,7 +417,6 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     if info.enabled and cfg.optimizer_in_backward:
         raise BadInput("optimizer_in_backward steps each rank's local gradients in backward, before the ranks sum "
                        "them: it cannot run data-parallel", "drop optimizer_in_backward, or train on one process")
-    dist.init(info, device.type)
     budget = run_budget(cfg, gpu_mem, on_cpu=device.type == "cpu")
     # the run cap enforces a capacity the user named (--gpu-mem / gpu_mem); NVML free memory needs no cap
     cap = budget.capacity_bytes if budget is not None and budget.source != "nvml free" else None
@@ -395,12 +443,28 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     total = total_steps(cfg, len(data), eff)
     plan, memory = _predict(cfg, int(micro), engine, notes)
 
+    # the process group only now: the prediction may run the simulate engine, which makes a fake group of its own
+    sharded = plan.strategy == "fsdp"
+    dist.init(info, device.type, one_rank_group=sharded, shared_dir=str(Path(cfg.output_dir).expanduser()))
     torch.manual_seed(cfg.seed)
-    loaded = load_model(source, plan, device, vocab_size=len(tok), seed=cfg.seed,
-                        compute_dtype=cfg.bnb_4bit_compute_dtype)
     args = OptimizerArgs(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
                          adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
-    optimizer = make_plan_optimizer(loaded.trainable, plan, args, target="gpu" if device.type == "cuda" else "cpu")
+    target = "gpu" if device.type == "cuda" else "cpu"
+    if sharded:
+        _check_host_ram(plan, memory, notes)
+        from oomdoctor.execute.load import load_sharded_model
+        from oomdoctor.execute.optim import make_optimizer
+        from oomdoctor.execute.shard import device_mesh
+
+        loaded = load_sharded_model(source, plan, device, device_mesh(plan, device.type), is_main=info.is_main,
+                                    vocab_size=len(tok), seed=cfg.seed)
+        _agree_rng(info)
+        # CPUOffloadPolicy already keeps the optimizer states with the offloaded shards: a plain torch optimizer
+        optimizer = make_optimizer(loaded.trainable, plan, args, target=target)
+    else:
+        loaded = load_model(source, plan, device, vocab_size=len(tok), seed=cfg.seed,
+                            compute_dtype=cfg.bnb_4bit_compute_dtype)
+        optimizer = make_plan_optimizer(loaded.trainable, plan, args, target=target)
     scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=min(cfg.warmup_steps, total),
                                total_steps=total)
     meter = None
@@ -415,12 +479,49 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
         meter = LiveBytes(cap_bytes=cap, history=False)
         meter.track_module(loaded.model, None if isinstance(optimizer, CPUOffloadOptimizer) else optimizer,
                            grad_hooks=True)
-    step = TrainStep(dist.wrap(loaded.model, info, device), optimizer, plan, device_type=device.type,
-                     max_grad_norm=cfg.max_grad_norm)
+    if sharded:
+        from oomdoctor.execute.shard import clip_grad_norm
+
+        step = TrainStep(loaded.model, optimizer, plan, device_type=device.type, max_grad_norm=cfg.max_grad_norm,
+                         clip=clip_grad_norm)
+    else:
+        step = TrainStep(dist.wrap(loaded.model, info, device), optimizer, plan, device_type=device.type,
+                         max_grad_norm=cfg.max_grad_norm)
     return Run(cfg=cfg, device=device, cap=cap, data=data, effective_batch=eff, plan=plan, memory=memory,
                loaded=loaded, step=step, scheduler=scheduler, meter=meter, notes=notes, tokenizer=tok,
                order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle), total_steps=total, eval_samples=held,
                dist=info)
+
+
+def _check_host_ram(plan: Plan, memory: dict | None, notes: list[str]) -> None:
+    """offload_params: the host must hold what every rank of this node offloads (the prediction's per-rank
+    ``cpu_offloaded`` x ``LOCAL_WORLD_SIZE``); checked before the model is loaded."""
+    from oomdoctor.errors import DoesNotFit
+    from oomdoctor.gpu import host_ram_bytes
+
+    if not plan.offload_params:
+        return
+    per_rank = int((memory or {}).get("cpu_offloaded_bytes") or 0)
+    ram = host_ram_bytes()
+    if not per_rank or ram is None:
+        notes.append("offload_params: host RAM not checked (no prediction of the offloaded bytes)")
+        return
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if per_rank * ranks > ram:
+        raise DoesNotFit(f"offload_params: {ranks} rank(s) x {format_bytes(per_rank)} offloaded = "
+                         f"{format_bytes(per_rank * ranks)} > this host's {format_bytes(ram)} of RAM",
+                         "shard over more ranks/nodes, use LoRA, or a host with more memory")
+
+
+def _agree_rng(info) -> None:
+    """Every rank continues with rank 0's RNG state (only rank 0 drew the initial weights of a sharded load)."""
+    import torch
+    import torch.distributed as tdist
+
+    if info.enabled:
+        state = [torch.get_rng_state()]
+        tdist.broadcast_object_list(state, src=0)
+        torch.set_rng_state(state[0])
 
 
 def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | None]:
@@ -451,10 +552,21 @@ def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | N
                 "resume with the original settings (safe to change: " + ", ".join(sorted(SAFE_TO_CHANGE)) + "), "
                 "or start over with --overwrite or another output_dir")
         try:
-            saved = ckpt.load_checkpoint(path, model=run.loaded.model, is_peft=run.loaded.is_peft,
-                                         optimizer=run.step.optimizer, scheduler=run.scheduler, scaler=run.step.scaler)
+            if run.sharded:
+                saved = ckpt.load_sharded_checkpoint(path, model=run.loaded.model, is_peft=run.loaded.is_peft,
+                                                     optimizer=run.step.optimizer, scheduler=run.scheduler,
+                                                     rank=run.dist.rank)
+            else:
+                saved = ckpt.load_checkpoint(path, model=run.loaded.model, is_peft=run.loaded.is_peft,
+                                             optimizer=run.step.optimizer, scheduler=run.scheduler,
+                                             scaler=run.step.scaler)
+            failed = None
         except ckpt.CorruptCheckpoint as exc:
-            emit({"type": "info", "message": f"{path} is unreadable ({exc}); trying the one before"})
+            failed = exc
+        if run.sharded and _any_rank(failed is not None, run.dist):  # fall back together
+            failed = failed or ckpt.CorruptCheckpoint("another rank could not read its part")
+        if failed is not None:
+            emit({"type": "info", "message": f"{path} is unreadable ({failed}); trying the one before"})
             continue
         resumed = state.resumed(saved)
         if saved.get("configured_micro_batch") != micro:  # the user changed micro_batch_size (e.g. to fix an OOM)
@@ -465,11 +577,27 @@ def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | N
                    "start over with --overwrite, or restore a checkpoint from a backup")
 
 
+def _any_rank(flag: bool, info) -> bool:
+    """Whether ``flag`` holds on any rank (a tiny all-reduce; the flag itself alone)."""
+    import torch
+
+    return int(dist.all_reduce_sum(torch.tensor(int(flag)), info)) > 0
+
+
 def _save(run: Run, state: RunState, guard, emit: Event) -> str:
-    """A checkpoint of the step just completed (rank 0 writes it; the other ranks wait for it)."""
+    """A checkpoint of the step just completed (rank 0 writes it; the other ranks wait for it; sharded: every rank
+    writes its shards)."""
     from oomdoctor.train import checkpoint as ckpt
+    from oomdoctor.train.restart import job
 
     state.micro_batch = guard.micro_batch
+    if run.sharded:
+        path = ckpt.save_sharded_checkpoint(run.cfg.output_dir, state.step, model=run.loaded.model,
+                                            is_peft=run.loaded.is_peft, optimizer=run.step.optimizer,
+                                            scheduler=run.scheduler, state=state.to_json(), rank=run.dist.rank,
+                                            tag=job().run_id or "job", save_total_limit=run.cfg.save_total_limit)
+        emit({"type": "checkpoint", "step": state.step, "path": str(path)})
+        return str(path)
     if not run.dist.is_main:
         dist.barrier(run.dist)
         return str(ckpt.checkpoint_dir(run.cfg.output_dir, state.step))
@@ -481,10 +609,10 @@ def _save(run: Run, state: RunState, guard, emit: Event) -> str:
     return str(path)
 
 
-def _diagnosis(run: Run, state: RunState, phase: str, reason: str, message: str) -> str:
-    """What an unrecoverable OOM at micro-batch 1 says: where, the budget, what the prediction holds."""
-    lines = [f"out of memory at step {state.step + 1} in {phase} with micro-batch 1 x seq_len {run.cfg.seq_len} "
-             f"({reason})"]
+def _diagnosis(run: Run, state: RunState, phase: str, reason: str, message: str, micro: int = 1) -> str:
+    """What an unrecoverable OOM says: where, the budget, what the prediction holds."""
+    lines = [f"out of memory at step {state.step + 1} in {phase} with micro-batch {micro} x seq_len "
+             f"{run.cfg.seq_len} ({reason})"]
     if run.cap is not None:
         held = format_bytes(run.meter.current) if run.meter else "?"
         lines.append(f"budget {format_bytes(run.cap)}; held outside the failed micro-batch (weights, gradients, "
@@ -503,8 +631,13 @@ def _warn_if_nothing_trains(run: Run, emit: Event) -> None:
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
 
+    def local(g):  # a sharded gradient: this rank's shard (the ranks then agree)
+        return g.to_local() if hasattr(g, "to_local") else g
+
     with torch.no_grad(), _disable_current_modes():  # a check, not part of the budget
-        live = any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in run.loaded.trainable)
+        live = any(p.grad is not None and bool(local(p.grad).abs().sum() > 0) for p in run.loaded.trainable)
+    if run.sharded:
+        live = _any_rank(live, run.dist)
     if not live:
         msg = "no gradient reached the trainable parameters in the first step: nothing trains"
         run.notes.append(msg)
@@ -532,6 +665,7 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
 
     from oomdoctor.execute.oom import OOMAtMicroBatchOne, free_memory, is_oom
     from oomdoctor.train.data import collate, count_targets, flattens
+    from oomdoctor.train.restart import injected_oom, job
 
     cfg, data, info = run.cfg, run.data, run.dist
     idx = run.order.take(state.samples_seen, run.effective_batch)
@@ -541,15 +675,31 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     if info.enabled:
         n_targets = int(dist.all_reduce_sum(torch.tensor(n_targets, dtype=torch.long), info))
     n_targets = max(1, n_targets)
+    # FSDP2 averages the reduce-scattered gradients over the ranks (gloo cannot sum with a custom factor): each
+    # rank's loss is scaled up by the world size to keep the sum over ranks / global target count
+    n_items = n_targets / info.world_size if run.sharded else n_targets
     tokens = [0]
+    inject = injected_oom(state.step + 1, info.rank, job())
 
     def run_chunk(chunk: list):
+        if inject:
+            raise torch.OutOfMemoryError("out of memory (injected by OOMDOCTOR_INJECT_OOM)")
         batch = collate(chunk, data.pad_id, cfg.dataset.pad_to_multiple_of, data.reset_positions,
                         flattens(cfg.model.attn_implementation))
         batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
         tokens[0] += int(batch["input_ids"].numel())
-        with dist.no_sync(run.step.model):  # gradients are summed over the ranks once, after the step's backward
-            return run.step.forward_backward(batch, num_items_in_batch=n_targets)  # a tensor: no sync here
+        try:
+            with dist.no_sync(run.step.model):  # gradients are summed over the ranks once, after the step's backward
+                return run.step.forward_backward(batch, num_items_in_batch=n_items)  # a tensor: no sync here
+        except BaseException:
+            if run.sharded and not run.restarts_on_oom:  # one FSDP rank: the guard retries in-process
+                from oomdoctor.execute.shard import reset_after_error
+
+                reset_after_error(run.step.model)
+                # FSDP sets the sharded gradients itself (no post-accumulate hook fires): any backward may have
+                # left some, so the guard replays the step
+                touch.touched = touch.touched or touch.in_backward
+            raise
 
     def zero_grads() -> None:
         run.step.optimizer.zero_grad(set_to_none=True)
@@ -557,6 +707,8 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     try:
         loss, _ = guard.run_step(state.step + 1, samples, run_chunk, zero_grads, touch)
     except OOMAtMicroBatchOne as exc:
+        if run.restarts_on_oom:
+            _restart_smaller(run, state, guard.micro_batch, exc, last_ckpt)
         zero_grads()
         free_memory()
         where = _save(run, state, guard, emit)  # as of the start of this step: weights untouched, data not consumed
@@ -565,9 +717,12 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
             f"fix the plan (`{run.command} --dry-run --gpu-mem SIZE` lists changes that fit), "
             f"then `{run.command} --resume`",
         ) from None
-    dist.all_reduce_grads(run.loaded.trainable, info)
+    if not run.sharded:  # FSDP reduce-scattered the gradients in backward
+        dist.all_reduce_grads(run.loaded.trainable, info)
     if info.enabled:
         loss = dist.all_reduce_sum(loss.detach().clone(), info)
+    if run.sharded:
+        loss = loss / info.world_size
     if check_grads:
         _warn_if_nothing_trains(run, emit)
     try:
@@ -585,6 +740,36 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     if applied:  # fp16: a step the scaler skipped (inf/NaN gradients) does not advance the schedule
         run.scheduler.step()
     return StepOutcome(float(loss), tokens[0], n_targets, applied)
+
+
+def _restart_smaller(run: Run, state: RunState, micro: int, exc, last_ckpt: str | None) -> None:
+    """A sharded rank ran out of memory: no collective can agree on a split (the peers are inside FSDP's
+    all-gathers), so write the OOM marker and exit for torchrun to restart every rank with half the micro-batch
+    (``oomdoctor.train.restart``); exit 4 instead when the micro-batch is 1, the OOM budget or the restarts are
+    spent."""
+    from oomdoctor.errors import EXIT_OOM_RESTART
+    from oomdoctor.train import restart
+
+    current = restart.job()
+    spent = state.oom_recoveries >= run.cfg.max_oom_retries or not current.restarts_left
+    if micro <= 1 or spent:
+        why = "micro-batch 1" if micro <= 1 else (
+            f"torchrun has no restart left (--max-restarts {current.max_restarts})" if not current.restarts_left
+            else f"max_oom_retries {run.cfg.max_oom_retries} reached")
+        raise UnrecoverableOOM(
+            _diagnosis(run, state, exc.phase, why, exc.message, micro)
+            + f"\nlast checkpoint: {last_ckpt or 'none'} (a sharded rank cannot save after an OOM)",
+            f"fix the plan (`{run.command} --dry-run --gpu-mem SIZE` lists changes that fit), then "
+            f"`{run.command} --resume`" + ("" if micro <= 1 else ", or allow more with --max-restarts"))
+    rec = restart.OOMRestart(step=state.step + 1, failed_micro_batch=micro, new_micro_batch=max(1, micro // 2),
+                             phase=exc.phase, message=exc.message.splitlines()[0][:300], rank=run.dist.rank,
+                             run_id=current.run_id, attempt=current.attempt)
+    restart.write_marker(run.cfg.output_dir, rec)
+    import sys
+
+    print(f"rank {run.dist.rank}: out of memory at step {rec.step} ({rec.phase}) with micro-batch {micro}; "
+          f"restarting every rank with micro-batch {rec.new_micro_batch}", file=sys.stderr, flush=True)
+    os._exit(EXIT_OOM_RESTART)  # no teardown: a collective there would block on the peers
 
 
 class _StopRequest:
@@ -640,12 +825,20 @@ def _checkpoint_bytes(run: Run) -> int:
 
 def _save_outputs(run: Run, tokenizer, out_dir: Path, emit: Event) -> None:
     """The final model in ``output_dir`` through ``save_pretrained`` (full: weights + config; LoRA: the adapter)
-    and the tokenizer, loadable by ``from_pretrained``; written next to the checkpoints. ``merge_adapter``: the
-    merged model too, in ``output_dir/merged``."""
+    and the tokenizer, loadable by ``from_pretrained``; written next to the checkpoints by rank 0 (sharded: the
+    ranks first gather the whole state dict, on the CPU). ``merge_adapter``: the merged model too, in
+    ``output_dir/merged``."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
-        run.loaded.model.save_pretrained(out_dir, safe_serialization=True)
+        full = None
+        if run.sharded:
+            from oomdoctor.train.checkpoint import full_model_state
+
+            full = full_model_state(run.loaded.model)
+        if not run.dist.is_main:
+            return
+        run.loaded.model.save_pretrained(out_dir, safe_serialization=True, state_dict=full)
         tokenizer.save_pretrained(out_dir)
         if run.cfg.merge_adapter and run.loaded.is_peft:
             from oomdoctor.execute.build import save_merged
@@ -671,26 +864,50 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     from oomdoctor.execute.load import quiet_hf
     from oomdoctor.train.rundir import check_space, open_run_dir
 
+    from oomdoctor.train import checkpoint as ckpt
+    from oomdoctor.train import restart
+
     info = dist.from_env()
     # under torchrun only rank 0 talks, owns the run directory (its lock, checks) and writes
     emit = (on_event or (lambda e: None)) if info.is_main else (lambda e: None)
     quiet_hf()
+    cfg = resolve_topology(cfg, info.world_size)
     if max_steps is not None:
         cfg = replace(cfg, max_steps=max_steps, warmup_steps=min(cfg.warmup_steps, max_steps))
+    current = restart.job()
+    oom = restart.pending(Path(cfg.output_dir).expanduser(), current)
+    if current.attempt:  # torchrun restarted the job: continue it (never refuse or wipe the directory again)
+        resume = resume or bool(ckpt.list_checkpoints(Path(cfg.output_dir).expanduser()))
     with contextlib.ExitStack() as scope:
         out_dir = Path(cfg.output_dir).expanduser()
         if info.is_main:
             out_dir = scope.enter_context(open_run_dir(
-                cfg.output_dir, resume=resume, overwrite=overwrite or cfg.overwrite_output_dir,
+                cfg.output_dir, resume=resume or bool(current.attempt),
+                overwrite=(overwrite or cfg.overwrite_output_dir) and not current.attempt,
                 emit=lambda m: emit({"type": "info", "message": m}))).path
         run = _setup(cfg, gpu_mem, engine, emit)
-        scope.callback(dist.shutdown, run.dist)
         run.command = command
         if info.is_main:
             check_space(out_dir, _checkpoint_bytes(run))
         dist.barrier(run.dist)  # the other ranks read checkpoints only once rank 0 has checked the directory
         state, resumed_from = _start_state(run, resume, emit)
-        return _train_loop(run, state, resumed_from, out_dir, emit)
+        if oom is not None:
+            _resume_smaller(state, oom, resumed_from, emit)
+        res = _train_loop(run, state, resumed_from, out_dir, emit)
+    dist.shutdown()  # not on errors: tearing a group down while a peer is gone can block
+    return res
+
+
+def _resume_smaller(state: RunState, oom, resumed_from: str | None, emit: Event) -> None:
+    """After an OOM restart: every rank continues with the marker's micro-batch (the accumulation grows, the
+    effective batch stays) and records the recovery."""
+    state.micro_batch = min(state.micro_batch, oom.new_micro_batch)
+    state.oom_recoveries += 1
+    state.recoveries.append(oom.to_dict())
+    emit({"type": "info", "message": f"restarted after rank {oom.rank} ran out of memory at step {oom.step} "
+                                     f"({oom.phase}) with micro-batch {oom.failed_micro_batch}: every rank "
+                                     f"continues from {resumed_from or 'the start'} with micro-batch "
+                                     f"{state.micro_batch}, same effective batch"})
 
 
 def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Path, emit: Event) -> TrainResult:
@@ -707,7 +924,9 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     hooks = [p.register_post_accumulate_grad_hook(lambda _p: setattr(touch, "touched", True))
              for p in run.loaded.trainable]
     # optimizer in backward: a split micro-batch would step every parameter twice, so an OOM is not recovered
-    retries = 0 if run.plan.optimizer_in_backward else max(0, cfg.max_oom_retries - state.oom_recoveries)
+    # sharded ranks do not split in-process (an OOM restarts the job: _restart_smaller)
+    retries = 0 if run.plan.optimizer_in_backward or run.restarts_on_oom else max(
+        0, cfg.max_oom_retries - state.oom_recoveries)
     guard = OOMGuard(micro_batch=state.micro_batch, max_retries=retries)
 
     def on_recovery(rec) -> None:
@@ -773,8 +992,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     if interrupted:
         raise Interrupted(f"interrupted at step {state.step}/{run.total_steps}; checkpoint saved: {last_ckpt}",
                           f"continue with `{run.command} --resume`")
-    if run.dist.is_main:
-        _save_outputs(run, run.tokenizer, out_dir, emit)
+    _save_outputs(run, run.tokenizer, out_dir, emit)
     dist.barrier(run.dist)
     wall = time.perf_counter() - t0
     if skipped:
@@ -805,7 +1023,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
         output_dir=str(out_dir),
         epoch=_epoch(run, state),
         world_size=run.dist.world_size,
-        strategy="ddp" if run.dist.enabled else "single",
+        strategy=run.plan.strategy,
         restarts=run.dist.restarts,
         eval_loss=eval_loss,
         notes=run.notes,
@@ -814,6 +1032,9 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
 
     if run.dist.is_main:
         (out_dir / "summary.json").write_text(json.dumps(res.to_dict(), indent=1, default=str))
+        from oomdoctor.train.restart import clear
+
+        clear(out_dir)  # the restarts are recorded in summary.json and the checkpoints
     return res
 
 

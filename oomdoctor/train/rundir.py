@@ -23,13 +23,15 @@ from pathlib import Path
 from typing import Callable
 
 from oomdoctor.errors import BadInput
+from oomdoctor.train.restart import MARKER as OOM_MARKER
 from oomdoctor.units import format_bytes
 
 LOCK_NAME = ".oomdoctor.lock"
 #: Files a finished or running oomdoctor run writes at the top of ``output_dir`` (besides ``checkpoint-N/``).
 RUN_FILES = ("summary.json", "metrics.jsonl", "config.json", "generation_config.json", "model.safetensors",
              "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "runs", "merged")
+             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "runs", "merged",
+             OOM_MARKER)
 TEMP_PREFIXES = (".tmp-checkpoint-", ".old-checkpoint-")
 
 

@@ -63,6 +63,11 @@ def config_from_plan(model: str, plan: Plan, **extra: Any) -> TrainConfig:
         max_grad_norm=None if plan.optimizer_in_backward else default("max_grad_norm"),
         offload_optimizer=plan.offload_optimizer,
         offload_activations=plan.offload_activations,
+        offload_params=plan.offload_params,
+        world_size=plan.world_size,
+        strategy=plan.strategy,
+        shard_group=plan.shard_group,
+        reshard_after_forward=plan.reshard_after_forward,
     )
     unknown = [k for k in extra if k not in {f.name for f in fields(TrainConfig)}]
     if unknown:

@@ -223,7 +223,7 @@ PRECISION_BOOLS = ("bf16", "fp16")
 #: Order of the emitted YAML's top-level groups.
 GROUPS: tuple[str, ...] = (
     "memory: method and precision", "memory: batch shape", "memory: activations", "memory: optimizer",
-    "memory: LoRA", "memory: quantized base (bitsandbytes)", "schedule", "run",
+    "memory: LoRA", "memory: quantized base (bitsandbytes)", "memory: scale-out (per rank)", "schedule", "run",
 )
 
 

@@ -146,6 +146,16 @@ class TrainConfig:
     """Plan ``offload_optimizer``."""
     offload_activations: bool = default("offload_activations")
     """Plan ``offload_activations``."""
+    offload_params: bool = default("offload_params")
+    """Plan ``offload_params`` (FSDP2 ``CPUOffloadPolicy``; on one GPU the plan runs FSDP2 at world size 1)."""
+    world_size: int = default("world_size")
+    """Plan ``world_size``: 1 follows the launcher; more must equal the processes torchrun starts."""
+    strategy: str = default("strategy")
+    """Plan ``strategy`` (``train --strategy`` overrides it)."""
+    shard_group: int | None = default("shard_group")
+    """Plan ``shard_group`` (HSDP when smaller than ``world_size``)."""
+    reshard_after_forward: bool = default("reshard_after_forward")
+    """Plan ``reshard_after_forward``."""
     output_dir: str = default("output_dir")
     """Run directory."""
     save_steps: int = default("save_steps")
@@ -205,7 +215,7 @@ class TrainConfig:
         if self.global_batch_size is not None:
             return self.global_batch_size
         if isinstance(self.micro_batch_size, int):
-            return self.micro_batch_size * self.gradient_accumulation_steps
+            return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
         return None
 
     @property
@@ -229,7 +239,8 @@ def to_plan(cfg: TrainConfig, micro_batch: int | None = None) -> Plan:
             "run `oomdoctor tune` or pass to_plan(micro_batch=N)",
         )
     eff = cfg.effective_batch_size
-    ga = max(1, -(-eff // mb)) if eff is not None else cfg.gradient_accumulation_steps
+    per_step = mb * cfg.world_size  # sequences one micro-batch round takes over every rank
+    ga = max(1, -(-eff // per_step)) if eff is not None else cfg.gradient_accumulation_steps
     method = cfg.method
     if cfg.quant is not None and method == "lora":
         method = "qlora"
@@ -258,6 +269,11 @@ def to_plan(cfg: TrainConfig, micro_batch: int | None = None) -> Plan:
             optimizer_in_backward=cfg.optimizer_in_backward,
             offload_optimizer=cfg.offload_optimizer,
             offload_activations=cfg.offload_activations,
+            offload_params=cfg.offload_params,
+            world_size=cfg.world_size,
+            strategy=cfg.strategy,  # type: ignore[arg-type]
+            shard_group=cfg.shard_group,
+            reshard_after_forward=cfg.reshard_after_forward,
         )
     )
 
