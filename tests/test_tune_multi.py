@@ -103,9 +103,9 @@ def test_emitted_yaml_carries_the_topology(llama7b):
     r = _tune(llama7b, 16, pins=dict(FULL_FT), gpus_per_node=8)
     text = render_config(r, LLAMA7B)
     assert "\nworld_size: 16  #" in text and "\nstrategy: fsdp  #" in text and "\nshard_group: 8  #" in text
-    assert "reshard_after_forward" not in text  # default
-    single = _tune(llama7b, 1, gpu_mem=80 * 10**9, pins=dict(method="lora"))
-    assert "world_size" not in render_config(single, LLAMA7B)
+    assert "\nreshard_after_forward: true  #" in text  # every knob is written, defaults too
+    single = render_config(_tune(llama7b, 1, gpu_mem=80 * 10**9, pins=dict(method="lora")), LLAMA7B)
+    assert "\nworld_size: 1  #" in single and "\nstrategy: single  #" in single
 
 
 def test_cli_json_and_table(capsys, tmp_path):

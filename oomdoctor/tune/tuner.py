@@ -615,30 +615,7 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
     if config_only and not tokenizer:
         lines.append(f"model: built from the config with random weights and the bundled sample tokenizer "
                      f"({SAMPLE_TOKENIZER}) - a smoke run; point model.path at real weights to fine-tune.")
-    text = render_yaml(cfg, header="\n".join(lines))
-    # the train renderer writes the topology itself once train executes it; until then tune appends it
-    return text if "\nworld_size:" in text else text + topology_yaml(result.plan)
-
-
-#: Topology keys the emitted YAML carries when they differ from the default (``world_size`` and ``strategy`` always
-#: on more than one GPU).
-TOPOLOGY_YAML_KEYS: tuple[str, ...] = ("world_size", "strategy", "shard_group", "reshard_after_forward", "bucket_size",
-                                       "offload_params")
-
-
-def topology_yaml(plan: Plan) -> str:
-    """The plan's topology as train YAML keys (technique-table names, each with its memory note); empty on one GPU
-    with the default strategy."""
-    from oomdoctor.plan.techniques import DEFAULTS, how_yaml, technique
-
-    if plan.world_size == 1 and plan.strategy == "single":
-        return ""
-    lines = ["", "# --- topology: `oomdoctor train THIS.yaml --nproc-per-node N` runs it under torchrun"]
-    for name in TOPOLOGY_YAML_KEYS:
-        value = getattr(plan, name)
-        if name in ("world_size", "strategy") or value != DEFAULTS[name]:
-            lines.append(f"{how_yaml(name, value)}  # {technique(name).memory}")
-    return "\n".join(lines) + "\n"
+    return render_yaml(cfg, header="\n".join(lines))
 
 
 def write_config(result: TuneResult, model_ref: str, path: str | os.PathLike | None = None, *,
@@ -653,5 +630,5 @@ def write_config(result: TuneResult, model_ref: str, path: str | os.PathLike | N
     return out
 
 
-__all__ = ["tune", "TuneResult", "Trial", "write_config", "render_config", "default_output_path", "verify", "topology_yaml",
+__all__ = ["tune", "TuneResult", "Trial", "write_config", "render_config", "default_output_path", "verify",
            "ALLOC_CONF", "DEFAULT_OUTPUT", "VERIFY_MODES"]
