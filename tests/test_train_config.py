@@ -85,6 +85,11 @@ def test_aliases_and_batch_resolution():
         _parse(micro_batch_size=3, global_batch_size=10)
     with pytest.raises(ConfigErrors, match=r"global_batch_size: 12 != micro_batch_size 4 x gradient_accumulation"):
         _parse(micro_batch_size=4, gradient_accumulation_steps=2, global_batch_size=12)
+    ranks = _parse(micro_batch_size=4, global_batch_size=64, world_size=8, strategy="fsdp")
+    assert ranks.gradient_accumulation_steps == 2  # global = micro x accumulation x world_size
+    _parse(micro_batch_size=4, gradient_accumulation_steps=2, global_batch_size=64, world_size=8)
+    with pytest.raises(ConfigErrors, match=r"!= micro_batch_size 4 x gradient_accumulation_steps 2 x world_size 8"):
+        _parse(micro_batch_size=4, gradient_accumulation_steps=2, global_batch_size=8, world_size=8)
     auto = _parse(micro_batch_size="auto", global_batch_size=16)
     assert auto.micro_batch_size == "auto" and auto.effective_batch_size == 16
     with pytest.raises(ConfigErrors, match="precision: 'fp32' conflicts with bf16: true"):

@@ -123,8 +123,9 @@ def _print_dry(d) -> None:
     from oomdoctor.cli.render import breakdown_table
 
     con = Console()
+    ranks = f" x {d.plan.world_size} GPUs" if d.plan.world_size > 1 else ""
     con.print(f"[bold]{d.spec.name}[/]: {d.plan.label()}; micro-batch {d.plan.micro_batch} x {d.plan.grad_accum} "
-              f"accumulation = effective batch {d.plan.effective_batch}; seq_len {d.plan.seq_len}")
+              f"accumulation{ranks} = effective batch {d.plan.effective_batch}; seq_len {d.plan.seq_len}")
     con.print(breakdown_table(d.memory))
     if d.eval_memory is not None:
         e = d.eval_memory

@@ -357,19 +357,25 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
     mb = top.get("micro_batch_size", 1)
     gbs = top.get("global_batch_size")
     ga_given = "gradient_accumulation_steps" in top
+    ws = top.get("world_size", 1) if isinstance(top.get("world_size", 1), int) else 1
     if gbs is not None and isinstance(mb, int):
+        # global = micro x accumulation x world_size (the YAML's: a torchrun launch of another size is checked
+        # when it runs)
         if ga_given:
-            if mb * top["gradient_accumulation_steps"] != gbs:
+            if mb * top["gradient_accumulation_steps"] * ws != gbs:
                 problems.append(
                     f"global_batch_size: {gbs} != micro_batch_size {mb} x gradient_accumulation_steps "
-                    f"{top['gradient_accumulation_steps']}; drop one of them"
+                    f"{top['gradient_accumulation_steps']}" + (f" x world_size {ws}" if ws > 1 else "")
+                    + "; drop one of them"
                 )
-        elif gbs % mb:
-            problems.append(f"global_batch_size: {gbs} is not a multiple of micro_batch_size {mb}")
-        elif gbs < mb:
-            problems.append(f"global_batch_size: {gbs} is smaller than micro_batch_size {mb}")
+        elif gbs % (mb * ws):
+            problems.append(f"global_batch_size: {gbs} is not a multiple of micro_batch_size {mb}"
+                            + (f" x world_size {ws}" if ws > 1 else ""))
+        elif gbs < mb * ws:
+            problems.append(f"global_batch_size: {gbs} is smaller than micro_batch_size {mb}"
+                            + (f" x world_size {ws}" if ws > 1 else ""))
         else:
-            top["gradient_accumulation_steps"] = gbs // mb
+            top["gradient_accumulation_steps"] = gbs // (mb * ws)
     if top.get("max_steps") is not None and top.get("warmup_steps", 0) > top["max_steps"]:
         problems.append(f"warmup_steps: {top['warmup_steps']} exceeds max_steps {top['max_steps']}")
     if top.get("max_steps") is None and top.get("num_train_epochs", 1.0) <= 0:
