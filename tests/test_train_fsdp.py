@@ -32,7 +32,7 @@ def test_fsdp_equals_ddp_resumes_from_dcp_and_restarts_smaller_after_an_oom(tmp_
     the final model is a plain HF directory with the same weights; a sharded checkpoint resumes exactly, also on
     another shard layout (DCP reshards; shard_group is safe to change); an OOM on
     one rank (injected: OOMDOCTOR_INJECT_OOM, the mechanism of multi-gpu.md §6) restarts every rank from the last
-    sharded checkpoint with half the micro-batch: same steps, same losses."""
+    sharded checkpoint with half the micro-batch: same steps, same losses; so does a real per-rank --gpu-mem cap."""
     ddp = write_yaml(tmp_path / "ddp.yaml", _cfg(tmp_path, "ddp"))
     sharded = _cfg(tmp_path, "fsdp", strategy="fsdp", save_steps=1, save_total_limit=None)
     fsdp = write_yaml(tmp_path / "fsdp.yaml", sharded)
@@ -55,6 +55,14 @@ def test_fsdp_equals_ddp_resumes_from_dcp_and_restarts_smaller_after_an_oom(tmp_
     assert o["recoveries"][0]["restart"] and o["resumed_from"].endswith("checkpoint-1")
     assert o["losses"] == pytest.approx(b["losses"], abs=1e-5)
     assert not (tmp_path / "fsdp" / "oom-restart.json").exists()
+
+    # a real per-rank cap (the live-bytes meter counts FSDP's resize_): micro 8 peaks at 9.3 MB per rank, micro 4
+    # at 5.4 MB; under 7 MiB both ranks run out in step 1's forward and torchrun restarts them with micro 4
+    c, err = _run(fsdp, "--nproc-per-node", "2", "--overwrite", "--gpu-mem", "7MiB")
+    assert "out of memory at step 1 (forward) with micro-batch 8" in err
+    assert (c["restarts"], c["micro_batch_size"], c["gradient_accumulation_steps"]) == (1, 4, 4)
+    assert c["optimizer_steps"] == 3 and c["measured_peak_bytes"] <= 7 * 2**20
+    assert c["losses"] == pytest.approx(b["losses"], abs=1e-5)
 
 
 def test_fsdp_lora_gradient_checkpointing_hsdp_output_loads_with_peft(tmp_path):
