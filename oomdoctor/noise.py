@@ -23,3 +23,21 @@ def _no_deepspeed_accelerator_probe() -> None:
     ``DS_ACCELERATOR`` wins, and a machine with a GPU probes as usual."""
     if "DS_ACCELERATOR" not in os.environ and not os.path.exists("/dev/nvidiactl"):
         os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+class _PlannedRestarts(logging.Filter):
+    """Drops torchrun's "failed (exitcode: 75)" record: that exit is a sharded rank's planned OOM restart
+    (``oomdoctor.errors.EXIT_OOM_RESTART``), which train announces in its own words."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from oomdoctor.errors import EXIT_OOM_RESTART
+
+        return f"exitcode: {EXIT_OOM_RESTART})" not in record.getMessage()
+
+
+def quiet_planned_restarts() -> None:
+    """Install :class:`_PlannedRestarts` on torch's elastic launcher logger (idempotent)."""
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _PlannedRestarts) for f in log.filters):
+        log.addFilter(_PlannedRestarts())
+

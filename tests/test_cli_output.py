@@ -51,3 +51,17 @@ def test_deepspeed_is_told_there_is_no_gpu_unless_the_user_says_otherwise(monkey
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     quiet_third_party()
     assert os.environ["DS_ACCELERATOR"] == "cuda"
+
+
+def test_torchruns_record_of_a_planned_oom_restart_is_dropped_others_kept():
+    import logging
+
+    from oomdoctor.noise import quiet_planned_restarts
+
+    quiet_planned_restarts()
+    quiet_planned_restarts()  # idempotent
+    log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    rec = lambda code: log.makeRecord(log.name, logging.ERROR, __file__, 1,  # noqa: E731
+                                      "failed (exitcode: %s) local_rank: %s", (code, 0), None)
+    assert sum(1 for f in log.filters if type(f).__name__ == "_PlannedRestarts") == 1
+    assert not log.filter(rec(75)) and log.filter(rec(1))

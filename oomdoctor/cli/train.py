@@ -201,7 +201,9 @@ def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int 
     from torch.distributed.run import get_args_parser, run
 
     from oomdoctor.errors import EXIT_INTERRUPTED
+    from oomdoctor.noise import quiet_planned_restarts
 
+    quiet_planned_restarts()
     argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts)]
     if rdzv is None and nnodes is None:
         rdzv = f"localhost:{_free_port()}"
