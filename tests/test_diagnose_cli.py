@@ -182,3 +182,14 @@ def test_topology_flags_pin_and_render(capsys):
     code, _, err = run_cli(["diagnose", "meta-llama/Llama-2-7b-hf", "--gpus", "8", "--strategy", "ddp",
                             "--bucket-size", "0", "--method", "full"], capsys)
     assert code != 0 and "bucket_size" in err and "Traceback" not in err
+
+
+def test_fits_only_when_nothing_fits_says_so_without_a_table(capsys):
+    from oomdoctor.cli import main
+
+    try:
+        main(["diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "8GB", "--method", "full", "--fits-only"])
+    except SystemExit as exc:
+        assert exc.code in (0, None)
+    out = capsys.readouterr().out
+    assert "plans fits; run without --fits-only" in out and "Traceback" not in out

@@ -132,6 +132,14 @@ def print_diagnose(report) -> None:
     console.print(capacity_line(report))
     for note in report.notes:
         console.print(f"[yellow]note: {note}[/]")
+    if not report.results:  # --fits-only and nothing fits
+        console.print(f"\nNone of the {report.priced} plans fits; run without --fits-only for them and the changes "
+                      "that would make one fit.")
+        if report.smaller_model:
+            sm = report.smaller_model
+            console.print(f"A smaller model of the same family does: [bold]{sm.model_id}[/] ({sm.params / 1e9:.2f} B) "
+                          f"with {sm.plan.label()} at {format_bytes(sm.memory.peak_device)}.")
+        return
     console.print(plan_table(report))
     if console.width < 130:
         console.print("[dim]states: weights + gradients + optimizer states + AMP weight copies; activ.: activations "

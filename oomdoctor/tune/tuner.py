@@ -416,9 +416,12 @@ def tune(
         raise DoesNotFit(
             f"no plan fits {budget.describe()} at seq_len {seq_len}: the leanest, {low.plan.label()}, needs "
             f"{format_bytes(budget.needed(low.memory))} at micro-batch 1",
-            f"try a shorter --seq-len, a smaller --margin, a bigger GPU, or see "
+            f"try a shorter --seq-len, a smaller --margin, a bigger GPU"
+            + (", more GPUs or another --strategy" if topo.world_size > 1 else "") + ", or see "
             f"`oomdoctor diagnose {model_ref} --gpu-mem {format_bytes(capacity, binary=False).replace(' ', '')} "
-            f"--seq-len {seq_len}`",
+            f"--seq-len {seq_len}"
+            + (f" --gpus {topo.world_size}" if topo.world_size > 1 else "")
+            + (f" --strategy {topo_pins['strategy']}" if "strategy" in topo_pins else "") + "`",
         )
 
     pred_cache: dict[Plan, int] = {}
