@@ -105,6 +105,8 @@ class TrainStep:
     clip: Callable[[list, float], Any] | None = None
     """Gradient clipping ``clip(params, max_norm)``; None: ``torch.nn.utils.clip_grad_norm_`` (foreach unless the
     plan says ``for-loop``). Sharded runs pass :func:`oomdoctor.execute.shard.clip_grad_norm`."""
+    backward: Callable[[Any], Any] | None = None
+    """Backward of a (scaled) loss; None: ``loss.backward()``. DeepSpeed runs pass ``engine.backward``."""
 
     def __post_init__(self) -> None:
         import torch
@@ -151,7 +153,10 @@ class TrainStep:
             self.hooks.forward_done()
         with self.hooks.phase("backward"):
             self.hooks.backward_start()
-            scaled.backward()
+            if self.backward is not None:
+                self.backward(scaled)
+            else:
+                scaled.backward()
             self.hooks.backward_done()
             del scaled
         return loss.detach()

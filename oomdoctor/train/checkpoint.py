@@ -23,7 +23,9 @@ Sharded runs (strategy ``fsdp``) write the same directory through :func:`save_sh
 adapters only) and of the optimizer state plus DCP's ``.metadata``; ``scheduler.pt``; ``rng_state_<rank>.pth`` per
 rank; ``trainer_state.json`` last. All ranks write into one temporary directory, rank 0 renames it into place once
 every rank is done (a shared filesystem across nodes, as DCP needs). :func:`load_sharded_checkpoint` reads it back
-(DCP reshards when the shard layout changed).
+(DCP reshards when the shard layout changed). DeepSpeed ZeRO runs (``zero2``/``zero3``) use the same directory
+with ``deepspeed/`` (``engine.save_checkpoint`` / ``load_checkpoint``, tag ``zero``) in place of ``sharded/``
+(DeepSpeed reloads on the same number of ranks).
 """
 
 from __future__ import annotations
@@ -207,10 +209,16 @@ def _dcp_state(model, optimizer, frozen_too: bool):
     return options, {"model": msd, "optim": osd}
 
 
+#: Sub-directory of a DeepSpeed ZeRO checkpoint holding ``engine.save_checkpoint``'s files, and its tag.
+ZERO_DIR, ZERO_TAG = "deepspeed", "zero"
+
+
 def save_sharded_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, optimizer, scheduler,
-                            state: dict, rank: int, tag: str, save_total_limit: int | None = None) -> Path:
+                            state: dict, rank: int, tag: str, save_total_limit: int | None = None,
+                            engine=None) -> Path:
     """Collective (every rank calls it): write ``checkpoint-<step>`` of a sharded run atomically; returns its path.
-    ``tag`` names the temporary directory all ranks share (the same on every rank)."""
+    ``tag`` names the temporary directory all ranks share (the same on every rank). With a DeepSpeed ``engine``
+    (ZeRO) the model and optimizer go through ``engine.save_checkpoint`` into ``deepspeed/`` instead of DCP."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.utils._python_dispatch import _disable_current_modes
@@ -225,8 +233,11 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, *, model, is_peft
         tmp.mkdir()
     dist.barrier()
     with _disable_current_modes():
-        _, sd = _dcp_state(model, optimizer, frozen_too=not is_peft)
-        dcp.save(sd, checkpoint_id=str(tmp / SHARDED_DIR))
+        if engine is not None:
+            engine.save_checkpoint(str(tmp / ZERO_DIR), tag=ZERO_TAG, save_latest=False)
+        else:
+            _, sd = _dcp_state(model, optimizer, frozen_too=not is_peft)
+            dcp.save(sd, checkpoint_id=str(tmp / SHARDED_DIR))
         torch.save(_rng_state(), tmp / f"rng_state_{rank}.pth")
         if rank == 0:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -243,30 +254,40 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, *, model, is_peft
     return final
 
 
-def load_sharded_checkpoint(path: str | Path, *, model, is_peft: bool, optimizer, scheduler, rank: int) -> dict:
-    """Collective: restore a sharded checkpoint into the sharded ``model`` and ``optimizer`` (DCP), the scheduler
-    and this rank's RNG; returns the trainer state. :class:`CorruptCheckpoint` when this rank could not read it (the
+def load_sharded_checkpoint(path: str | Path, *, model, is_peft: bool, optimizer, scheduler, rank: int,
+                            engine=None) -> dict:
+    """Collective: restore a sharded checkpoint into the sharded ``model`` and ``optimizer`` (DCP; with a DeepSpeed
+    ``engine``: ``engine.load_checkpoint``), the scheduler and this rank's RNG; returns the trainer state. :class:`CorruptCheckpoint` when this rank could not read it (the
     caller makes the ranks agree before falling back)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     p = Path(path)
     state = read_state(p)
     try:
-        options, sd = _dcp_state(model, optimizer, frozen_too=not is_peft)
-        dcp.load(sd, checkpoint_id=str(p / SHARDED_DIR))
-        res = set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                             options=options)
-        trainable = {n for n, q in model.named_parameters() if q.requires_grad}
-        bad = [k for k in getattr(res, "missing_keys", []) if k in trainable] + list(getattr(res, "unexpected_keys", []))
-        if bad:
-            raise CorruptCheckpoint(f"weights do not match the model: {bad[:3]}")
+        if engine is not None:
+            loaded, _ = engine.load_checkpoint(str(p / ZERO_DIR), tag=ZERO_TAG, load_lr_scheduler_states=False)
+            if loaded is None:
+                raise CorruptCheckpoint(f"no DeepSpeed checkpoint in {p / ZERO_DIR}")
+        else:
+            _load_dcp(p, model, optimizer, is_peft)
         scheduler.load_state_dict(torch.load(p / "scheduler.pt", weights_only=False))
         _set_rng_state(torch.load(p / f"rng_state_{rank}.pth", weights_only=False))
     except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping any rank's read error
         raise CorruptCheckpoint(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}") \
             from None
     return state
+
+
+def _load_dcp(p: Path, model, optimizer, is_peft: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    options, sd = _dcp_state(model, optimizer, frozen_too=not is_peft)
+    dcp.load(sd, checkpoint_id=str(p / SHARDED_DIR))
+    res = set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                         options=options)
+    trainable = {n for n, q in model.named_parameters() if q.requires_grad}
+    bad = [k for k in getattr(res, "missing_keys", []) if k in trainable] + list(getattr(res, "unexpected_keys", []))
+    if bad:
+        raise CorruptCheckpoint(f"weights do not match the model: {bad[:3]}")
 
 
 def full_model_state(model) -> dict:
@@ -277,6 +298,6 @@ def full_model_state(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-__all__ = ["save_sharded_checkpoint", "load_sharded_checkpoint", "full_model_state", "SHARDED_DIR",
+__all__ = ["ZERO_DIR", "ZERO_TAG", "save_sharded_checkpoint", "load_sharded_checkpoint", "full_model_state", "SHARDED_DIR",
            "save_checkpoint", "load_checkpoint", "read_state", "latest_checkpoint", "list_checkpoints",
            "CorruptCheckpoint", "STATE_FILE"]

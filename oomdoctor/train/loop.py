@@ -310,9 +310,20 @@ class Run:
         return self.plan.strategy == "fsdp"
 
     @property
+    def zero(self) -> bool:
+        """DeepSpeed ZeRO-2/3: ``step.model`` is the engine, ``oomdoctor.execute.zero``."""
+        return self.plan.strategy in ("zero2", "zero3")
+
+    @property
+    def averages_grads(self) -> bool:
+        """FSDP2 and DeepSpeed average the gradients over the ranks in backward (DDP here sums them after it)."""
+        return self.sharded or self.zero
+
+    @property
     def restarts_on_oom(self) -> bool:
-        """FSDP2 on several ranks: an OOM restarts the job (one rank alone splits the micro-batch in-process)."""
-        return self.sharded and self.dist.enabled
+        """FSDP2 / ZeRO on several ranks: an OOM restarts the job (one rank alone splits the micro-batch in-process;
+        a ZeRO rank alone cannot undo DeepSpeed's partial gradients, so its OOM is not recovered)."""
+        return self.averages_grads and self.dist.enabled
 
     @property
     def rank_batch(self) -> int:
@@ -360,8 +371,8 @@ def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """The config as a job of ``world_size`` processes runs it, or BadInput (one message) for what train cannot run.
 
     ``world_size: 1`` (the default) follows the launcher; a larger value must equal the processes launched.
-    Strategies: ``single``/``ddp`` (normalized by the plan from the world size) and ``fsdp`` (FSDP2; also what
-    ``offload_params`` normalizes to); DeepSpeed's ``zero2``/``zero3`` are priced by diagnose/tune but not run."""
+    Strategies: ``single``/``ddp`` (normalized by the plan from the world size), ``fsdp`` (FSDP2; also what
+    ``offload_params`` normalizes to) and DeepSpeed's ``zero2``/``zero3`` (the optional ``deepspeed`` extra)."""
     if cfg.world_size not in (1, world_size):
         raise BadInput(f"world_size: {cfg.world_size} in the config, but this job has {world_size} process(es)",
                        f"run `oomdoctor train CONFIG --nproc-per-node {cfg.world_size}` (or N per node with --nnodes), "
@@ -369,13 +380,14 @@ def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
     cfg = replace(cfg, world_size=world_size)
     plan = cfg.to_plan(micro_batch=cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1)
     if plan.strategy in ("zero2", "zero3"):
-        raise BadInput(f"strategy {plan.strategy}: train does not run DeepSpeed ZeRO (diagnose and tune price it)",
-                       "use strategy fsdp (FSDP2 shards weights, gradients and optimizer states like ZeRO-3), or ddp")
-    if plan.strategy != "fsdp":
+        from oomdoctor.execute.zero import require_deepspeed
+
+        require_deepspeed()
+    elif plan.strategy != "fsdp":
         return cfg
     problems = []
     if plan.quant is not None:
-        problems.append("a bitsandbytes-quantized base (QLoRA) cannot be sharded by train's FSDP2; use strategy ddp")
+        problems.append("a bitsandbytes-quantized base (QLoRA) cannot be sharded by train; use strategy ddp")
     if plan.precision == "fp16-mixed":
         problems.append("fp16-mixed: GradScaler's inf/NaN check would see only this rank's gradient shards; use "
                         "bf16-mixed (or fp32)")
@@ -384,8 +396,9 @@ def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if cfg.merge_adapter:
         problems.append("merge_adapter: merge the saved adapter after the run (the sharded run saves the adapter)")
     if problems:
-        raise BadInput(f"strategy fsdp ({'offload_params' if plan.offload_params else 'FSDP2'}): "
-                       + "; ".join(problems), "change the config, or run it with strategy ddp")
+        what = "DeepSpeed ZeRO" if plan.strategy != "fsdp" else "offload_params" if plan.offload_params else "FSDP2"
+        raise BadInput(f"strategy {plan.strategy} ({what}): " + "; ".join(problems),
+                       "change the config, or run it with strategy ddp")
     return cfg
 
 
@@ -445,7 +458,8 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
 
     # the process group only now: the prediction may run the simulate engine, which makes a fake group of its own
     sharded = plan.strategy == "fsdp"
-    dist.init(info, device.type, one_rank_group=sharded, shared_dir=str(Path(cfg.output_dir).expanduser()))
+    zero = plan.strategy in ("zero2", "zero3")
+    dist.init(info, device.type, one_rank_group=sharded or zero, shared_dir=str(Path(cfg.output_dir).expanduser()))
     torch.manual_seed(cfg.seed)
     args = OptimizerArgs(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
                          adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
@@ -464,9 +478,22 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     else:
         loaded = load_model(source, plan, device, vocab_size=len(tok), seed=cfg.seed,
                             compute_dtype=cfg.bnb_4bit_compute_dtype)
-        optimizer = make_plan_optimizer(loaded.trainable, plan, args, target=target)
+        if zero:  # DeepSpeed wraps (and offloads) a plain torch optimizer
+            from oomdoctor.execute.optim import make_optimizer
+
+            optimizer = make_optimizer(loaded.trainable, plan, args, target=target)
+        else:
+            optimizer = make_plan_optimizer(loaded.trainable, plan, args, target=target)
     scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=min(cfg.warmup_steps, total),
                                total_steps=total)
+    engine = None
+    if zero:
+        from oomdoctor.execute import zero as ds
+
+        config = ds.zero_config(plan, loaded.model.config.hidden_size, ds.ZeroRun(
+            micro_batch=int(micro), grad_accum=max(1, eff // (int(micro) * info.world_size)),
+            max_grad_norm=cfg.max_grad_norm, device_type=device.type))
+        engine = ds.initialize(loaded.model, optimizer, config)
     meter = None
     if device.type == "cuda":
         if cap is not None:
@@ -479,7 +506,10 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
         meter = LiveBytes(cap_bytes=cap, history=False)
         meter.track_module(loaded.model, None if isinstance(optimizer, CPUOffloadOptimizer) else optimizer,
                            grad_hooks=True)
-    if sharded:
+    if engine is not None:  # clipping, the step and zeroing the gradients are engine.step()'s
+        step = TrainStep(engine, ds.EngineOptimizer(engine), plan, device_type=device.type, max_grad_norm=None,
+                         backward=lambda loss: engine.backward(loss, scale_wrt_gas=False))
+    elif sharded:
         from oomdoctor.execute.shard import clip_grad_norm
 
         step = TrainStep(loaded.model, optimizer, plan, device_type=device.type, max_grad_norm=cfg.max_grad_norm,
@@ -552,10 +582,10 @@ def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | N
                 "resume with the original settings (safe to change: " + ", ".join(sorted(SAFE_TO_CHANGE)) + "), "
                 "or start over with --overwrite or another output_dir")
         try:
-            if run.sharded:
+            if run.averages_grads:
                 saved = ckpt.load_sharded_checkpoint(path, model=run.loaded.model, is_peft=run.loaded.is_peft,
                                                      optimizer=run.step.optimizer, scheduler=run.scheduler,
-                                                     rank=run.dist.rank)
+                                                     rank=run.dist.rank, engine=_engine(run))
             else:
                 saved = ckpt.load_checkpoint(path, model=run.loaded.model, is_peft=run.loaded.is_peft,
                                              optimizer=run.step.optimizer, scheduler=run.scheduler,
@@ -563,7 +593,7 @@ def _start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | N
             failed = None
         except ckpt.CorruptCheckpoint as exc:
             failed = exc
-        if run.sharded and _any_rank(failed is not None, run.dist):  # fall back together
+        if run.averages_grads and _any_rank(failed is not None, run.dist):  # fall back together
             failed = failed or ckpt.CorruptCheckpoint("another rank could not read its part")
         if failed is not None:
             emit({"type": "info", "message": f"{path} is unreadable ({failed}); trying the one before"})
@@ -591,11 +621,12 @@ def _save(run: Run, state: RunState, guard, emit: Event) -> str:
     from oomdoctor.train.restart import job
 
     state.micro_batch = guard.micro_batch
-    if run.sharded:
+    if run.averages_grads:
         path = ckpt.save_sharded_checkpoint(run.cfg.output_dir, state.step, model=run.loaded.model,
                                             is_peft=run.loaded.is_peft, optimizer=run.step.optimizer,
                                             scheduler=run.scheduler, state=state.to_json(), rank=run.dist.rank,
-                                            tag=job().run_id or "job", save_total_limit=run.cfg.save_total_limit)
+                                            tag=job().run_id or "job", save_total_limit=run.cfg.save_total_limit,
+                                            engine=_engine(run))
         emit({"type": "checkpoint", "step": state.step, "path": str(path)})
         return str(path)
     if not run.dist.is_main:
@@ -607,6 +638,11 @@ def _save(run: Run, state: RunState, guard, emit: Event) -> str:
     emit({"type": "checkpoint", "step": state.step, "path": str(path)})
     dist.barrier(run.dist)
     return str(path)
+
+
+def _engine(run: Run) -> Any:
+    """The DeepSpeed engine of a ZeRO run (None otherwise)."""
+    return run.step.model if run.zero else None
 
 
 def _diagnosis(run: Run, state: RunState, phase: str, reason: str, message: str, micro: int = 1) -> str:
@@ -677,7 +713,7 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     n_targets = max(1, n_targets)
     # FSDP2 averages the reduce-scattered gradients over the ranks (gloo cannot sum with a custom factor): each
     # rank's loss is scaled up by the world size to keep the sum over ranks / global target count
-    n_items = n_targets / info.world_size if run.sharded else n_targets
+    n_items = n_targets / info.world_size if run.averages_grads else n_targets
     tokens = [0]
     inject = injected_oom(state.step + 1, info.rank, job())
 
@@ -689,7 +725,8 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
         batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
         tokens[0] += int(batch["input_ids"].numel())
         try:
-            with dist.no_sync(run.step.model):  # gradients are summed over the ranks once, after the step's backward
+            # DDP: gradients are summed over the ranks once, after the step's backward (DeepSpeed: in each backward)
+            with contextlib.nullcontext() if run.zero else dist.no_sync(run.step.model):
                 return run.step.forward_backward(batch, num_items_in_batch=n_items)  # a tensor: no sync here
         except BaseException:
             if run.sharded and not run.restarts_on_oom:  # one FSDP rank: the guard retries in-process
@@ -717,11 +754,11 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
             f"fix the plan (`{run.command} --dry-run --gpu-mem SIZE` lists changes that fit), "
             f"then `{run.command} --resume`",
         ) from None
-    if not run.sharded:  # FSDP reduce-scattered the gradients in backward
+    if not run.averages_grads:  # FSDP / DeepSpeed reduce-scattered the gradients in backward
         dist.all_reduce_grads(run.loaded.trainable, info)
     if info.enabled:
         loss = dist.all_reduce_sum(loss.detach().clone(), info)
-    if run.sharded:
+    if run.averages_grads:
         loss = loss / info.world_size
     if check_grads:
         _warn_if_nothing_trains(run, emit)
@@ -836,6 +873,10 @@ def _save_outputs(run: Run, tokenizer, out_dir: Path, emit: Event) -> None:
             from oomdoctor.train.checkpoint import full_model_state
 
             full = full_model_state(run.loaded.model)
+        elif run.zero:
+            from oomdoctor.execute.zero import full_state_dict
+
+            full = full_state_dict(run.step.model, 3 if run.plan.strategy == "zero3" else 2)
         if not run.dist.is_main:
             return
         run.loaded.model.save_pretrained(out_dir, safe_serialization=True, state_dict=full)
@@ -925,7 +966,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
              for p in run.loaded.trainable]
     # optimizer in backward: a split micro-batch would step every parameter twice, so an OOM is not recovered
     # sharded ranks do not split in-process (an OOM restarts the job: _restart_smaller)
-    retries = 0 if run.plan.optimizer_in_backward or run.restarts_on_oom else max(
+    retries = 0 if run.plan.optimizer_in_backward or run.restarts_on_oom or run.zero else max(
         0, cfg.max_oom_retries - state.oom_recoveries)
     guard = OOMGuard(micro_batch=state.micro_batch, max_retries=retries)
 
@@ -956,7 +997,7 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
             if run.meter is not None:
                 meter_scope.enter_context(run.meter)
             while state.step < run.total_steps:
-                out = _one_step(run, state, guard, touch, emit, last_ckpt, check_grads=state.step == first_step and not run.plan.optimizer_in_backward)
+                out = _one_step(run, state, guard, touch, emit, last_ckpt, check_grads=state.step == first_step and not run.plan.optimizer_in_backward and not run.zero)
                 state.samples_seen += run.effective_batch
                 state.micro_batch = guard.micro_batch
                 tokens_total += out.tokens

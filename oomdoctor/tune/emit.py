@@ -194,27 +194,18 @@ def decoder_layer_class(spec: ModelSpec) -> str | None:
 
 
 def bucket_elems(plan: Plan, spec: ModelSpec) -> int:
-    """DeepSpeed's reduce bucket: the plan's ``bucket_size`` or hidden² (Hugging Face's ``auto``, what the memory
-    model prices)."""
-    return plan.bucket_size or spec.hidden_size ** 2
+    """DeepSpeed's reduce bucket of the plan (``oomdoctor.execute.zero.bucket_elems``)."""
+    from oomdoctor.execute.zero import bucket_elems as elems
+
+    return elems(plan, spec.hidden_size)
 
 
 def deepspeed_config(plan: Plan, spec: ModelSpec) -> dict[str, Any]:
-    """A DeepSpeed config for the plan's ZeRO stage with explicit buckets (DeepSpeed's own 5e8 default costs 1 GB
-    bf16 per rank, multi-gpu.md §3); batch, precision and clipping ``auto`` (filled by HF Trainer)."""
-    b = bucket_elems(plan, spec)
-    zero: dict[str, Any] = {"stage": 3 if plan.strategy == "zero3" else 2, "overlap_comm": True,
-                            "contiguous_gradients": True, "reduce_bucket_size": b, "allgather_bucket_size": b}
-    if plan.strategy == "zero3":
-        zero.update(stage3_prefetch_bucket_size=int(0.9 * b), stage3_param_persistence_threshold=10 * spec.hidden_size,
-                    stage3_gather_16bit_weights_on_model_save=True)
-    if plan.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if plan.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto"}
+    """The DeepSpeed config HF Trainer fills (``oomdoctor.execute.zero.zero_config`` with ``auto`` batch, precision
+    and clipping): the same builder ``train`` runs."""
+    from oomdoctor.execute.zero import zero_config
+
+    return zero_config(plan, spec.hidden_size)
 
 
 def _trainer_topology(req: EmitRequest, tool: str) -> tuple[dict[str, Any], list[str]]:
