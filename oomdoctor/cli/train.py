@@ -28,7 +28,8 @@ stops a second run into the same directory. Ctrl-C finishes the step, saves a ch
 
 Several processes: --nproc-per-node N (or world_size in the config) runs torchrun inside; strategy ddp replicates
 the model, fsdp shards it with FSDP2 (sharded checkpoints; an OOM on a rank restarts every rank with half the
-micro-batch, --max-restarts). offload_params: true runs FSDP2 with CPU offload, on one process too.
+micro-batch, --max-restarts). offload_params: true runs FSDP2 with CPU offload, on one process too. zero2/zero3 run
+DeepSpeed ZeRO (pip install 'oomdoctor[deepspeed]'): same loop, checkpoints and OOM restarts as fsdp.
 
 Exit codes: 0 done / fits, 2 bad input (every config problem listed), 3 does not fit, 4 OOM not recoverable,
 130 interrupted (checkpoint saved).
@@ -257,8 +258,8 @@ def train(
     json_out: bool = typer.Option(False, "--json", help="print one JSON summary object on stdout"),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="override max_steps of the config"),
     strategy: Optional[str] = typer.Option(
-        None, "--strategy", help="single | ddp | fsdp (overrides the config's strategy): ddp replicates the model, "
-                                 "fsdp shards it with FSDP2 (zero2 | zero3 are priced by --dry-run, not run)"),
+        None, "--strategy", help="single | ddp | fsdp | zero2 | zero3 (overrides the config's strategy): ddp "
+                                 "replicates the model, fsdp shards it with FSDP2, zero2/zero3 with DeepSpeed ZeRO"),
     nproc_per_node: Optional[int] = typer.Option(
         None, "--nproc-per-node", help="data-parallel processes on this node: runs torch's launcher, "
                                        "torch.distributed.run (torchrun), with this command in every process "
@@ -270,7 +271,7 @@ def train(
         None, "--rdzv-id", help="torchrun --rdzv-id: a job id unique to this run, the same on every node "
                                 "(single node: a fresh one is made)"),
     max_restarts: Optional[int] = typer.Option(
-        None, "--max-restarts", help="torchrun --max-restarts (default 3 with strategy fsdp: each OOM restarts the "
+        None, "--max-restarts", help="torchrun --max-restarts (default 3 with fsdp/zero2/zero3: each OOM restarts the "
                                      "job with half the micro-batch; 0 otherwise)"),
 ) -> None:
     # before anything can initialize CUDA (the allocator reads it once); a user's own setting wins
@@ -311,7 +312,7 @@ def train(
     if not dry_run and (nproc > 1 or nnodes) and not launched:
         rest = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else [config]
         if max_restarts is None:
-            max_restarts = 3 if cfg.to_plan(micro_batch=1).strategy == "fsdp" else 0
+            max_restarts = 3 if cfg.to_plan(micro_batch=1).strategy in ("fsdp", "zero2", "zero3") else 0
         raise typer.Exit(_torchrun(nproc, max_restarts, nnodes, node_rank, rdzv_endpoint,
                                    ["-m", "oomdoctor", "train"] + _without_launch_flags(rest), rdzv_id))
     if dry_run:  # priced per rank, for the world size the launch flags (or the config) give

@@ -85,11 +85,16 @@ def initialize(model: Any, optimizer: Any, config: dict[str, Any]) -> Any:
     """``deepspeed.initialize`` on the process group ``oomdoctor.execute.dist`` made; returns the engine. ZeRO-3
     partitions the already-built model (rank 0's weights are broadcast first, as DDP does), so no ``zero.Init``:
     each rank briefly holds the whole model while loading."""
+    import contextlib
+    import io
     import logging
 
     deepspeed = require_deepspeed()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    # DeepSpeed prints "... shm_comm_op built successfully" on stdout (JIT-built once, ~45 s, then cached in
+    # ~/.cache/torch_extensions; §3): stdout is train's --json output
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
     return engine
 
 
