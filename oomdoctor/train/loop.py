@@ -389,8 +389,9 @@ def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
     if plan.quant is not None:
         problems.append("a bitsandbytes-quantized base (QLoRA) cannot be sharded by train; use strategy ddp")
     if plan.precision == "fp16-mixed":
-        problems.append("fp16-mixed: GradScaler's inf/NaN check would see only this rank's gradient shards; use "
-                        "bf16-mixed (or fp32)")
+        problems.append("fp16-mixed: " + ("GradScaler's inf/NaN check would see only this rank's gradient shards"
+                                          if plan.strategy == "fsdp" else "DeepSpeed's fp16 runs a loss scaler of "
+                                          "its own that train does not drive") + "; use bf16-mixed (or fp32)")
     if plan.optimizer not in TORCH_OPTIMIZERS:
         problems.append(f"optim {cfg.optim}: the sharded step runs torch optimizers only (adamw_torch, sgd)")
     if cfg.merge_adapter:
