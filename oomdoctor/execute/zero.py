@@ -88,8 +88,10 @@ def initialize(model: Any, optimizer: Any, config: dict[str, Any]) -> Any:
     import contextlib
     import io
     import logging
+    import os
 
     deepspeed = require_deepspeed()
+    os.environ.setdefault("LOCAL_RANK", "0")  # one process without torchrun: DeepSpeed asserts it is set
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     # DeepSpeed prints "... shm_comm_op built successfully" on stdout (JIT-built once, ~45 s, then cached in
     # ~/.cache/torch_extensions; §3): stdout is train's --json output

@@ -13,7 +13,9 @@ live tensor bytes (weights, gradients, optimizer state, activations) and, with `
 
 Data parallel (under torchrun): ``strategy`` ddp replicates the model (``oomdoctor.execute.dist``); fsdp shards it
 with FSDP2 (``oomdoctor.execute.shard``: built on the meta device, filled from rank 0's copy, sharded checkpoints
-through ``torch.distributed.checkpoint``), and an OOM there restarts the job smaller (``oomdoctor.train.restart``).
+through ``torch.distributed.checkpoint``), and an OOM there restarts the job smaller (``oomdoctor.train.restart``);
+zero2/zero3 run the same steps through a DeepSpeed engine (``oomdoctor.execute.zero``), with DeepSpeed's checkpoints
+and the same restarts.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class TrainResult:
     world_size: int = 1
     """Processes of the data-parallel job (torchrun ``--nproc-per-node`` x nodes)."""
     strategy: str = "single"
-    """``single``, ``ddp`` or ``fsdp`` (the plan's, after normalization)."""
+    """``single``, ``ddp``, ``fsdp``, ``zero2`` or ``zero3`` (the plan's, after normalization)."""
     restarts: int = 0
     """Restarts torchrun made (``--max-restarts``): under fsdp, each one an OOM that resumed with half the
     micro-batch (``recoveries`` entries with ``restart: true``)."""
