@@ -10,12 +10,14 @@ import warnings
 def quiet_third_party() -> None:
     """bitsandbytes warns at import that an optional CPU 4-bit speed kernel (the ``kernels`` package) is missing;
     transformers 5.x warns on every gradient-checkpointing call that the name changes in v6; DeepSpeed announces
-    that it falls back to the CPU, and calls a torch collective under a deprecated name. None is actionable for an oomdoctor user."""
+    that it falls back to the CPU, and calls torch collectives under deprecated names. None is actionable for an
+    oomdoctor user."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     _no_deepspeed_accelerator_probe()
     warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6.*", category=FutureWarning)
     # DeepSpeed ZeRO's all-gather calls the name torch 2.13 deprecates (not the user's code)
-    warnings.filterwarnings("ignore", message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
 def _no_deepspeed_accelerator_probe() -> None:

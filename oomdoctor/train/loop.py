@@ -752,8 +752,9 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
         zero_grads()
         free_memory()
         where = _save(run, state, guard, emit)  # as of the start of this step: weights untouched, data not consumed
+        reason, micro = _zero_alone(run, exc.reason, guard.micro_batch)
         raise UnrecoverableOOM(
-            _diagnosis(run, state, exc.phase, exc.reason, exc.message) + f"\ncheckpoint saved: {where}",
+            _diagnosis(run, state, exc.phase, reason, exc.message, micro) + f"\ncheckpoint saved: {where}",
             f"fix the plan (`{run.command} --dry-run --gpu-mem SIZE` lists changes that fit), "
             f"then `{run.command} --resume`",
         ) from None
@@ -780,6 +781,15 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     if applied:  # fp16: a step the scaler skipped (inf/NaN gradients) does not advance the schedule
         run.scheduler.step()
     return StepOutcome(float(loss), tokens[0], n_targets, applied)
+
+
+def _zero_alone(run: Run, reason: str, micro: int) -> tuple[str, int]:
+    """(reason, micro-batch) of an unrecoverable OOM; one ZeRO process does not split (DeepSpeed's partial gradients
+    cannot be undone in-process) and says so."""
+    if run.zero and not run.restarts_on_oom and micro > 1:
+        return (f"one DeepSpeed ZeRO process does not split a micro-batch after an OOM; set micro_batch_size "
+                f"{micro // 2}", micro)
+    return reason, 1
 
 
 def _restart_smaller(run: Run, state: RunState, micro: int, exc, last_ckpt: str | None) -> None:
