@@ -714,8 +714,8 @@ def _one_step(run: Run, state: RunState, guard, touch, emit: Event, last_ckpt: s
     if info.enabled:
         n_targets = int(dist.all_reduce_sum(torch.tensor(n_targets, dtype=torch.long), info))
     n_targets = max(1, n_targets)
-    # FSDP2 averages the reduce-scattered gradients over the ranks (gloo cannot sum with a custom factor): each
-    # rank's loss is scaled up by the world size to keep the sum over ranks / global target count
+    # FSDP2 and DeepSpeed average the reduce-scattered gradients over the ranks (gloo cannot sum with a custom
+    # factor): each rank's loss is scaled up by the world size to keep the sum over ranks / global target count
     n_items = n_targets / info.world_size if run.averages_grads else n_targets
     tokens = [0]
     inject = injected_oom(state.step + 1, info.rank, job())
@@ -1010,7 +1010,9 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
             if run.meter is not None:
                 meter_scope.enter_context(run.meter)
             while state.step < run.total_steps:
-                out = _one_step(run, state, guard, touch, emit, last_ckpt, check_grads=state.step == first_step and not run.plan.optimizer_in_backward and not run.zero)
+                # ZeRO moves the gradients into its partitions: no .grad to check
+                check = state.step == first_step and not run.plan.optimizer_in_backward and not run.zero
+                out = _one_step(run, state, guard, touch, emit, last_ckpt, check_grads=check)
                 state.samples_seen += run.effective_batch
                 state.micro_batch = guard.micro_batch
                 tokens_total += out.tokens
