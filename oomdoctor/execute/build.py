@@ -119,22 +119,19 @@ def _is_linear(mod) -> bool:
     return isinstance(mod, torch.nn.Linear) or any(c.__name__ in _LINEAR_CLASSES[1:] for c in type(mod).__mro__)
 
 
-def lora_targets_of_model(model, plan: "Plan") -> list[str]:
-    """peft ``target_modules`` for the plan on this model: explicit names, or for ``all-linear`` the leaf name of
-    every linear layer but the output head (peft's ``all-linear``) and the MoE router (``gate`` with one output per
-    expert: routers stay frozen, as in the analytic formulas); plus the head with ``lora_on_head``."""
+def lora_targets_of_model(model, plan: "Plan") -> str | list[str]:
+    """peft ``target_modules`` for the plan on this model, what a user passes: the string ``all-linear`` (peft
+    resolves it, including its MoE conversion to router/expert ``target_parameters``:
+    ``memory/context.lora_groups_of``), explicit names as given; with ``lora_on_head``, the leaf name of every linear
+    layer but the output head (peft's ``all-linear`` resolution) plus the head."""
+    if plan.lora_targets == ("all-linear",) and not plan.lora_on_head:
+        return "all-linear"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_names = {n.split(".")[-1] for n, m in model.named_modules() if head is not None and m is head}
-    experts = _num_experts(getattr(model, "config", None))
     targets = [t for t in plan.lora_targets if t != "all-linear"]
     if "all-linear" in plan.lora_targets:
-        for name, mod in model.named_modules():
-            leaf = name.split(".")[-1]
-            if not name or leaf in head_names or not _is_linear(mod):
-                continue
-            if experts and getattr(mod, "out_features", None) == experts:
-                continue  # the MoE router
-            targets.append(leaf)
+        targets += [name.split(".")[-1] for name, mod in model.named_modules()
+                    if name and name.split(".")[-1] not in head_names and _is_linear(mod)]
     if plan.lora_on_head:
         targets += sorted(head_names) or ["lm_head"]
     return sorted(set(targets))
@@ -158,7 +155,7 @@ def enable_gradient_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def apply_plan_techniques(model, plan: "Plan", lora_targets: list[str]):
+def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
     """What a Hugging Face fine-tuning script does after loading, for every engine and ``train`` alike:
 
     * a quantized base: ``peft.prepare_model_for_kbit_training`` — freezes every weight, upcasts the non-quantized

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from oomdoctor.memory.context import HEAD_NAMES, Ctx
+from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx
 from oomdoctor.model.spec import ModelSpec
 
 #: Per-token fp32 statistics an RMSNorm saves (rsqrt of the variance).
@@ -391,7 +391,7 @@ def layer_activations(c: Ctx) -> LayerActs:
     if c.mixed:
         fwd_t = max(fwd_t, 4 * T * (qd + kvd))
     if not c.full and c.lora_groups:
-        widest = max((g.out_features for g in c.lora_groups if g.per_layer), default=0)
+        widest = max((g.out_features for g in c.lora_groups if g.per_layer and g.module != PARAM_WRAPPER), default=0)
         if mlp_in_fwd and widest == max(o for n, _i, o, _m in roles.mlp_in if c.is_adapted(n)):
             fwd_t = max(fwd_t, mlp_in_fwd)  # the widest adapter is an MLP input: net of the MLP's later tensors
         else:
