@@ -252,6 +252,29 @@ class LayerActs:
     embedding output requires grad under GC)."""
 
 
+def param_wrapped(c: Ctx) -> dict[str, int]:
+    """The MoE parameters of one block carrying a peft ``ParamWrapper`` adapter (``memory/context.lora_groups_of``):
+    ``gate`` (router), ``gate_up_proj``, ``down_proj`` -> their base weight's elements in one block."""
+    L = max(c.spec.num_layers, 1)
+    out = {}
+    for g in c.lora_groups:
+        if g.module == PARAM_WRAPPER and g.per_layer:
+            base = next(b for b in c.spec.groups if b.path == g.path and b.kind != "linear")
+            out[g.name.split(".")[-1]] = base.numel_each * g.count // L
+    return out
+
+
+def param_wrapper_weights(c: Ctx) -> int:
+    """Bytes of the adapted weights W' = W + scale·B@A one block's forward materializes and saves for backward.
+
+    peft 0.21 ``ParamWrapper`` (``tuners/lora/layer.py``) registers a ``torch.nn.utils.parametrize``
+    parametrization on each adapted parameter: reading it inside the forward builds W' for the whole stack of
+    experts (``_LoraFactorsProxy``: one ``baddbmm`` in the parameter's dtype), which the expert matmuls (and the
+    router's ``F.linear``) save for the input gradient, once per block (recomputed per block under gradient
+    checkpointing). Measured with the simulate engine on a tiny Qwen3-MoE (tests/test_moe.py)."""
+    return sum(param_wrapped(c).values()) * c.wb
+
+
 def layer_activations(c: Ctx) -> LayerActs:
     spec, plan = c.spec, c.plan
     roles = layer_roles(spec)
@@ -314,11 +337,16 @@ def layer_activations(c: Ctx) -> LayerActs:
         # experts. Weights train only in full fine-tuning (peft all-linear does not adapt raw Parameters).
         E = spec.num_experts
         mlp = 0.0
-        if c.full:
+        pw = param_wrapped(c)
+        if c.full or "gate" in pw:
             mlp += (2 if c.mixed and rb == 4 else rb) * T * h  # router input
+        if c.full or "gate_up_proj" in pw:
             mlp += rb * T * h * ktok  # gathered tokens (input of gate_up)
+        if c.full or "down_proj" in pw:
             mlp += ab * T * I * ktok  # product (input of down)
+        if c.full or pw:
             mlp += ab * T * h * ktok  # expert outputs, saved by the routing-weight product
+        mlp += param_wrapper_weights(c)
         mlp += 3 * ab * T * I * ktok  # gate_up output (act input + up view) + act output
         mlp += T * E * (4 + ab)  # router logits + fp32 routing softmax
         down = 0
