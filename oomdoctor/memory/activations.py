@@ -252,6 +252,17 @@ class LayerActs:
     embedding output requires grad under GC)."""
 
 
+#: Model types whose router hands the experts fp32 routing weights (transformers ``MixtralTopKRouter.forward``:
+#: ``softmax(logits.float())`` top-k, never cast back; Qwen2/3-MoE and most others cast to the logits' dtype): the
+#: experts' weighted output, its reordering and the sum are fp32 then (``grouped_mm_experts_forward``).
+FP32_ROUTING_WEIGHTS = ("mixtral",)
+
+
+def routing_weight_bytes(c: Ctx) -> int:
+    """Bytes per element of the routing weights the experts multiply their outputs by (FP32_ROUTING_WEIGHTS)."""
+    return 4 if c.spec.model_type in FP32_ROUTING_WEIGHTS else c.ab
+
+
 def param_wrapped(c: Ctx) -> dict[str, int]:
     """The MoE parameters of one block carrying a peft ``ParamWrapper`` adapter (``memory/context.lora_groups_of``):
     ``gate`` (router), ``gate_up_proj``, ``down_proj`` -> their base weight's elements in one block."""
@@ -330,6 +341,7 @@ def layer_activations(c: Ctx) -> LayerActs:
     # --- MLP
     gated = spec.mlp_kind == "gated"
     mlp_after = 0.0
+    moe_saved = 0.0  # what fused experts save (freed before the attention's backward runs)
     if spec.num_experts and not roles.mlp_in:
         # transformers 5.x MoE (Mixtral): router = raw Parameter (F.linear on the normed hidden states), experts =
         # fused 3-D Parameters looped per expert: gathered tokens -> gate_up (2I, its chunks saved by act and
@@ -344,11 +356,18 @@ def layer_activations(c: Ctx) -> LayerActs:
             mlp += rb * T * h * ktok  # gathered tokens (input of gate_up)
         if c.full or "down_proj" in pw:
             mlp += ab * T * I * ktok  # product (input of down)
-        if c.full or pw:
-            mlp += ab * T * h * ktok  # expert outputs, saved by the routing-weight product
+        mlp += ab * T * h * ktok  # expert outputs, saved by the routing-weight product (which requires grad)
         mlp += param_wrapper_weights(c)
+        moe_saved = mlp
         mlp += 3 * ab * T * I * ktok  # gate_up output (act input + up view) + act output
         mlp += T * E * (4 + ab)  # router logits + fp32 routing softmax
+        # routing bookkeeping (grouped_mm_experts_forward): int64 top-k indices, sort permutation and token index
+        # (perm // k), the reordered routing weights; a normalized top-k (Mixtral, norm_topk_prob) divides fp32
+        # values by their sum, both saved. Measured with the simulate engine (tiny Qwen3-MoE / Mixtral).
+        sb = routing_weight_bytes(c)
+        mlp += T * ktok * (3 * 8 + sb)
+        if spec.model_type in FP32_ROUTING_WEIGHTS or spec.config.get("norm_topk_prob"):
+            mlp += 8 * T * ktok
         down = 0
     elif spec.num_experts:
         E = spec.num_experts
@@ -431,6 +450,11 @@ def layer_activations(c: Ctx) -> LayerActs:
     # flow (2 x hidden); SDPA/flash: dq/dk/dv + fp32 dq accumulator; eager: grad of probs + fp32 softmax grad.
     flow = 2 * rb * T * h
     mlp_b = ((3 if gated else 2) * ab * T * I * ktok) - down
+    if spec.num_experts and not roles.mlp_in:
+        # fused experts' output path backward (transformers integrations/moe.py grouped_mm_experts_forward:
+        # ``(proj_out * weights)[inv_perm].view(T, k, h).sum(1)``): the index backward's zeros + index_put and the
+        # grad copy, k·T·h each, in the routing weights' dtype (measured with the simulate engine on Mixtral)
+        mlp_b = max(mlp_b, 3 * routing_weight_bytes(c) * T * h * ktok)
     att_b = ab * T * (qd + kv_w) + 4 * T * qd
     if attn_impl == "eager":
         att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w)
@@ -450,6 +474,8 @@ def layer_activations(c: Ctx) -> LayerActs:
                     # not fp32 (measured with the simulated engine on Phi-3 shapes; no Llama grid cell moves)
                     out_b = 2 * ab
                 b = t * (out_b * o + 4 * i) + 4 * T * h
+                if (_n, i, o, m) in roles.attn_in + roles.attn_out:
+                    b -= moe_saved  # the fused experts' backward (after the attention's forward) freed their saves
                 if fused_up and (_n, i, o, m) in roles.mlp_in:
                     # fused gate_up (Phi-3): its backward runs after the product's and the activation's, whose saved
                     # tensors (and down's) are freed by then; its output gradient (the two halves) is alive.
