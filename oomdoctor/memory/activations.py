@@ -276,14 +276,22 @@ def param_wrapped(c: Ctx) -> dict[str, int]:
 
 
 def param_wrapper_weights(c: Ctx) -> int:
-    """Bytes of the adapted weights W' = W + scale·B@A one block's forward materializes and saves for backward.
+    """Bytes one block's forward materializes for its ``ParamWrapper`` adapters and saves for backward.
 
-    peft 0.21 ``ParamWrapper`` (``tuners/lora/layer.py``) registers a ``torch.nn.utils.parametrize``
-    parametrization on each adapted parameter: reading it inside the forward builds W' for the whole stack of
-    experts (``_LoraFactorsProxy``: one ``baddbmm`` in the parameter's dtype), which the expert matmuls (and the
-    router's ``F.linear``) save for the input gradient, once per block (recomputed per block under gradient
-    checkpointing). Measured with the simulate engine on a tiny Qwen3-MoE (tests/test_moe.py)."""
-    return sum(param_wrapped(c).values()) * c.wb
+    peft 0.21 ``ParamWrapper._activate_lora`` (``tuners/lora/layer.py``) registers a ``torch.nn.utils.parametrize``
+    parametrization on each adapted parameter: reading it inside the forward builds W' = W + scale·B@A for the whole
+    stack of experts, which the expert matmuls (and the router's ``F.linear``) save for the input gradient, once per
+    block (recomputed per block under gradient checkpointing). For an expert stack with one adapter
+    (``_LoraFactorsProxy``) W' is one ``baddbmm`` in the parameter's dtype, whose factors — the fp32 adapter
+    weights cast to a bf16/fp16 parameter's dtype (``get_delta_factors``) — it saves as well; the router (2-D,
+    ``get_delta_weight``) adds its delta cast to the weight's dtype. Measured with the simulate engine on tiny
+    Qwen3-MoE / Mixtral shapes (tests/test_moe.py)."""
+    total = sum(param_wrapped(c).values()) * c.wb
+    if c.wb != 4:
+        L = max(c.spec.num_layers, 1)
+        total += sum(c.plan.lora_r * (g.in_features + g.out_features) * g.count // L * c.wb for g in c.lora_groups
+                     if g.module == PARAM_WRAPPER and g.per_layer and not g.name.endswith(".gate"))
+    return total
 
 
 def layer_activations(c: Ctx) -> LayerActs:
