@@ -463,6 +463,14 @@ def layer_activations(c: Ctx) -> LayerActs:
         # ``(proj_out * weights)[inv_perm].view(T, k, h).sum(1)``): the index backward's zeros + index_put and the
         # grad copy, k·T·h each, in the routing weights' dtype (measured with the simulate engine on Mixtral)
         mlp_b = max(mlp_b, 3 * routing_weight_bytes(c) * T * h * ktok)
+        pw = param_wrapped(c)
+        if pw:
+            # ParamWrapper experts: each grouped matmul's backward makes the full-size gradient of its W' (param
+            # dtype) before peft's parametrization reduces it to lora_A/lora_B grads: down's first (gate_up's W' still
+            # saved), then gate_up's once down's W' is freed; with the down output's and input's grads alive.
+            # Measured with the simulate engine on wide-expert tiny Qwen3-MoE shapes (tests/test_moe.py).
+            w_d, w_gu = pw.get("down_proj", 0), pw.get("gate_up_proj", 0)
+            mlp_b = max(mlp_b, c.wb * max(w_d, w_gu - w_d) + ab * T * ktok * (h + I))
     att_b = ab * T * (qd + kv_w) + 4 * T * qd
     if attn_impl == "eager":
         att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w)
