@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput
+from oomdoctor.memory.context import experts_implementation
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -98,15 +99,6 @@ def attn_implementation(plan: "Plan") -> str:
 def experts_kwargs(plan: "Plan", config) -> dict:
     """``experts_implementation=`` for ``from_config``/``from_pretrained`` of a MoE config (dense models refuse it)."""
     return {"experts_implementation": experts_implementation(plan)} if _num_experts(config) else {}
-
-
-def experts_implementation(plan: "Plan") -> str:
-    """transformers' MoE experts kernel for the plan (ignored by dense models): its default ``grouped_mm`` where the
-    expert weights are bf16, else ``eager`` (one matmul per expert). torch's grouped matmul takes bf16 only on CUDA
-    (``aten/src/ATen/native/cuda/Blas.cpp``, mirrored by its meta kernel), so fp32 master weights (``fp32``,
-    ``*-mixed``) and QLoRA's fp32-upcast experts (``prepare_model_for_kbit_training``) fail there with
-    "Expected inputs of BF16 type": the eager experts are what runs, on a GPU and in the replay alike."""
-    return "grouped_mm" if plan.precision == "bf16" and plan.quant is None else "eager"
 
 
 #: Leaf class names of the linear layers LoRA can adapt (torch, bitsandbytes, the bnb stand-ins subclass these).

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx
+from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx, experts_implementation
 from oomdoctor.model.spec import ModelSpec
 
 #: Per-token fp32 statistics an RMSNorm saves (rsqrt of the variance).
@@ -470,7 +470,13 @@ def layer_activations(c: Ctx) -> LayerActs:
             # saved), then gate_up's once down's W' is freed; with the down output's and input's grads alive.
             # Measured with the simulate engine on wide-expert tiny Qwen3-MoE shapes (tests/test_moe.py).
             w_d, w_gu = pw.get("down_proj", 0), pw.get("gate_up_proj", 0)
-            mlp_b = max(mlp_b, c.wb * max(w_d, w_gu - w_d) + ab * T * ktok * (h + I))
+            if experts_implementation(plan) == "grouped_mm":
+                mlp_b = max(mlp_b, c.wb * max(w_d, w_gu - w_d) + ab * T * ktok * (h + I))
+            else:
+                # eager experts index W'[e] per expert: each ``select`` backward makes a zero-filled full-size
+                # gradient that autograd sums into W''s (two alive at once besides the running sum), while down's
+                # summed gradient waits for its parametrization backward. Measured with real_cpu_run (fp32).
+                mlp_b = max(mlp_b, c.wb * (3 * w_gu + w_d))
     att_b = ab * T * (qd + kv_w) + 4 * T * qd
     if attn_impl == "eager":
         att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w)

@@ -107,6 +107,16 @@ def lora_targets_match(name: str, targets: tuple[str, ...]) -> bool:
     return name in targets
 
 
+def experts_implementation(plan: Plan) -> str:
+    """transformers' MoE experts kernel the executor picks for the plan (``execute/build.experts_kwargs``; ignored by
+    dense models): its default ``grouped_mm`` where the expert weights are bf16, else ``eager`` (one matmul per
+    expert). torch's grouped matmul takes bf16 only on CUDA (``aten/src/ATen/native/cuda/Blas.cpp``, mirrored by its
+    meta kernel), so fp32 master weights (``fp32``, ``*-mixed``) and QLoRA's fp32-upcast experts
+    (``prepare_model_for_kbit_training``) fail there with "Expected inputs of BF16 type": the eager experts are what
+    runs, on a GPU and in the replay alike."""
+    return "grouped_mm" if plan.precision == "bf16" and plan.quant is None else "eager"
+
+
 #: peft 0.21 ``utils/transformers_weight_conversion.py`` ``_MOE_TARGET_MODULE_MAPPING``: per conversion pattern,
 #: the (transformers v4) target names peft moves to ``target_parameters`` -> the v5 parameter they adapt.
 PEFT_MOE_TARGETS: dict[str, dict[str, str]] = {
