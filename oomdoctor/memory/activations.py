@@ -286,7 +286,8 @@ def param_wrapper_weights(c: Ctx) -> int:
     weights cast to a bf16/fp16 parameter's dtype (``get_delta_factors``) — it saves as well; the router (2-D,
     ``get_delta_weight``) adds its delta cast to the weight's dtype. Measured with the simulate engine on tiny
     Qwen3-MoE / Mixtral shapes (tests/test_moe.py)."""
-    total = sum(param_wrapped(c).values()) * c.wb
+    # under autocast the matmuls save their compute-dtype casts of W' (per expert slice, eager experts), not W'
+    total = sum(param_wrapped(c).values()) * (c.ab if c.mixed else c.wb)
     if c.wb != 4:
         L = max(c.spec.num_layers, 1)
         total += sum(c.plan.lora_r * (g.in_features + g.out_features) * g.count // L * c.wb for g in c.lora_groups
