@@ -173,7 +173,8 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
     """One fake-tensor simulation of ``plan`` with ``num_layers`` blocks (None = the spec's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomdoctor.execute.build import experts_implementation, make_batch
+    from oomdoctor.execute.build import make_batch
+    from oomdoctor.memory.context import experts_implementation
     from oomdoctor.execute.tracking import LiveBytes
 
     why = not_simulated(plan)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput
+from oomdoctor.memory.context import experts_implementation
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -100,15 +101,6 @@ def experts_kwargs(plan: "Plan", config) -> dict:
     return {"experts_implementation": experts_implementation(plan)} if _num_experts(config) else {}
 
 
-def experts_implementation(plan: "Plan") -> str:
-    """transformers' MoE experts kernel for the plan (ignored by dense models): its default ``grouped_mm`` where the
-    expert weights are bf16, else ``eager`` (one matmul per expert). torch's grouped matmul takes bf16 only on CUDA
-    (``aten/src/ATen/native/cuda/Blas.cpp``, mirrored by its meta kernel), so fp32 master weights (``fp32``,
-    ``*-mixed``) and QLoRA's fp32-upcast experts (``prepare_model_for_kbit_training``) fail there with
-    "Expected inputs of BF16 type": the eager experts are what runs, on a GPU and in the replay alike."""
-    return "grouped_mm" if plan.precision == "bf16" and plan.quant is None else "eager"
-
-
 #: Leaf class names of the linear layers LoRA can adapt (torch, bitsandbytes, the bnb stand-ins subclass these).
 _LINEAR_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
 
@@ -119,22 +111,19 @@ def _is_linear(mod) -> bool:
     return isinstance(mod, torch.nn.Linear) or any(c.__name__ in _LINEAR_CLASSES[1:] for c in type(mod).__mro__)
 
 
-def lora_targets_of_model(model, plan: "Plan") -> list[str]:
-    """peft ``target_modules`` for the plan on this model: explicit names, or for ``all-linear`` the leaf name of
-    every linear layer but the output head (peft's ``all-linear``) and the MoE router (``gate`` with one output per
-    expert: routers stay frozen, as in the analytic formulas); plus the head with ``lora_on_head``."""
+def lora_targets_of_model(model, plan: "Plan") -> str | list[str]:
+    """peft ``target_modules`` for the plan on this model, what a user passes: the string ``all-linear`` (peft
+    resolves it, including its MoE conversion to router/expert ``target_parameters``:
+    ``memory/context.lora_groups_of``), explicit names as given; with ``lora_on_head``, the leaf name of every linear
+    layer but the output head (peft's ``all-linear`` resolution) plus the head."""
+    if plan.lora_targets == ("all-linear",) and not plan.lora_on_head:
+        return "all-linear"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_names = {n.split(".")[-1] for n, m in model.named_modules() if head is not None and m is head}
-    experts = _num_experts(getattr(model, "config", None))
     targets = [t for t in plan.lora_targets if t != "all-linear"]
     if "all-linear" in plan.lora_targets:
-        for name, mod in model.named_modules():
-            leaf = name.split(".")[-1]
-            if not name or leaf in head_names or not _is_linear(mod):
-                continue
-            if experts and getattr(mod, "out_features", None) == experts:
-                continue  # the MoE router
-            targets.append(leaf)
+        targets += [name.split(".")[-1] for name, mod in model.named_modules()
+                    if name and name.split(".")[-1] not in head_names and _is_linear(mod)]
     if plan.lora_on_head:
         targets += sorted(head_names) or ["lm_head"]
     return sorted(set(targets))
@@ -158,7 +147,7 @@ def enable_gradient_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def apply_plan_techniques(model, plan: "Plan", lora_targets: list[str]):
+def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
     """What a Hugging Face fine-tuning script does after loading, for every engine and ``train`` alike:
 
     * a quantized base: ``peft.prepare_model_for_kbit_training`` — freezes every weight, upcasts the non-quantized

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from oomdoctor.memory.context import HEAD_NAMES, Ctx
+from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx, experts_implementation
 from oomdoctor.model.spec import ModelSpec
 
 #: Per-token fp32 statistics an RMSNorm saves (rsqrt of the variance).
@@ -252,6 +252,49 @@ class LayerActs:
     embedding output requires grad under GC)."""
 
 
+#: Model types whose router hands the experts fp32 routing weights (transformers ``MixtralTopKRouter.forward``:
+#: ``softmax(logits.float())`` top-k, never cast back; Qwen2/3-MoE and most others cast to the logits' dtype): the
+#: experts' weighted output, its reordering and the sum are fp32 then (``grouped_mm_experts_forward``).
+FP32_ROUTING_WEIGHTS = ("mixtral",)
+
+
+def routing_weight_bytes(c: Ctx) -> int:
+    """Bytes per element of the routing weights the experts multiply their outputs by (FP32_ROUTING_WEIGHTS)."""
+    return 4 if c.spec.model_type in FP32_ROUTING_WEIGHTS else c.ab
+
+
+def param_wrapped(c: Ctx) -> dict[str, int]:
+    """The MoE parameters of one block carrying a peft ``ParamWrapper`` adapter (``memory/context.lora_groups_of``):
+    ``gate`` (router), ``gate_up_proj``, ``down_proj`` -> their base weight's elements in one block."""
+    L = max(c.spec.num_layers, 1)
+    out = {}
+    for g in c.lora_groups:
+        if g.module == PARAM_WRAPPER and g.per_layer:
+            base = next(b for b in c.spec.groups if b.path == g.path and b.kind != "linear")
+            out[g.name.split(".")[-1]] = base.numel_each * g.count // L
+    return out
+
+
+def param_wrapper_weights(c: Ctx) -> int:
+    """Bytes one block's forward materializes for its ``ParamWrapper`` adapters and saves for backward.
+
+    peft 0.21 ``ParamWrapper._activate_lora`` (``tuners/lora/layer.py``) registers a ``torch.nn.utils.parametrize``
+    parametrization on each adapted parameter: reading it inside the forward builds W' = W + scale·B@A for the whole
+    stack of experts, which the expert matmuls (and the router's ``F.linear``) save for the input gradient, once per
+    block (recomputed per block under gradient checkpointing). For an expert stack with one adapter
+    (``_LoraFactorsProxy``) W' is one ``baddbmm`` in the parameter's dtype, whose factors — the fp32 adapter
+    weights cast to a bf16/fp16 parameter's dtype (``get_delta_factors``) — it saves as well; the router (2-D,
+    ``get_delta_weight``) adds its delta cast to the weight's dtype. Measured with the simulate engine on tiny
+    Qwen3-MoE / Mixtral shapes (tests/test_moe.py)."""
+    # under autocast the matmuls save their compute-dtype casts of W' (per expert slice, eager experts), not W'
+    total = sum(param_wrapped(c).values()) * (c.ab if c.mixed else c.wb)
+    if c.wb != 4:
+        L = max(c.spec.num_layers, 1)
+        total += sum(c.plan.lora_r * (g.in_features + g.out_features) * g.count // L * c.wb for g in c.lora_groups
+                     if g.module == PARAM_WRAPPER and g.per_layer and not g.name.endswith(".gate"))
+    return total
+
+
 def layer_activations(c: Ctx) -> LayerActs:
     spec, plan = c.spec, c.plan
     roles = layer_roles(spec)
@@ -307,6 +350,7 @@ def layer_activations(c: Ctx) -> LayerActs:
     # --- MLP
     gated = spec.mlp_kind == "gated"
     mlp_after = 0.0
+    moe_saved = 0.0  # what fused experts save (freed before the attention's backward runs)
     if spec.num_experts and not roles.mlp_in:
         # transformers 5.x MoE (Mixtral): router = raw Parameter (F.linear on the normed hidden states), experts =
         # fused 3-D Parameters looped per expert: gathered tokens -> gate_up (2I, its chunks saved by act and
@@ -314,13 +358,25 @@ def layer_activations(c: Ctx) -> LayerActs:
         # experts. Weights train only in full fine-tuning (peft all-linear does not adapt raw Parameters).
         E = spec.num_experts
         mlp = 0.0
-        if c.full:
+        pw = param_wrapped(c)
+        if c.full or "gate" in pw:
             mlp += (2 if c.mixed and rb == 4 else rb) * T * h  # router input
+        if c.full or "gate_up_proj" in pw:
             mlp += rb * T * h * ktok  # gathered tokens (input of gate_up)
+        if c.full or "down_proj" in pw:
             mlp += ab * T * I * ktok  # product (input of down)
-            mlp += ab * T * h * ktok  # expert outputs, saved by the routing-weight product
+        mlp += ab * T * h * ktok  # expert outputs, saved by the routing-weight product (which requires grad)
+        mlp += param_wrapper_weights(c)
+        moe_saved = mlp
         mlp += 3 * ab * T * I * ktok  # gate_up output (act input + up view) + act output
         mlp += T * E * (4 + ab)  # router logits + fp32 routing softmax
+        # routing bookkeeping (grouped_mm_experts_forward): int64 top-k indices, sort permutation and token index
+        # (perm // k), the reordered routing weights; a normalized top-k (Mixtral, norm_topk_prob) divides fp32
+        # values by their sum, both saved. Measured with the simulate engine (tiny Qwen3-MoE / Mixtral).
+        sb = routing_weight_bytes(c)
+        mlp += T * ktok * (3 * 8 + sb)
+        if spec.model_type in FP32_ROUTING_WEIGHTS or spec.config.get("norm_topk_prob"):
+            mlp += 8 * T * ktok
         down = 0
     elif spec.num_experts:
         E = spec.num_experts
@@ -391,7 +447,7 @@ def layer_activations(c: Ctx) -> LayerActs:
     if c.mixed:
         fwd_t = max(fwd_t, 4 * T * (qd + kvd))
     if not c.full and c.lora_groups:
-        widest = max((g.out_features for g in c.lora_groups if g.per_layer), default=0)
+        widest = max((g.out_features for g in c.lora_groups if g.per_layer and g.module != PARAM_WRAPPER), default=0)
         if mlp_in_fwd and widest == max(o for n, _i, o, _m in roles.mlp_in if c.is_adapted(n)):
             fwd_t = max(fwd_t, mlp_in_fwd)  # the widest adapter is an MLP input: net of the MLP's later tensors
         else:
@@ -403,6 +459,25 @@ def layer_activations(c: Ctx) -> LayerActs:
     # flow (2 x hidden); SDPA/flash: dq/dk/dv + fp32 dq accumulator; eager: grad of probs + fp32 softmax grad.
     flow = 2 * rb * T * h
     mlp_b = ((3 if gated else 2) * ab * T * I * ktok) - down
+    if spec.num_experts and not roles.mlp_in:
+        # fused experts' output path backward (transformers integrations/moe.py grouped_mm_experts_forward:
+        # ``(proj_out * weights)[inv_perm].view(T, k, h).sum(1)``): the index backward's zeros + index_put and the
+        # grad copy, k·T·h each, in the routing weights' dtype (measured with the simulate engine on Mixtral)
+        mlp_b = max(mlp_b, 3 * routing_weight_bytes(c) * T * h * ktok)
+        pw = param_wrapped(c)
+        if pw:
+            # ParamWrapper experts: each grouped matmul's backward makes the full-size gradient of its W' (param
+            # dtype) before peft's parametrization reduces it to lora_A/lora_B grads: down's first (gate_up's W' still
+            # saved), then gate_up's once down's W' is freed; with the down output's and input's grads alive.
+            # Measured with the simulate engine on wide-expert tiny Qwen3-MoE shapes (tests/test_moe.py).
+            w_d, w_gu = pw.get("down_proj", 0), pw.get("gate_up_proj", 0)
+            if experts_implementation(plan) == "grouped_mm":
+                mlp_b = max(mlp_b, c.wb * max(w_d, w_gu - w_d) + ab * T * ktok * (h + I))
+            else:
+                # eager experts index W'[e] per expert: each ``select`` backward makes a zero-filled full-size
+                # gradient that autograd sums into W''s (two alive at once besides the running sum), while down's
+                # summed gradient waits for its parametrization backward. Measured with real_cpu_run (fp32).
+                mlp_b = max(mlp_b, c.wb * (3 * w_gu + w_d))
     att_b = ab * T * (qd + kv_w) + 4 * T * qd
     if attn_impl == "eager":
         att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w)
@@ -422,6 +497,8 @@ def layer_activations(c: Ctx) -> LayerActs:
                     # not fp32 (measured with the simulated engine on Phi-3 shapes; no Llama grid cell moves)
                     out_b = 2 * ab
                 b = t * (out_b * o + 4 * i) + 4 * T * h
+                if (_n, i, o, m) in roles.attn_in + roles.attn_out:
+                    b -= moe_saved  # the fused experts' backward (after the attention's forward) freed their saves
                 if fused_up and (_n, i, o, m) in roles.mlp_in:
                     # fused gate_up (Phi-3): its backward runs after the product's and the activation's, whose saved
                     # tensors (and down's) are freed by then; its output gradient (the two halves) is alive.

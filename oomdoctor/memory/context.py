@@ -107,6 +107,87 @@ def lora_targets_match(name: str, targets: tuple[str, ...]) -> bool:
     return name in targets
 
 
+def experts_implementation(plan: Plan) -> str:
+    """transformers' MoE experts kernel the executor picks for the plan (``execute/build.experts_kwargs``; ignored by
+    dense models): its default ``grouped_mm`` where the expert weights are bf16, else ``eager`` (one matmul per
+    expert). torch's grouped matmul takes bf16 only on CUDA (``aten/src/ATen/native/cuda/Blas.cpp``, mirrored by its
+    meta kernel), so fp32 master weights (``fp32``, ``*-mixed``) and QLoRA's fp32-upcast experts
+    (``prepare_model_for_kbit_training``) fail there with "Expected inputs of BF16 type": the eager experts are what
+    runs, on a GPU and in the replay alike."""
+    return "grouped_mm" if plan.precision == "bf16" and plan.quant is None else "eager"
+
+
+#: peft 0.21 ``utils/transformers_weight_conversion.py`` ``_MOE_TARGET_MODULE_MAPPING``: per conversion pattern,
+#: the (transformers v4) target names peft moves to ``target_parameters`` -> the v5 parameter they adapt.
+PEFT_MOE_TARGETS: dict[str, dict[str, str]] = {
+    "mixtral": {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+    "qwen2_moe": {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+                  "down_proj": "down_proj"},
+}
+#: Module class recorded on the synthetic groups of :func:`lora_groups_of` that stand for a ``ParamWrapper``.
+PARAM_WRAPPER = "ParamWrapper"
+
+
+def _executor_targets(spec: ModelSpec, plan: Plan) -> set[str] | None:
+    """The target names the executor hands peft (``execute/build.lora_targets_of_model``): None for the string
+    ``all-linear`` (no ``lora_on_head``), else the explicit leaf names (all-linear expanded to every non-head
+    linear, the head added with ``lora_on_head``)."""
+    if plan.lora_targets == ("all-linear",) and not plan.lora_on_head:
+        return None
+    names = {t for t in plan.lora_targets if t != "all-linear"}
+    if "all-linear" in plan.lora_targets:
+        names |= {g.name for g in spec.groups if g.kind == "linear" and g.name not in HEAD_NAMES}
+    if plan.lora_on_head:
+        names |= {g.name for g in spec.groups if g.kind == "linear" and g.name in HEAD_NAMES} or {"lm_head"}
+    return names
+
+
+def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
+    """The groups peft 0.21 puts a LoRA adapter on, as ``get_peft_model`` resolves the executor's targets.
+
+    Dense models: the matching linear groups. On a model with ``spec.peft_moe_conversion`` peft first converts the
+    targets (``_convert_peft_config_moe``): a string ``all-linear`` resolves to every non-head linear leaf name plus
+    the conversion's v4 names; those names then leave ``target_modules`` (an nn.Linear named ``gate_proj`` —
+    DeepSeek's dense layers, shared experts — gets no adapter) and become ``target_parameters``, each wrapped by a
+    ``ParamWrapper`` (peft ``tuners/lora/layer.py``) whose factors are per expert, stacked:
+
+    * router ``gate.weight`` (E, h): lora_A (r, h), lora_B (E, r);
+    * ``gate_up_proj`` (E, 2I, h), rank 2r and alpha x2 (``rank_pattern``/``alpha_pattern``, two fused names):
+      lora_A (2r·E, h), lora_B (2I, 2r·E);
+    * ``down_proj`` (E, h, I): lora_A (r·E, I), lora_B (h, r·E).
+
+    Each becomes a synthetic ``linear`` group (``module`` :data:`PARAM_WRAPPER`, ``name`` its parameter path's last
+    two parts) whose r·(in+out) is the adapter's trainable count and r·in / out·r the element counts of lora_A /
+    lora_B."""
+    names = _executor_targets(spec, plan)
+    conv = PEFT_MOE_TARGETS.get(spec.peft_moe_conversion, {})
+    if names is None:
+        names = {g.name for g in spec.groups if g.kind == "linear" and g.name not in HEAD_NAMES}
+        if conv:
+            names |= set(conv)
+    params = {conv[n] for n in names if n in conv}
+    modules = names - set(conv)
+    out = [g for g in spec.groups
+           if g.kind == "linear" and g.name in modules and (plan.lora_on_head or g.name not in HEAD_NAMES)]
+    E, h = max(spec.num_experts, 1), spec.hidden_size
+    for g in spec.groups:
+        if g.kind == "linear" or not params:
+            continue
+        path = g.path or g.name
+        if "gate.weight" in params and path.endswith(".gate") and g.numel_each == E * h:
+            io = (h, E)
+        elif "gate_up_proj" in params and path.endswith("experts.gate_up_proj"):
+            io = (2 * E * h, 2 * g.numel_each // h)  # out = 2E·2I
+        elif "down_proj" in params and path.endswith("experts.down_proj"):
+            io = (g.numel_each // h, E * h)  # in = E·I
+        else:
+            continue
+        out.append(ParamGroup(name=".".join(path.split(".")[-2:]), kind="linear", in_features=io[0],
+                              out_features=io[1], count=g.count, per_layer=g.per_layer, path=path,
+                              module=PARAM_WRAPPER))
+    return tuple(out)
+
+
 def check_plan_for_model(spec: ModelSpec, plan: Plan) -> None:
     """Refuse what cannot run on this model: the chunked loss on a model that is not a decoder-only causal LM, and
     LoRA targets that adapt nothing (peft raises on them too)."""
@@ -114,6 +195,27 @@ def check_plan_for_model(spec: ModelSpec, plan: Plan) -> None:
         raise BadInput(f"loss chunked: {spec.name} is not a decoder-only causal LM ({spec.arch_kind})",
                        "use the standard loss")
     check_lora_targets(spec, plan)
+    check_param_wrapper(spec, plan)
+
+
+def check_param_wrapper(spec: ModelSpec, plan: Plan) -> None:
+    """Refuse what peft refuses on adapters of raw parameters (:func:`lora_groups_of`): ``ParamWrapper`` raises
+    with ``lora_dropout != 0`` (peft 0.21 ``tuners/lora/layer.py``), and ``_convert_peft_config_moe`` raises when
+    only one of two names fused into one parameter is targeted (``gate_proj`` without ``up_proj``)."""
+    if not plan.uses_lora or not spec.peft_moe_conversion:
+        return
+    names = _executor_targets(spec, plan) or set()
+    conv = PEFT_MOE_TARGETS[spec.peft_moe_conversion]
+    fused = sorted(n for n, p in conv.items() if p == "gate_up_proj")
+    if 0 < len(names & set(fused)) < len(fused):
+        raise BadInput(f"LoRA targets of {spec.name}: {' and '.join(fused)} are fused into one expert parameter "
+                       "(gate_up_proj); peft cannot adapt one without the other",
+                       f"target both {' and '.join(fused)}, or neither")
+    if plan.lora_dropout and any(g.module == PARAM_WRAPPER for g in lora_groups_of(spec, plan)):
+        raise BadInput(f"lora_dropout {plan.lora_dropout:g}: on {spec.name} the LoRA targets include MoE router/expert "
+                       "parameters, which peft adapts with a ParamWrapper that does not support dropout",
+                       "set lora_dropout: 0, or target attention only "
+                       "(--lora-targets / target_modules: q_proj,k_proj,v_proj,o_proj)")
 
 
 def check_lora_targets(spec: ModelSpec, plan: Plan) -> None:
@@ -182,22 +284,9 @@ def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:
         # fp32, so the residual stream and every activation after them are fp32 too; only the 4-bit matmuls
         # compute in bf16 internally. Measured on CPU: the same bytes as the fp32 QLoRA plan.
         wb = ab = rb = 4
-    lora_groups: tuple[ParamGroup, ...] = ()
-    lora_numel = 0
-    if plan.uses_lora:
-        lg = []
-        for g in spec.groups:
-            if g.kind != "linear":
-                continue
-            if g.name in HEAD_NAMES:
-                if not plan.lora_on_head:
-                    continue
-            elif not lora_targets_match(g.name, plan.lora_targets):
-                continue
-            lg.append(g)
-            # peft LoRA Linear: lora_A (r x in) + lora_B (out x r), no bias (Hu et al. 2021, peft tuners/lora/layer.py)
-            lora_numel += plan.lora_r * (g.in_features + g.out_features) * g.count
-        lora_groups = tuple(lg)
+    lora_groups = lora_groups_of(spec, plan) if plan.uses_lora else ()
+    # peft LoRA Linear: lora_A (r x in) + lora_B (out x r), no bias (Hu et al. 2021, peft tuners/lora/layer.py)
+    lora_numel = sum(plan.lora_r * (g.in_features + g.out_features) * g.count for g in lora_groups)
     return Ctx(
         spec=spec,
         plan=plan,

@@ -208,6 +208,7 @@ def _llama_like(cfg: dict, name: str) -> ModelSpec:
         norm_kind="rms",
         num_experts=n_exp,
         experts_per_token=top_k,
+        peft_moe_conversion="mixtral" if mt == "mixtral" else "",
         tie_word_embeddings=tie,
         max_position_embeddings=int(c.get("max_position_embeddings", 0) or 0),
         sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None,

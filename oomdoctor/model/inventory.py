@@ -147,6 +147,17 @@ def _add_other(agg, tmpl: str, leaf: str, numel: int, per_layer: bool, module: s
     g["count"] += 1
 
 
+def _peft_moe_conversion(model_type: str) -> str:
+    """``ModelSpec.peft_moe_conversion``: the pattern peft's ``_convert_peft_config_moe`` applies to this model type
+    ("" when none, or when the installed peft predates the conversion)."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:
+        return ""
+    base = _MODEL_TO_CONVERSION_PATTERN.get(model_type)
+    return base if base in _MOE_TARGET_MODULE_MAPPING else ""
+
+
 def _first(tc, keys: tuple[str, ...], default: Any = 0) -> Any:
     for k in keys:
         v = getattr(tc, k, None)
@@ -188,6 +199,7 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
         parallel_attn=bool(getattr(tc, "parallel_attn", False) or getattr(tc, "use_parallel_residual", False)),
         num_experts=n_exp,
         experts_per_token=_first(tc, TOP_K_KEYS, 2 if n_exp else 0) if n_exp else 0, tie_word_embeddings=tie,
+        peft_moe_conversion=_peft_moe_conversion(cfg["model_type"]) if n_exp else "",
         max_position_embeddings=int(getattr(tc, "max_position_embeddings", 0) or 0),
         sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None, config=cfg,
         inventory="transformers",

@@ -95,6 +95,12 @@ class ModelSpec:
     num_experts: int = 0
     """MoE experts per layer (0 = dense)."""
     experts_per_token: int = 0
+    peft_moe_conversion: str = ""
+    """peft's v4->v5 MoE target conversion for this model (peft 0.21 ``utils/transformers_weight_conversion.py``:
+    ``_MODEL_TO_CONVERSION_PATTERN`` -> ``_MOE_TARGET_MODULE_MAPPING``): ``mixtral`` or ``qwen2_moe`` (Qwen2/3-MoE,
+    OLMoE, DeepSeek-V2/V3, GLM-4-MoE...), ``""`` when peft applies none. On such a model ``get_peft_model`` moves the
+    expert and router target names to ``target_parameters``: LoRA on the router weight and on the fused expert
+    stacks (``ParamWrapper``), none on nn.Linear modules bearing those names (``memory/lora.py``)."""
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 0
     sliding_window: int | None = None
