@@ -5,7 +5,7 @@ engine ``train`` steps through.
 Recipes and pitfalls measured in multi-gpu.md §3 and §7.4 (DeepSpeed 0.19.8, torch 2.13, CPU/gloo under torchrun):
 
 - Buckets always explicit: DeepSpeed's default 5e8-element reduce/all-gather buckets cost ~1 GB bf16 per rank (§3).
-  ``bucket_size`` or hidden² (Hugging Face's ``auto``, what ``oomdoctor.memory.sharding`` prices).
+  ``Plan.bucket_elems``: ``bucket_size`` or hidden² (Hugging Face's ``auto``, what the memory model prices).
 - ``train`` keeps the torch optimizer of ``oomdoctor.execute.optim`` (DeepSpeed wraps it); with an offloaded
   optimizer ``zero_force_ds_cpu_optimizer: false`` keeps it instead of a JIT-compiled DeepSpeedCPUAdam (~95 s).
 - ``managed_gradient_accumulation: false``: ``engine.backward`` only accumulates (stage 2/3 reduce-scatter every
@@ -38,18 +38,12 @@ class ZeroRun:
     """``cuda`` pins offloaded host memory; on a CPU-only host pinning needs an accelerator and fails (§1)."""
 
 
-def bucket_elems(plan: "Plan", hidden_size: int) -> int:
-    """DeepSpeed's reduce bucket: the plan's ``bucket_size`` or hidden² (Hugging Face's ``auto``, what the memory
-    model prices)."""
-    return plan.bucket_size or hidden_size ** 2
-
-
 def zero_config(plan: "Plan", hidden_size: int, run: ZeroRun | None = None) -> dict[str, Any]:
     """The DeepSpeed config of the plan's ZeRO stage with explicit buckets. Without ``run`` (an emitted config):
     batch, precision and clipping ``auto``, offload memory pinned (GPUs). With ``run`` (``train``): concrete values,
     bf16 for ``bf16``/``bf16-mixed`` (DeepSpeed's bf16: bf16 weights, fp32 master weights and optimizer states),
     fp32 otherwise (``train`` refuses fp16), the caller's optimizer kept."""
-    b = bucket_elems(plan, hidden_size)
+    b = plan.bucket_elems(hidden_size)
     pin = run is None or run.device_type == "cuda"
     zero: dict[str, Any] = {"stage": 3 if plan.strategy == "zero3" else 2, "overlap_comm": True,
                             "contiguous_gradients": True, "reduce_bucket_size": b, "allgather_bucket_size": b}
@@ -135,5 +129,5 @@ def full_state_dict(engine: Any, stage: int) -> dict | None:
     return None
 
 
-__all__ = ["EngineOptimizer", "ZeroRun", "bucket_elems", "full_state_dict", "initialize", "require_deepspeed",
+__all__ = ["EngineOptimizer", "ZeroRun", "full_state_dict", "initialize", "require_deepspeed",
            "zero_config"]

@@ -252,9 +252,8 @@ def zero_optimizer_bytes(c: Ctx, t: SingleTerms) -> int:
 
 
 def zero_bucket_elems(c: Ctx) -> int:
-    """``bucket_size`` elements, default hidden² (Hugging Face's ``auto`` for ``reduce_bucket_size``; DeepSpeed's own
-    5e8 costs 1 GB bf16 per rank, §3)."""
-    return c.plan.bucket_size or c.spec.hidden_size ** 2
+    """DeepSpeed's bucket elements (``Plan.bucket_elems``: ``bucket_size`` or hidden²)."""
+    return c.plan.bucket_elems(c.spec.hidden_size)
 
 
 def zero2(c: Ctx, t: SingleTerms) -> RankStates:

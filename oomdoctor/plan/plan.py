@@ -116,6 +116,12 @@ class Plan:
             return 1
         return self.shard_group or self.world_size
 
+    def bucket_elems(self, hidden_size: int) -> int:
+        """Elements per DeepSpeed reduce / all-gather bucket: ``bucket_size``, or hidden² (Hugging Face's ``auto``
+        for ``reduce_bucket_size``; DeepSpeed's own 5e8 costs ~1 GB bf16 per rank, multi-gpu.md §3). What the
+        memory model prices, ``train`` runs and ``tune --emit`` writes."""
+        return self.bucket_size or hidden_size ** 2
+
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch * self.seq_len

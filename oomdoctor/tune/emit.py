@@ -193,13 +193,6 @@ def decoder_layer_class(spec: ModelSpec) -> str | None:
     return names[0] if names else None
 
 
-def bucket_elems(plan: Plan, spec: ModelSpec) -> int:
-    """DeepSpeed's reduce bucket of the plan (``oomdoctor.execute.zero.bucket_elems``)."""
-    from oomdoctor.execute.zero import bucket_elems as elems
-
-    return elems(plan, spec.hidden_size)
-
-
 def deepspeed_config(plan: Plan, spec: ModelSpec) -> dict[str, Any]:
     """The DeepSpeed config HF Trainer fills (``oomdoctor.execute.zero.zero_config`` with ``auto`` batch, precision
     and clipping): the same builder ``train`` runs."""
@@ -479,7 +472,7 @@ def _accelerate_strategy(req: EmitRequest) -> tuple[dict[str, Any], list[str]]:
                          "fsdp_activation_checkpointing")
         return doc, notes
     if p.strategy in ("zero2", "zero3"):
-        b = bucket_elems(p, req.spec)
+        b = p.bucket_elems(req.spec.hidden_size)
         doc = {"distributed_type": "DEEPSPEED", "deepspeed_config": {
             "gradient_accumulation_steps": p.grad_accum,
             "offload_optimizer_device": "cpu" if p.offload_optimizer else "none",
@@ -626,7 +619,7 @@ def write_emitted(result: TuneResult, model_ref: str, target: str, path: str | o
 
 
 __all__ = [
-    "DATASET_PLACEHOLDER", "EMITTERS", "EMIT_TARGETS", "EmitRequest", "EmitWritten", "Emitted", "bucket_elems",
+    "DATASET_PLACEHOLDER", "EMITTERS", "EMIT_TARGETS", "EmitRequest", "EmitWritten", "Emitted",
     "decoder_layer_class", "deepspeed_config", "default_emit_path", "emit", "emit_accelerate", "emit_axolotl",
     "emit_hf", "emit_trl", "lora_targets", "request_from_result",
     "run_command", "write_emitted",
