@@ -3,28 +3,18 @@ restart across ranks, DCP checkpoints, offload_params at world size 1, and the t
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import replace
 
 import pytest
 
-from train_util import cli, load_weights, max_abs_diff, tiny_cfg, write_yaml
+from train_util import cli, load_weights, max_abs_diff, run_json, scaleout_cfg, write_yaml
 
 pytestmark = pytest.mark.slow
 
 
-def _cfg(tmp_path, name: str, **kw):
-    base = tiny_cfg(tmp_path / name, max_steps=3, micro_batch_size=8, gradient_accumulation_steps=2,
-                    dataset=replace(tiny_cfg(tmp_path).dataset, packing=True, packing_strategy="wrapped"))
-    return replace(base, **kw)
-
-
-def _run(*args, env_extra=None):
-    p = cli("train", *args, "--json", env_extra=env_extra, timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert "Traceback" not in p.stderr, p.stderr
-    return json.loads(p.stdout), p.stderr
+_cfg = scaleout_cfg
+_run = run_json
 
 
 def test_fsdp_equals_ddp_resumes_from_dcp_and_restarts_smaller_after_an_oom(tmp_path):

@@ -4,27 +4,22 @@ ZeRO run on a machine JIT-builds DeepSpeed's shm comm op (~45 s, cached in ~/.ca
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
-from dataclasses import replace
 
 import pytest
 
-from train_util import cli, load_weights, max_abs_diff, tiny_cfg, write_yaml
+from train_util import cli, load_weights, max_abs_diff, run_json, scaleout_cfg, write_yaml
 
 
 def _cfg(tmp_path, name: str, **kw):
-    base = tiny_cfg(tmp_path / name, max_steps=3, micro_batch_size=8, gradient_accumulation_steps=2,
-                    dataset=replace(tiny_cfg(tmp_path).dataset, packing=True, packing_strategy="wrapped"))
-    return replace(base, **kw)
+    return scaleout_cfg(tmp_path, name, **kw)
 
 
 def _run(*args, env_extra=None):
-    p = cli("train", *args, "--json", env_extra=env_extra, timeout=400)
-    assert p.returncode == 0, p.stderr
-    assert "Traceback" not in p.stderr and "FutureWarning" not in p.stderr, p.stderr
-    return json.loads(p.stdout), p.stderr
+    out, err = run_json(*args, env_extra=env_extra)
+    assert "FutureWarning" not in err, err  # DeepSpeed's deprecated-collective warnings are filtered
+    return out, err
 
 
 @pytest.mark.slow

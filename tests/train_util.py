@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,3 +51,19 @@ def load_weights(ckpt_dir) -> dict:
 def max_abs_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b)
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def scaleout_cfg(tmp_path, name: str, **kw):
+    """The tiny run the scale-out tests share: 3 steps of micro 8 x 2, packed rows (every rank sees full batches)."""
+    base = tiny_cfg(tmp_path / name, max_steps=3, micro_batch_size=8, gradient_accumulation_steps=2,
+                    dataset=replace(tiny_cfg(tmp_path).dataset, packing=True, packing_strategy="wrapped"))
+    return replace(base, **kw)
+
+
+def run_json(*args, env_extra=None, timeout: int = 400) -> tuple[dict, str]:
+    """``oomdoctor train ARGS --json`` that must succeed without a traceback: (its JSON summary, its stderr)."""
+    p = cli("train", *args, "--json", env_extra=env_extra, timeout=timeout)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    return json.loads(p.stdout), p.stderr
+
