@@ -65,3 +65,17 @@ def test_torchruns_record_of_a_planned_oom_restart_is_dropped_others_kept():
                                       "failed (exitcode: %s) local_rank: %s", (code, 0), None)
     assert sum(1 for f in log.filters if type(f).__name__ == "_PlannedRestarts") == 1
     assert not log.filter(rec(75)) and log.filter(rec(1))
+
+
+def test_peft_moe_rank_pattern_warning_is_silenced_others_are_not():
+    import warnings
+
+    from oomdoctor.noise import quiet_third_party
+
+    head = "The following rank_pattern keys did not match any targeted module and were ignored: "
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        quiet_third_party()
+        warnings.warn(head + str([r".*\.gate_up_proj"]) + ".", RuntimeWarning)  # peft's MoE conversion (applied)
+        warnings.warn(head + "['q_proj'].", RuntimeWarning)
+    assert [str(w.message) for w in seen] == [head + "['q_proj']."]
