@@ -71,6 +71,12 @@ def test_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):
     with open_run_dir(out, resume=True, overwrite=False, emit=said.append):
         assert (out / LOCK_NAME).read_text().split()[0] == str(os.getpid())
     assert any("stale lock" in m for m in said)
+    # after a torchrun restart the dead holder is the previous attempt: taken over without a word
+    (out / LOCK_NAME).write_text(f"{dead.pid} {socket.gethostname()}\n")
+    quiet: list[str] = []
+    with open_run_dir(out, resume=True, overwrite=False, emit=quiet.append, restarted=True):
+        assert (out / LOCK_NAME).read_text().split()[0] == str(os.getpid())
+    assert not any("stale lock" in m for m in quiet)
 
 
 def test_not_enough_space_for_one_checkpoint_is_refused(tmp_path):

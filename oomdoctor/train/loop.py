@@ -938,7 +938,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
             out_dir = scope.enter_context(open_run_dir(
                 cfg.output_dir, resume=resume or bool(current.attempt),
                 overwrite=(overwrite or cfg.overwrite_output_dir) and not current.attempt,
-                emit=lambda m: emit({"type": "info", "message": m}))).path
+                emit=lambda m: emit({"type": "info", "message": m}), restarted=bool(current.attempt))).path
         run = _setup(cfg, gpu_mem, engine, emit)
         run.command = command
         if info.is_main:

@@ -132,8 +132,10 @@ def _overwrite(path: Path, entries: list[str], emit: Callable[[str], None]) -> N
 
 
 def open_run_dir(output_dir: str | Path, *, resume: bool, overwrite: bool,
-                 emit: Callable[[str], None] = lambda m: None) -> RunDir:
-    """Validate, lock and tidy ``output_dir`` for a run (see the module docstring)."""
+                 emit: Callable[[str], None] = lambda m: None, restarted: bool = False) -> RunDir:
+    """Validate, lock and tidy ``output_dir`` for a run (see the module docstring). ``restarted``: torchrun restarted
+    this job, and the lock a dead process left is the previous attempt's (a rank leaves with ``os._exit`` after an
+    OOM), taken over without a word."""
     path = Path(output_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise BadInput(f"output_dir {path} is a file, not a directory", "set output_dir to a directory path")
@@ -143,7 +145,7 @@ def open_run_dir(output_dir: str | Path, *, resume: bool, overwrite: bool,
         raise BadInput(f"output_dir {path} cannot be created ({exc.strerror or exc})",
                        "choose an output_dir in a writable location") from None
     _check_writable(path)
-    lock = _take_lock(path, emit)
+    lock = _take_lock(path, (lambda m: None) if restarted else emit)
     try:
         entries = run_entries(path)
         if entries and not resume and not overwrite:
