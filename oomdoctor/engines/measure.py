@@ -132,22 +132,6 @@ def _one_rank_group(plan: "Plan"):
     return group()
 
 
-def _fsdp_model(spec: "ModelSpec", plan: "Plan", seed: int):
-    """The plan's model built on the meta device, wrapped by FSDP2 and materialized on the GPU (random weights)."""
-    import torch
-
-    from oomdoctor.execute.build import build_model
-    from oomdoctor.execute.shard import apply_fsdp, device_mesh
-
-    built = build_model(spec, plan, device="meta", seed=seed)
-    model = apply_fsdp(built.model, plan, device_mesh(plan, "cuda"), "cuda")
-    model.to_empty(device="cuda")
-    with torch.no_grad():
-        for p in model.parameters():
-            getattr(p, "_local_tensor", p).normal_(0, 0.02)
-    return model, built.head_module
-
-
 def _measure(spec, plan, model_path, steps: int, t0: float, gpu_before: dict, seed: int = 0) -> MeasureResult:
     import time
 
@@ -161,7 +145,10 @@ def _measure(spec, plan, model_path, steps: int, t0: float, gpu_before: dict, se
     if model_path is not None:
         model, head = _load_local(plan, model_path)
     elif plan.strategy == "fsdp":
-        model, head = _fsdp_model(spec, plan, seed)
+        from oomdoctor.engines.simulate import random_sharded_model
+
+        built = random_sharded_model(spec, plan, "cuda")
+        model, head = built.model, built.head_module
     else:
         if plan.quant is not None:
             built = build_model(spec, plan, device="meta", real_quant_device="cuda", seed=seed)

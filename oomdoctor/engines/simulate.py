@@ -99,7 +99,7 @@ def fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
-def _meta_model(spec, plan, num_layers, bnb_decompose: bool):
+def _meta_model(spec, plan, num_layers, bnb_decompose: bool, device_type: str = "cpu"):
     """The meta-built model of ``plan``; wrapped by FSDP2 on the current process group when ``strategy: fsdp``."""
     from oomdoctor.execute.build import build_model
 
@@ -107,7 +107,23 @@ def _meta_model(spec, plan, num_layers, bnb_decompose: bool):
     if plan.strategy == "fsdp":
         from oomdoctor.execute.shard import apply_fsdp, device_mesh
 
-        apply_fsdp(built.model, plan, device_mesh(plan, "cpu"), "cpu")
+        apply_fsdp(built.model, plan, device_mesh(plan, device_type), device_type)
+    return built
+
+
+def random_sharded_model(spec: "ModelSpec", plan: "Plan", device: str, num_layers: int | None = None,
+                         bnb_decompose: bool = True):
+    """The FSDP2 model of ``plan`` with real random shards on ``device`` (``cpu`` here, ``cuda`` for the measured
+    engine): meta build, ``apply_fsdp`` on the current process group, then each rank materializes and initializes
+    its own shards (no full copy). Returns the ``BuiltModel``."""
+    import torch
+
+    built = _meta_model(spec, plan, num_layers, bnb_decompose, device_type=device)
+    built.model.to_empty(device=device)
+    _retie(built.model)
+    with torch.no_grad():
+        for p in built.model.parameters():
+            getattr(p, "_local_tensor", p).normal_(0, 0.02)
     return built
 
 
@@ -237,13 +253,8 @@ def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_
 
     torch.manual_seed(seed)
     if model is None and plan.strategy == "fsdp":
-        built = _meta_model(spec, plan, num_layers, bnb_decompose)
+        built = random_sharded_model(spec, plan, "cpu", num_layers, bnb_decompose)
         model, head, layers = built.model, built.head_module, built.num_layers
-        model.to_empty(device="cpu")
-        _retie(model)
-        with torch.no_grad():
-            for p in model.parameters():
-                getattr(p, "_local_tensor", p).normal_(0, 0.02)
     elif model is None:
         built = build_model(spec, plan, device="cpu", num_layers=num_layers, seed=seed, bnb_decompose=bnb_decompose)
         model, head, layers = built.model, built.head_module, built.num_layers
@@ -524,5 +535,5 @@ def estimate_simulated(spec: "ModelSpec", plan: "Plan") -> MemoryBreakdown:
     return simulate_plan(spec, plan).breakdown
 
 
-__all__ = ["simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run", "real_cpu_run", "layer_period",
+__all__ = ["simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run", "real_cpu_run", "random_sharded_model", "layer_period",
            "fake_process_group", "extrapolate_from", "not_simulated"]

@@ -153,12 +153,26 @@ def _from_pretrained(path: str, plan: "Plan", device: "torch.device", qconf):
                                                 **experts_kwargs(plan, AutoConfig.from_pretrained(path)))
 
 
+def _from_config(hcfg, plan: "Plan", device: "torch.device | str"):
+    """The plan's transformers model from a config on ``device`` (``meta``: no memory) in the plan's weight dtype,
+    attention and MoE experts kernels: the one ``from_config`` of real loads (random init, the sharded build)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from oomdoctor.execute.dtypes import weight_dtype
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hcfg, dtype=weight_dtype(plan),
+                                                attn_implementation=hf_attn_implementation(plan),
+                                                **experts_kwargs(plan, hcfg))
+
+
 def _random_model(source: ModelSource, plan: "Plan", device: "torch.device", qconf, vocab_size: int, seed: int,
                   compute_dtype: str | None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from oomdoctor.execute.dtypes import torch_dtype, weight_dtype
+    from oomdoctor.execute.dtypes import torch_dtype
 
     hcfg = hf_config(source)
     if vocab_size > hcfg.vocab_size:
@@ -167,10 +181,7 @@ def _random_model(source: ModelSource, plan: "Plan", device: "torch.device", qco
     hcfg.use_cache = False
     torch.manual_seed(seed)
     if qconf is None:
-        with torch.device(device):
-            return AutoModelForCausalLM.from_config(hcfg, dtype=weight_dtype(plan),
-                                                    attn_implementation=hf_attn_implementation(plan),
-                                                    **experts_kwargs(plan, hcfg))
+        return _from_config(hcfg, plan, device)
     with torch.device("cpu"):
         tmp_model = AutoModelForCausalLM.from_config(hcfg, dtype=torch_dtype(compute_dtype or plan.compute_dtype))
     tmp = tempfile.mkdtemp(prefix="oomdoctor-init-")
@@ -230,10 +241,8 @@ def load_sharded_model(source: ModelSource, plan: "Plan", device: "torch.device"
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoModelForCausalLM
 
     from oomdoctor.execute.build import apply_plan_techniques, lora_targets_of_model
-    from oomdoctor.execute.dtypes import weight_dtype
     from oomdoctor.execute.shard import apply_fsdp
 
     full, buffers = None, [None]
@@ -243,9 +252,7 @@ def load_sharded_model(source: ModelSource, plan: "Plan", device: "torch.device"
         del ref
     hcfg = hf_config(source)
     hcfg.use_cache = False
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hcfg, dtype=weight_dtype(plan),
-                                                 attn_implementation=hf_attn_implementation(plan))
+    model = _from_config(hcfg, plan, "meta")
     model.config.use_cache = False
     model = apply_plan_techniques(model, plan, lora_targets_of_model(model, plan))
     apply_fsdp(model, plan, mesh, device.type)

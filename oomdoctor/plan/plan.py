@@ -238,8 +238,9 @@ def _check_topology(plan: Plan, problems: list[str], changes: dict) -> None:
     if not plan.reshard_after_forward and strategy != "fsdp":
         problems.append(f"reshard_after_forward applies to strategy fsdp, not {strategy}")
     if plan.bucket_size is not None:
-        if strategy in ("single", "fsdp"):
-            problems.append(f"bucket_size applies to ddp, zero2 and zero3 (strategy {strategy} has no buckets)")
+        if strategy not in ("zero2", "zero3"):
+            problems.append(f"bucket_size applies to zero2 and zero3, DeepSpeed's buckets (strategy {strategy} has no "
+                            "buckets to size: train sums DDP gradients once per step, FSDP has none)")
         elif not isinstance(plan.bucket_size, int) or isinstance(plan.bucket_size, bool) or plan.bucket_size < 1:
             problems.append(f"bucket_size must be a positive number of elements, got {plan.bucket_size!r}")
 

@@ -278,9 +278,9 @@ TECHNIQUES: tuple[Technique, ...] = (
     ),
     Technique(
         "bucket_size", "int>=1|null", None,
-        "DDP bucket_cap_mb=25; DeepSpeed reduce/allgather bucket = hidden^2 (Hugging Face's 'auto')",
-        "elements per gradient-communication bucket: the DDP all-reduce bucket, DeepSpeed's reduce_bucket_size / "
-        "allgather_bucket_size / stage3_prefetch_bucket_size (FSDP has no buckets)",
+        "DeepSpeed reduce/allgather bucket = hidden^2 (Hugging Face's 'auto')",
+        "zero2/zero3: elements per DeepSpeed communication bucket (reduce_bucket_size, allgather_bucket_size, "
+        "stage3_prefetch_bucket_size)",
         "each bucket is a buffer of this many elements; DeepSpeed's own default 5e8 costs 1 GB (bf16) per rank",
         train_executes=False,
     ),
