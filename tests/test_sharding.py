@@ -204,3 +204,23 @@ def test_fsdp_analytic_follows_the_fake_process_group_replay(kw):
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.01 * s.peak_allocated, (
         plan.label(), a.peak_allocated, s.peak_allocated)
+
+
+def test_one_host_ram_rule_for_tune_and_train(monkeypatch):
+    """The breakdown's host_per_node (every rank on one node) scaled to the ranks sharing the node: tune's ladder
+    and train's pre-load check use the same function."""
+    import oomdoctor.gpu
+    from oomdoctor.errors import DoesNotFit
+    from oomdoctor.memory.sharding import node_host_bytes
+    from oomdoctor.plan import validate
+    from oomdoctor.train.loop import _check_host_ram
+
+    plan = validate(Plan(world_size=8, strategy="zero3", offload_optimizer=True, offload_params=True))
+    assert node_host_bytes(800, plan) == 800 and node_host_bytes(800, plan, 2) == 200
+    memory = {"host_per_node_bytes": 8 * 10**9}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(oomdoctor.gpu, "host_ram_bytes", lambda: 5 * 10**9)
+    _check_host_ram(plan, memory, [])  # 4 of 8 ranks here: 4 GB <= 5 GB
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(DoesNotFit, match="8 rank"):
+        _check_host_ram(plan, memory, [])

@@ -337,6 +337,13 @@ def host_per_node(rs: RankStates, ranks_per_node: int) -> int:
     return int(rs.host_factor * ranks_per_node * max(rs.host, rs.host_load))
 
 
+def node_host_bytes(host_per_node: int, plan, ranks_on_node: int | None = None) -> int:
+    """Host RAM one node needs: a breakdown's ``host_per_node`` (every rank on one node) scaled to the
+    ``ranks_on_node`` that share it (default: every rank). The one host-RAM rule of tune and train."""
+    ranks = min(ranks_on_node or plan.world_size, plan.world_size)
+    return host_per_node * ranks // plan.world_size
+
+
 def notes(c: Ctx) -> list[str]:
     """Caveats of the per-rank pricing that apply to the plan."""
     p = c.plan

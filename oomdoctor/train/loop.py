@@ -467,8 +467,8 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     args = OptimizerArgs(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
                          adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
     target = "gpu" if device.type == "cuda" else "cpu"
+    _check_host_ram(plan, memory, notes)
     if sharded:
-        _check_host_ram(plan, memory, notes)
         from oomdoctor.execute.load import load_sharded_model
         from oomdoctor.execute.optim import make_optimizer
         from oomdoctor.execute.shard import device_mesh
@@ -527,23 +527,26 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
 
 
 def _check_host_ram(plan: Plan, memory: dict | None, notes: list[str]) -> None:
-    """offload_params: the host must hold what every rank of this node offloads (the prediction's per-rank
-    ``cpu_offloaded`` x ``LOCAL_WORLD_SIZE``); checked before the model is loaded."""
+    """Offloaded states (FSDP2 ``offload_params``, ZeRO offload): this node's host RAM must hold what its ranks
+    (``LOCAL_WORLD_SIZE``) offload, by the rule tune applies (``memory.sharding.node_host_bytes``); checked before
+    the model is loaded."""
     from oomdoctor.errors import DoesNotFit
     from oomdoctor.gpu import host_ram_bytes
+    from oomdoctor.memory.sharding import node_host_bytes
 
-    if not plan.offload_params:
+    if not (plan.offload_params or plan.offload_optimizer):
         return
-    per_rank = int((memory or {}).get("cpu_offloaded_bytes") or 0)
+    per_node = int((memory or {}).get("host_per_node_bytes") or 0)
     ram = host_ram_bytes()
-    if not per_rank or ram is None:
-        notes.append("offload_params: host RAM not checked (no prediction of the offloaded bytes)")
+    if not per_node or ram is None:
+        notes.append("offload: host RAM not checked (no prediction of the offloaded bytes)")
         return
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if per_rank * ranks > ram:
-        raise DoesNotFit(f"offload_params: {ranks} rank(s) x {format_bytes(per_rank)} offloaded = "
-                         f"{format_bytes(per_rank * ranks)} > this host's {format_bytes(ram)} of RAM",
-                         "shard over more ranks/nodes, use LoRA, or a host with more memory")
+    need = node_host_bytes(per_node, plan, ranks)
+    if need > ram:
+        raise DoesNotFit(f"offload: {ranks} rank(s) on this node offload {format_bytes(need)} > this host's "
+                         f"{format_bytes(ram)} of RAM", "shard over more ranks/nodes, use LoRA, or a host with more "
+                         "memory")
 
 
 def _agree_rng(info) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from oomdoctor.errors import BadInput
+from oomdoctor.memory.sharding import node_host_bytes
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, SearchTrace
@@ -113,20 +114,13 @@ def price(
                                  f"{choice.micro_batch} fits")
     if oib:
         choice = BatchChoice(choice.max_micro_batch, global_batch, 1, global_batch)
-    host = node_host_bytes(mem, plan, gpus_per_node)
+    host = node_host_bytes(mem.host_per_node, plan, gpus_per_node)
     if host_ram is not None and host > host_ram:
         return Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
                          why_not=f"offload needs {format_bytes(host)} of host RAM per node, the machine has "
                                  f"{format_bytes(host_ram)}")
     sized = plan.with_(micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
     return Candidate(sized, mem, choice, estimate_throughput(spec, sized, profile, mem))
-
-
-def node_host_bytes(mem, plan: Plan, gpus_per_node: int | None = None) -> int:
-    """Host RAM one node needs for ``plan``: the breakdown's ``host_per_node`` (every rank on one node) scaled to
-    ``gpus_per_node`` ranks."""
-    ranks = min(gpus_per_node or plan.world_size, plan.world_size)
-    return mem.host_per_node * ranks // plan.world_size
 
 
 def rank(cands: list[Candidate], budget: Budget, prefer: Prefer = "quality", evaluations: int = 0) -> SearchResult:
@@ -162,4 +156,4 @@ def search(
     return rank(cands, budget, prefer, len(trace.evaluations))
 
 
-__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "node_host_bytes", "price", "rank", "search"]
+__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "price", "rank", "search"]

@@ -37,7 +37,8 @@ from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_b
 from oomdoctor.plan.techniques import TECHNIQUES
 from oomdoctor.tune.batch_search import SEQ_STEP, Estimator, analytic_estimator, longest_seq_len, verify_and_refine
 from oomdoctor.tune.ranking import Candidate, fidelity_key
-from oomdoctor.tune.search import SearchResult, enumerate_candidates, node_host_bytes, price, rank, search
+from oomdoctor.memory.sharding import node_host_bytes
+from oomdoctor.tune.search import SearchResult, enumerate_candidates, price, rank, search
 from oomdoctor.tune.strategies import TOPOLOGY_FIELDS, StrategyTrial, Topology, ladder, topology, trials
 from oomdoctor.tune.throughput import HardwareProfile, Throughput, estimate_throughput, profile_for
 from oomdoctor.units import format_bytes
@@ -135,7 +136,7 @@ class TuneResult:
     @property
     def host_per_node_bytes(self) -> int:
         """Host RAM one node needs for what the plan offloads (0: nothing offloaded)."""
-        return node_host_bytes(self.memory, self.plan, self.topology.gpus_per_node)
+        return node_host_bytes(self.memory.host_per_node, self.plan, self.topology.gpus_per_node)
 
     @property
     def capacity_bytes(self) -> int:
@@ -416,7 +417,7 @@ def tune(
         raise DoesNotFit(
             f"no plan fits {budget.describe()} at seq_len {seq_len}: the leanest, {low.plan.label()}, needs "
             f"{format_bytes(budget.needed(low.memory))} at micro-batch 1",
-            f"try a shorter --seq-len, a smaller --margin, a bigger GPU"
+            "try a shorter --seq-len, a smaller --margin, a bigger GPU"
             + (", more GPUs or another --strategy" if topo.world_size > 1 else "") + ", or see "
             f"`oomdoctor diagnose {model_ref} --gpu-mem {format_bytes(capacity, binary=False).replace(' ', '')} "
             f"--seq-len {seq_len}"
@@ -552,7 +553,7 @@ def _strategy_table(chosen: Candidate, ladders: dict[Plan, list[Candidate]], bud
         if twin in ladders:
             stacks.insert(0, twin)
     rungs = [c for s in stacks for c in ladders[s]]
-    return trials(rungs, budget, chosen, lambda c: node_host_bytes(c.memory, c.plan, topo.gpus_per_node))
+    return trials(rungs, budget, chosen, lambda c: node_host_bytes(c.memory.host_per_node, c.plan, topo.gpus_per_node))
 
 
 # ---------------------------------------------------------------------------------------------- emitting
