@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,18 @@ def _spec(cfg, layers=None, **over):
 
 def _fsdp(n: int, **kw) -> Plan:
     return validate(Plan(**{**FP32, "world_size": n, "strategy": "fsdp", **kw}))
+
+
+@contextmanager
+def _one_rank_gloo(tmp_path):
+    """A real one-process gloo group (as torchrun would give) for the duration of the block."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _num_params(spec) -> int:
@@ -177,17 +190,12 @@ def test_gathered_units_are_weights_and_mixed_precision_gathers_are_amp_copies(t
 def test_real_world_1_fsdp2_step_equals_the_fake_pg_prediction(tiny_config, tmp_path, kw):
     """A real single-process gloo FSDP2 job (real tensors, the same executor) allocates what the fake-PG replay
     predicts, to the byte here (the issue allows 1 KB)."""
-    import torch.distributed as dist
-
     from oomdoctor.engines.simulate import real_cpu_run, simulate_run
 
     spec, plan = _spec(tiny_config), _fsdp(1, **kw)
     fake = simulate_run(spec, plan)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
+    with _one_rank_gloo(tmp_path):
         real = real_cpu_run(spec, plan)
-    finally:
-        dist.destroy_process_group()
     assert abs(real.peak - fake.peak) <= 1024
     assert real.phase_peaks == fake.phase_peaks
 
@@ -264,17 +272,12 @@ def test_zero_and_param_offload_fall_back_to_the_analytic_engine_with_a_note(tin
 @pytest.mark.slow
 def test_a_process_that_has_a_process_group_simulates_in_a_subprocess(tiny_config, tmp_path):
     """Under torchrun (a real PG already joined) the fake PG cannot be created here: simulate_plan spawns."""
-    import torch.distributed as dist
-
     from oomdoctor.engines.simulate import simulate_plan
 
     spec, plan = _spec(tiny_config), _fsdp(2)
     here = simulate_plan(spec, plan)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
+    with _one_rank_gloo(tmp_path):  # a real group exists: the replay runs in a subprocess
         there = simulate_plan(spec, plan)
-    finally:
-        dist.destroy_process_group()
     assert there.phase_peaks == here.phase_peaks
 
 
