@@ -55,20 +55,15 @@ def _offload_policy(plan: "Plan", device_type: str) -> Any:
     return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 
-def decoder_layers(model: Any) -> list:
-    """The units FSDP wraps one by one: the transformer blocks (the biggest ``ModuleList``)."""
-    from oomdoctor.execute.build import find_layers
-
-    return find_layers(model)
-
-
 def apply_fsdp(model: Any, plan: "Plan", mesh: Any, device_type: str) -> Any:
     """``fully_shard`` every decoder layer, then the root (embeddings, final norm, LM head); returns the model (now
     an ``FSDPModule``). Works on a meta-device model (simulate) and on materialized weights (train)."""
     from torch.distributed.fsdp import fully_shard
 
+    from oomdoctor.execute.build import find_layers
+
     kw = dict(mesh=mesh, mp_policy=_mp_policy(plan), offload_policy=_offload_policy(plan, device_type))
-    for layer in decoder_layers(model):
+    for layer in find_layers(model):  # the transformer blocks
         fully_shard(layer, reshard_after_forward=plan.reshard_after_forward, **kw)
     fully_shard(model, reshard_after_forward=plan.reshard_after_forward, **kw)  # FSDP2 keeps the root gathered
     return model
@@ -138,5 +133,5 @@ def clip_grad_norm(params: list, max_norm: float):
     return total
 
 
-__all__ = ["apply_fsdp", "clip_grad_norm", "decoder_layers", "device_mesh", "gathered_buffers", "mesh_shape",
+__all__ = ["apply_fsdp", "clip_grad_norm", "device_mesh", "gathered_buffers", "mesh_shape",
            "reset_after_error"]
