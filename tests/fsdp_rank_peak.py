@@ -1,18 +1,20 @@
 """One rank of a real FSDP2 job, started by torchrun (not a test module; used by tests/test_simulate_fsdp.py).
 
-    torchrun --standalone --nproc-per-node 2 tests/fsdp_rank_peak.py '<config.json dict>' '<Plan kwargs>'
+    torchrun --standalone --nproc-per-node 2 tests/fsdp_rank_peak.py '<config.json dict>' '<Plan kwargs>' OUT_DIR
 
 Joins the gloo process group, then runs the plan's two steps through the shared executor -- meta build
 (``oomdoctor.execute.build``), ``apply_fsdp`` (``oomdoctor.execute.shard``), each rank materializing its own shards,
 the executor's ``TrainStep`` (``oomdoctor.execute.step``) under ``LiveBytes`` -- via the simulated engine's real-tensor
-reference :func:`oomdoctor.engines.simulate.real_cpu_run`, and prints one JSON line per rank:
-``{"rank", "peak", "phase_peaks"}``.
+reference :func:`oomdoctor.engines.simulate.real_cpu_run`, and writes one JSON file per rank,
+``OUT_DIR/rank<N>.json`` = ``{"rank", "peak", "phase_peaks"}`` (a file each: two ranks printing to one inherited stdout
+interleave their lines).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 
 def main() -> None:
@@ -26,7 +28,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         stats = real_cpu_run(spec_from_config(cfg, name="tiny-llama"), validate(Plan(**plan_kw)))
-        print(json.dumps({"rank": dist.get_rank(), "peak": stats.peak, "phase_peaks": stats.phase_peaks}), flush=True)
+        rank = dist.get_rank()
+        out = {"rank": rank, "peak": stats.peak, "phase_peaks": stats.phase_peaks}
+        Path(sys.argv[3], f"rank{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
 

@@ -282,7 +282,7 @@ def test_a_process_that_has_a_process_group_simulates_in_a_subprocess(tiny_confi
 
 
 @pytest.mark.slow
-def test_two_process_gloo_fsdp2_ranks_peak_where_the_simulation_says(tiny_config):
+def test_two_process_gloo_fsdp2_ranks_peak_where_the_simulation_says(tiny_config, tmp_path):
     """A real 2-rank gloo torchrun of the same model and plan through the shared executor: every rank's measured
     peak equals the fake-PG prediction (the issue allows 1 KB)."""
     from oomdoctor.engines.simulate import simulate_run
@@ -291,10 +291,10 @@ def test_two_process_gloo_fsdp2_ranks_peak_where_the_simulation_says(tiny_config
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(Path(__file__).with_name("fsdp_rank_peak.py")), json.dumps(tiny_config), json.dumps(kw)],
+                        str(Path(__file__).with_name("fsdp_rank_peak.py")), json.dumps(tiny_config), json.dumps(kw), str(tmp_path)],
                        capture_output=True, text=True, env=env, cwd=root, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    ranks = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    ranks = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     fake = simulate_run(_spec(tiny_config), validate(Plan(**kw)))
     for r in ranks:
