@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OOMDOCTOR_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# measured block activations (oomdoctor.engines.blocks) are cached per test session, not in the user's cache
+os.environ.setdefault("OOMDOCTOR_CACHE", tempfile.mkdtemp(prefix="oomdoctor-cache-"))
 
 #: A tiny Llama-shaped config: 2 layers, hidden 64 (the size every CPU test uses).
 TINY_LLAMA = {

@@ -1,6 +1,7 @@
 """Memory engines behind one entry point.
 
-``estimate(spec, plan, engine=...)``: ``analytic`` (formulas, instant, no torch), ``simulate`` (the real HF step
+``estimate(spec, plan, engine=...)``: ``analytic`` (formulas, instant, no torch; for blocks the formulas do not know,
+what they save is measured once by replaying them, ``engines/blocks.py``), ``simulate`` (the real HF step
 replayed on fake tensors; for ``world_size`` > 1 one rank: FSDP on a fake process group, DDP as the single step plus
 its gradient bucket, ZeRO and parameter offload by the analytic formulas, with a note) and ``measure`` (the real step
 on the local CUDA GPU). Multi-GPU numbers are per rank.
@@ -20,9 +21,11 @@ def estimate(spec, plan, engine: str = "analytic") -> MemoryBreakdown:
 
     check_plan_for_model(spec, plan)
     if engine == "analytic":
+        from oomdoctor.engines.blocks import block_saves, measures_blocks
         from oomdoctor.memory.analytic import estimate_analytic
 
-        return estimate_analytic(spec, plan)
+        blocks = block_saves(spec, plan) if measures_blocks(spec, plan) else None
+        return estimate_analytic(spec, plan, blocks=blocks)
     if engine == "simulate":
         from oomdoctor.engines.simulate import estimate_simulated
 

@@ -11,6 +11,8 @@ The target is a CUDA GPU, so where the CPU code path would allocate differently 
   log_softmax, layer_norm, pow, rsqrt, exp, log, sum, cumsum, ...): those ops are upcast here as on CUDA;
   ``torch.is_autocast_enabled()`` (no argument = CUDA) answers for the CPU autocast, so peft takes its CUDA path;
 * dropout: CUDA's fused ``native_dropout`` keeps a 1-byte bool mask, the CPU path a mask in the input dtype;
+  attention dropout inside SDPA runs in CUDA's flash / memory-efficient kernels (no probabilities saved) where the
+  CPU falls back to the math path: replayed as the kernel without dropout;
 * bitsandbytes paged optimizer state (tensors of >= 1e5 elements) is unified memory outside PyTorch's allocator:
   reported as ``paged_optimizer``, not in the allocator peak (``oomdoctor.execute.optim``);
 * torch optimizers keep the ``step`` counter on the host unless ``fused`` (not counted then);
@@ -59,6 +61,7 @@ def _cuda_policy_mode_cls():
                 opt_funcs.add(f)
     low = (torch.float16, torch.bfloat16)
     dropout_funcs = {torch.nn.functional.dropout}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def _upcast(x):
         if isinstance(x, torch.Tensor) and x.dtype in low:
@@ -70,6 +73,12 @@ def _cuda_policy_mode_cls():
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if func is sdpa and (kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) or 0.0) > 0:
+                # CUDA's flash / memory-efficient kernels apply attention dropout inside the kernel (a Philox seed
+                # and offset saved, no probabilities); CPU kernels fall back to the math path (B·heads·S² probs
+                # and mask): replay the kernel without dropout, which saves what CUDA's does
+                args, kwargs = args[:4], {k: v for k, v in kwargs.items() if k != "dropout_p"}
+                return func(*args, **kwargs)
             if func in dropout_funcs:
                 x = args[0] if args else kwargs.get("input")
                 p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)

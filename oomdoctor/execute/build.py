@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: config.json keys that hold the number of transformer blocks, per convention.
 LAYER_KEYS: tuple[str, ...] = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+#: Config keys listing one entry per block (the block kinds of hybrids and of alternating attention).
+LAYER_LIST_KEYS: tuple[str, ...] = ("layer_types", "layers_block_type")
 
 
 @dataclass
@@ -67,9 +69,10 @@ def config_with_layers(cfg: dict, num_layers: int | None) -> dict:
             found = True
     if not found:
         out["num_hidden_layers"] = num_layers
-    lt = out.get("layer_types")
-    if isinstance(lt, list) and lt:
-        out["layer_types"] = [lt[i % len(lt)] for i in range(num_layers)]
+    for k in LAYER_LIST_KEYS:
+        lt = out.get(k)
+        if isinstance(lt, list) and lt:
+            out[k] = [lt[i % len(lt)] for i in range(num_layers)]
     return out
 
 
@@ -115,15 +118,19 @@ def lora_targets_of_model(model, plan: "Plan") -> str | list[str]:
     """peft ``target_modules`` for the plan on this model, what a user passes: the string ``all-linear`` (peft
     resolves it, including its MoE conversion to router/expert ``target_parameters``:
     ``memory/context.lora_groups_of``), explicit names as given; with ``lora_on_head``, the leaf name of every linear
-    layer but the output head (peft's ``all-linear`` resolution) plus the head."""
-    if plan.lora_targets == ("all-linear",) and not plan.lora_on_head:
+    layer but the output head (peft's ``all-linear`` resolution) plus the head; on models where peft refuses some
+    linears (Mamba mixers: ``memory/context.lora_refused_names``) all-linear is that list without them."""
+    from oomdoctor.memory.context import lora_refused_names
+
+    refused = lora_refused_names(getattr(getattr(model, "config", None), "model_type", ""))
+    if plan.lora_targets == ("all-linear",) and not plan.lora_on_head and not refused:
         return "all-linear"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_names = {n.split(".")[-1] for n, m in model.named_modules() if head is not None and m is head}
     targets = [t for t in plan.lora_targets if t != "all-linear"]
     if "all-linear" in plan.lora_targets:
         targets += [name.split(".")[-1] for name, mod in model.named_modules()
-                    if name and name.split(".")[-1] not in head_names and _is_linear(mod)]
+                    if name and name.split(".")[-1] not in head_names | refused and _is_linear(mod)]
     if plan.lora_on_head:
         targets += sorted(head_names) or ["lm_head"]
     return sorted(set(targets))

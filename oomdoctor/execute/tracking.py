@@ -581,6 +581,14 @@ class LiveBytes(TorchDispatchMode):
                 out[self._category_of(rec)] += rec.nbytes
         return out
 
+    def category_of(self, t) -> str | None:
+        """Category of the storage of tensor ``t`` now (None when it is not counted)."""
+        try:
+            rec = self.records.get(_local(t).untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            return None
+        return None if rec is None else self._category_of(rec)
+
     def current_categories(self) -> dict[str, int]:
         """Live bytes per category now (forward-born storages still alive count as activations)."""
         out = dict.fromkeys(CATEGORIES, 0)

@@ -225,11 +225,34 @@ def m_tok(c: Ctx, m: float) -> float:
 
 
 @dataclass(frozen=True)
+class BlockSaves:
+    """Bytes each block of a model leaves alive for backward in its forward, measured by replaying the blocks'
+    real code (``oomdoctor.engines.blocks``) at micro-batch 1 without gradient checkpointing: what the analytic
+    engine uses for blocks its formulas do not know."""
+
+    per_block: tuple[int, ...]
+    """One entry per block, bottom first: the activation bytes autograd saves while the block runs."""
+    final: int
+    """The activation bytes saved between the last block and the output head (the final norm)."""
+    forward_transient: int
+    """The largest peak of a block's forward above the bytes it leaves."""
+    backward_transient: int
+    """The largest peak of a block's backward above the bytes alive when it starts, weight gradients excluded (under
+    gradient checkpointing: with its recompute)."""
+    checkpointed: bool = False
+    """Measured with gradient checkpointing: ``per_block`` is then empty of what checkpointed blocks save (each keeps
+    its input, a formula) and the transients are those of checkpointed blocks."""
+
+
+@dataclass(frozen=True)
 class LayerActs:
     saved: int
-    """Bytes one block saves for backward (its own norm inputs included; its output is counted by the next norm)."""
-    first_layer_discount: int
-    """Bytes block 0 saves less when its input does not require grad (LoRA with frozen embeddings)."""
+    """Bytes one block saves for backward (its own norm inputs included; its output is counted by the next norm);
+    the widest block's when blocks differ."""
+    stack: int
+    """Bytes all blocks save for backward without gradient checkpointing."""
+    bottom: int
+    """Bytes block 0 saves: less than ``saved`` when its input does not require grad (LoRA, frozen embeddings)."""
     gc_saved: int
     """Bytes one block keeps under gradient checkpointing (its input)."""
     fwd_transient: int
@@ -337,6 +360,16 @@ def layer_activations(c: Ctx) -> LayerActs:
             # T5 hands its relative position bias (1 x heads x S x S) to SDPA as attn_mask: each self-attention
             # saves its own copy (cross-attention: one shared zero bias, in shared_forward_bytes)
             inner += ab * nh * S * S / max(n_att, 1e-9)
+        if attn_impl == "sdpa":
+            # sliding-window blocks hand SDPA a boolean mask, which it turns into an additive mask in the query's
+            # dtype (aten/src/ATen/native/transformers/attention.cpp ``convert_boolean_attn_mask``) that the kernel
+            # saves (CUDA: memory-efficient attention, flash takes no mask); with a mask (or head_dim > 256)
+            # transformers repeats GQA's k/v to the query heads instead of passing enable_gqa
+            # (integrations/sdpa_attention.py ``use_gqa_in_sdpa``): SDPA saves the repeated copies
+            masked = sliding_fraction(c)
+            inner += masked * ab * B * S * S
+            if nkv and nkv < nh:
+                inner += (1.0 if hd > 256 else masked) * ab * T * 2 * (qd - kvd)
         if len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon"):
             # fused qkv (Phi-3 qkv_proj): v is a view of the fused output, so SDPA's saved v keeps all of it alive
             # while rotary made new q/k.
@@ -515,28 +548,74 @@ def layer_activations(c: Ctx) -> LayerActs:
         # attention norm output, attention output, MLP norm output (unless parallel), MLP intermediate.
         gc_extra = rb * T * h * (1 if spec.parallel_attn else 2) + ab * T * qd + mab_global(c, roles) * T * I
     gc_recompute = int(mlp_in_fwd + 2 * rb * T * h + 4 * T * h + discount) if mlp_in_fwd else 0
-    return LayerActs(saved, int(discount), gc_saved, int(fwd_t), bwd_extra, int(down), int(alias), int(gc_extra),
-                     gc_recompute)
+    L = max(spec.num_layers, 1)
+    return LayerActs(saved, L * saved - int(discount), saved - int(discount), gc_saved, int(fwd_t), bwd_extra,
+                     int(down), int(alias), int(gc_extra), gc_recompute)
+
+
+def measured_layer_activations(c: Ctx, measured: BlockSaves) -> LayerActs:
+    """The formulas' :class:`LayerActs` with what the blocks save and their forward/backward transients taken from a
+    replay of their real code (scaled by the micro-batch: every tensor has the batch as a dimension). Under gradient
+    checkpointing the kept block inputs stay the formulas' and a block's recompute is part of its measured backward
+    transient."""
+    from dataclasses import replace
+
+    la = layer_activations(c)
+    per = [b * c.B for b in measured.per_block]
+    widest = max(per[1:] or per)
+    fwd, bwd = measured.forward_transient * c.B, measured.backward_transient * c.B
+    if measured.checkpointed:
+        # the backward transient of a checkpointed block includes its recompute: nothing else is recomputed
+        return replace(la, saved=0, stack=sum(per), bottom=0, gc_alias=0, fwd_transient=fwd, bwd_extra=bwd,
+                       gc_recompute=0)
+    return replace(la, saved=widest, stack=sum(per), bottom=per[0], fwd_transient=fwd, bwd_extra=bwd, gc_recompute=0)
+
+
+def sliding_fraction(c: Ctx) -> float:
+    """Share of the blocks whose attention SDPA runs with a materialized sliding-window mask: blocks attending
+    within ``spec.sliding_window`` (``layer_types`` entries ``sliding_attention``; Qwen2 with
+    ``use_sliding_window``: blocks from ``max_window_layers`` on; else every block) when the sequence is longer than
+    the window — shorter, transformers skips the mask (``masking_utils._ignore_causal_mask_sdpa``)."""
+    spec, w = c.spec, c.spec.sliding_window
+    if not w or c.S <= w:
+        return 0.0
+    L = max(spec.num_layers, 1)
+    kinds = spec.config.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        return sum(k == "sliding_attention" for k in kinds) / len(kinds)
+    if spec.model_type == "qwen2":
+        first = spec.config.get("max_window_layers")
+        return (L - min(first if isinstance(first, int) else L, L)) / L
+    return 1.0
 
 
 def shared_forward_bytes(c: Ctx) -> int:
-    """Tensors shared by all blocks during forward: rotary cos/sin (positions of batch 1) and, for eager, the 4-D
-    float causal mask (B x 1 x S x S in the residual dtype)."""
+    """Tensors shared by all blocks during forward: rotary cos/sin (positions of batch 1), for eager the 4-D float
+    causal mask (B x 1 x S x S in the residual dtype), for SDPA with sliding-window blocks their boolean mask (S x S
+    expanded over the batch; full-attention blocks run ``is_causal`` without one)."""
     spec = c.spec
     cos_sin = 2 * c.S * spec.head_dim * c.rb if spec.model_type not in ("gpt2", "bert", "t5") else 0
-    mask = c.rb * c.B * c.S * c.S if effective_attn(spec, c.plan.attn) == "eager" else 0
+    impl = effective_attn(spec, c.plan.attn)
+    mask = c.rb * c.B * c.S * c.S if impl == "eager" else 0
+    if impl == "sdpa" and sliding_fraction(c):
+        mask += c.S * c.S  # one boolean S x S, expanded (not copied) over the batch
     if spec.model_type == "t5" and effective_attn(spec, c.plan.attn) != "eager":
         mask += c.ab * spec.num_heads * c.S * c.S  # the decoder's zero cross-attention bias, saved by every SDPA
     return cos_sin + mask
 
 
-def final_saved(c: Ctx) -> int:
-    """Final norm + what the head saves of its input (full: the normed hidden states; LoRA on the head: the
-    adapter's input copies). Encoder classifiers read the first token only."""
+def final_saved(c: Ctx, measured: BlockSaves | None = None) -> int:
+    """Final norm (measured with the blocks when given) + what the head saves of its input (full: the normed hidden
+    states; LoRA on the head: the adapter's input copies). Encoder classifiers read the first token only."""
     spec = c.spec
     h = spec.hidden_size
     tokens = c.T if spec.arch_kind != "encoder" else c.B
-    total = norm_saved(c, h, c.T, c.rb) if spec.arch_kind != "encoder" or spec.norm_kind == "rms" else 0
+    if measured is not None:
+        total = measured.final * c.B
+    elif spec.arch_kind != "encoder" or spec.norm_kind == "rms":
+        total = norm_saved(c, h, c.T, c.rb)
+    else:
+        total = 0
     head = [(g.name, g.in_features, g.out_features, 1.0) for g in spec.groups if g.name in HEAD_NAMES]
     if head:
         total += consumers_saved(c, tokens, c.rb, head)

@@ -66,8 +66,12 @@ def _components(**kw) -> dict[str, int]:
     return d
 
 
-def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> MemoryBreakdown:
+def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
+                      blocks: act.BlockSaves | None = None) -> MemoryBreakdown:
     """Memory breakdown of one training step of ``spec`` under ``plan`` from formulas alone.
+
+    ``blocks``: what each block saves for backward, measured by replaying the blocks (``engines/blocks.py``), for
+    blocks the formulas do not know; every other term stays a formula.
 
     ``device="cpu"`` prices the same step as PyTorch runs it on the CPU (used by the CPU-vs-analytic tests): LoRA
     dropout keeps an fp32 noise tensor instead of CUDA's bool mask, and there is no CUDA context/workspace.
@@ -115,15 +119,15 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
                          default=0) * (2 if c.mixed else c.wb)
 
     # ---- activations
-    la = act.layer_activations(c)
+    la = act.measured_layer_activations(c, blocks) if blocks else act.layer_activations(c)
     shared = act.shared_forward_bytes(c)
-    fin = act.final_saved(c)
+    fin = act.final_saved(c, blocks)
     lg = lgt.logits_memory(c)
     if gc:
         layers_saved = L * (la.gc_saved + la.gc_extra)
         recompute = la.saved - la.gc_alias
     else:
-        layers_saved = L * la.saved - la.first_layer_discount
+        layers_saved = la.stack
         recompute = 0
     cpu_act = 0
     if plan.offload_activations:
@@ -157,7 +161,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         down_frac = 0.0
         if c.full and c.sums.per_layer_numel:
             down_frac = sum(i * o * m for _n, i, o, m in roles.mlp_out) / c.sums.per_layer_numel
-        g_bottom = max(0, G - G_emb - int(G_layer * (1 - down_frac)))
+        g_bottom = max(0, G - G_emb - int(G_layer * (1 - down_frac))) + grads.tied_weight_gradient_bytes(c)
         g_end = G
 
     phases: dict[str, tuple[int, dict[str, int]]] = {}
@@ -189,18 +193,23 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
                          activations=top_acts, temporaries=la.bwd_extra + unpack_tmp)
     if gc:
         # block 0 recomputed: its first norm's save is either the kept input (full) or absent (LoRA discount)
-        bottom_acts = la.gc_saved + la.gc_extra + la.saved - (la.first_layer_discount if not c.full else la.gc_alias) + shared
+        bottom_acts = la.gc_saved + la.gc_extra + la.bottom - (la.gc_alias if c.full else 0) + shared
     elif plan.offload_activations:
         bottom_acts = shared
     else:
-        bottom_acts = la.saved - la.first_layer_discount + shared
+        bottom_acts = la.bottom + shared
     cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom, optimizer_states=O,
                              activations=bottom_acts, temporaries=la.bwd_extra + unpack_tmp))
     if gc and la.gc_recompute and not plan.offload_activations:
         # (c') block 0's recompute at its widest MLP-input adapter (see LayerActs.gc_recompute)
         cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom,
                                  optimizer_states=O, activations=bottom_acts + la.gc_recompute))
-    cands.append(_components(parameters=P, gradients=G_pre + (g_end if not ga else 0), optimizer_states=O))
+    # (d) end of backward; tied head/embedding: the shared weight's two gradients summed out of place (three
+    # copies, the sum already the gradient unless accumulating or stepping in backward)
+    E = grads.tied_weight_gradient_bytes(c)
+    g_last = G_pre + (g_end if not ga else 0)
+    cands.append(_components(parameters=P, gradients=g_last, optimizer_states=O,
+                             temporaries=(2 * E if g_last >= E and not ga else 3 * E)))
     bwd = max([rank("backward" + shd.LOSS_MOMENT, at_loss), rank("backward" + shd.TOP_MOMENT, at_top)]
               + [rank("backward", d) for d in cands],
               key=lambda d: sum(d.values()))
@@ -245,11 +254,11 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda") -> M
         peak_phase=peak_phase,
         phases={p: v[0] for p, v in phases.items()},
         engine="analytic",
-        notes=tuple(_notes(c)),
+        notes=tuple(_notes(c, blocks is not None)),
     )
 
 
-def _notes(c: Ctx) -> list[str]:
+def _notes(c: Ctx, measured_blocks: bool) -> list[str]:
     spec, plan = c.spec, c.plan
     notes = []
     if plan.precision == "fp16-mixed":
@@ -264,10 +273,13 @@ def _notes(c: Ctx) -> list[str]:
             "QLoRA in pure bf16: prepare_model_for_kbit_training upcasts embeddings, norms and the head to fp32, "
             "so activations run in fp32 (priced like fp32 QLoRA)"
         )
-    if spec.inventory == "transformers":
+    if measured_blocks:
+        notes.append(f"{spec.model_type}: what its blocks save for backward is measured by replaying their code on "
+                     "fake tensors (cached); the other terms are formulas")
+    elif spec.inventory == "transformers":
         notes.append(f"{spec.model_type}: parameters read from the model transformers builds; activations priced "
-                     "with the generic transformer-block formulas (not measured for this type: within ~2 % for "
-                     "Llama-like blocks, up to -20 % for others); `--engine simulate` replays its real code")
+                     "with the generic transformer-block formulas (checked for this type: see the bundled models' "
+                     "tests); `--engine simulate` replays its real code")
     if spec.num_experts:
         notes.append("MoE: experts_per_token dense MLPs per token with perfect load balance (real routing varies)")
     if spec.arch_kind == "encoder-decoder":

@@ -128,15 +128,28 @@ PEFT_MOE_TARGETS: dict[str, dict[str, str]] = {
 PARAM_WRAPPER = "ParamWrapper"
 
 
+#: peft 0.21 ``tuners/tuners_utils._check_lora_target_modules_mamba``: LoRA on these modules of these model types
+#: raises (the Mamba mixers' ``out_proj`` and ``conv1d``), also when they come from the string ``all-linear``.
+PEFT_LORA_REFUSED_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+PEFT_LORA_REFUSED_MODULES = frozenset({"out_proj", "conv1d"})
+
+
+def lora_refused_names(model_type: str) -> frozenset[str]:
+    """Module names peft refuses to adapt with LoRA on ``model_type`` (:data:`PEFT_LORA_REFUSED_MODULES`): the
+    executor's ``all-linear`` leaves them out, explicit targets naming them are refused."""
+    return PEFT_LORA_REFUSED_MODULES if model_type in PEFT_LORA_REFUSED_TYPES else frozenset()
+
+
 def _executor_targets(spec: ModelSpec, plan: Plan) -> set[str] | None:
     """The target names the executor hands peft (``execute/build.lora_targets_of_model``): None for the string
-    ``all-linear`` (no ``lora_on_head``), else the explicit leaf names (all-linear expanded to every non-head
-    linear, the head added with ``lora_on_head``)."""
-    if plan.lora_targets == ("all-linear",) and not plan.lora_on_head:
+    ``all-linear`` (no ``lora_on_head``, nothing peft refuses on the model), else the explicit leaf names
+    (all-linear expanded to every non-head linear peft adapts, the head added with ``lora_on_head``)."""
+    refused = lora_refused_names(spec.model_type)
+    if plan.lora_targets == ("all-linear",) and not plan.lora_on_head and not refused:
         return None
     names = {t for t in plan.lora_targets if t != "all-linear"}
     if "all-linear" in plan.lora_targets:
-        names |= {g.name for g in spec.groups if g.kind == "linear" and g.name not in HEAD_NAMES}
+        names |= {g.name for g in spec.groups if g.kind == "linear" and g.name not in HEAD_NAMES and g.name not in refused}
     if plan.lora_on_head:
         names |= {g.name for g in spec.groups if g.kind == "linear" and g.name in HEAD_NAMES} or {"lm_head"}
     return names
@@ -223,6 +236,10 @@ def check_lora_targets(spec: ModelSpec, plan: Plan) -> None:
     if not plan.uses_lora or plan.lora_on_head:
         return
     names = sorted({g.name for g in spec.groups if g.kind == "linear"})
+    refused = sorted(lora_refused_names(spec.model_type) & set(plan.lora_targets))
+    if refused:
+        raise BadInput(f"LoRA targets {','.join(refused)}: peft refuses LoRA on them in {spec.model_type} models "
+                       "(Mamba mixers)", "leave them out; all-linear adapts every other linear")
     if not any(lora_targets_match(n, plan.lora_targets) for n in names):
         raise BadInput(f"LoRA targets {','.join(plan.lora_targets)} match no linear module of {spec.name}",
                        f"use all-linear or some of: {', '.join(names)}")

@@ -37,10 +37,22 @@ def embedding_gradient_bytes(c: Ctx) -> int:
     return c.sums.embed_numel * c.wb if c.full else 0
 
 
+def tied_weight_gradient_bytes(c: Ctx) -> int:
+    """Full fine-tuning with the head tied to the input embedding: the head's gradient of the shared weight
+    (vocab x hidden). Autograd holds it in the shared weight's input buffer from the head's backward (first) until
+    the embedding's gradient arrives (last), then sums the two out of place (torch/csrc/autograd/input_buffer.cpp
+    ``InputBuffer::add``: ``old + new``, the buffer is not reused in place) before ``AccumulateGrad`` takes the sum:
+    one copy through the whole backward and three at its end. Measured tensor by tensor on a real CPU step
+    (``aten.mm``, ``aten.embedding_dense_backward``, ``aten.add.Tensor``) and by the simulated engine."""
+    if not (c.full and c.spec.tie_word_embeddings and c.spec.arch_kind != "encoder"):
+        return 0
+    return c.spec.vocab_size * c.spec.hidden_size * c.wb
+
+
 def head_gradient_bytes(c: Ctx) -> int:
     """Gradient of the output head and final norm (computed first in backward)."""
     if c.full:
-        return (c.sums.head_numel + c.spec.hidden_size) * c.wb
+        return (c.sums.head_numel + c.spec.hidden_size) * c.wb + tied_weight_gradient_bytes(c)
     if c.plan.lora_on_head:
         for g in c.lora_groups:
             if not g.per_layer:
