@@ -105,14 +105,20 @@ def test_measurements_are_cached_on_disk(monkeypatch, tmp_path):
     blocks._cached.cache_clear()
 
 
-def test_block_period_from_the_config():
+def test_how_blocks_repeat_is_read_from_transformers_config():
+    """Only block 0, what precedes the repetition and one repeating unit are replayed."""
+    bf16 = validate(Plan(method="lora", precision="bf16"))
     jamba = spec_from_config(tiny("jamba", layers=16, attn_layer_period=8, attn_layer_offset=4,
                                   expert_layer_period=2, expert_layer_offset=1, num_experts=4), name="jamba")
-    assert blocks.block_period(jamba) == 8 and blocks.replay_depth(jamba) == 9
-    alternating = spec_from_config(tiny("lfm2", layers=8, layer_types=["conv", "conv", "full_attention"] * 2
-                                        + ["conv", "conv"], block_ff_dim=128), name="lfm2")
-    assert blocks.block_period(alternating) is None or blocks.replay_depth(alternating) == 8
-    assert blocks.extend((1, 2, 3), 6) == (1, 2, 3, 2, 3, 2)
+    assert blocks.replay_depth(jamba, bf16) == (0, 8)
+    deepseek = spec_from_config(tiny("deepseek_v3", layers=8, first_k_dense_replace=3, n_routed_experts=4,
+                                     num_experts_per_tok=2, moe_intermediate_size=32), name="deepseek_v3")
+    assert blocks.replay_depth(deepseek, bf16) == (2, 1)  # three dense blocks, then MoE blocks
+    cohere = spec_from_config(tiny("cohere2", layers=8, sliding_window_pattern=4), name="cohere2")
+    assert blocks.replay_depth(cohere, bf16) == (0, 4)
+    assert blocks.replay_plan([("a",), ("b",), ("c",)]) == (3, 0)  # nothing repeats: every block
+    assert blocks.extend((1, 2, 3), 0, 2, 6) == (1, 2, 3, 2, 3, 2)
+    assert blocks.extend((1, 1, 1, 5), 2, 1, 6) == (1, 1, 1, 5, 5, 5)
 
 
 def test_mamba_all_linear_leaves_out_what_peft_refuses():

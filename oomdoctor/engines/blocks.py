@@ -10,8 +10,8 @@ the plan's autocast on fake tensors with a :class:`~oomdoctor.execute.tracking.L
 activation bytes autograd saves for backward in each block and after the last one (the final norm). The forward
 stops at the output head: the head and the loss are priced by their own formulas.
 
-Block 0 and one repeating unit of blocks are replayed when the config says how blocks repeat (``block_period``),
-every block otherwise; at micro-batch 1 (what a block saves is linear in the batch), at the plan's sequence length,
+Block 0, the blocks before the repetition and one repeating unit are replayed when transformers' config says how
+blocks differ (``layer_kinds``), every block otherwise; at micro-batch 1 (what a block saves is linear in the batch), at the plan's sequence length,
 with the plan's gradient checkpointing (a checkpointed block keeps its input, a formula, and recomputes the rest
 inside its measured backward). Results are cached in memory and
 on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``),
@@ -23,18 +23,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from oomdoctor.memory.activations import BlockSaves
+from oomdoctor.plan import Plan
+
 if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
-    from oomdoctor.plan import Plan
-
-from oomdoctor.memory.activations import BlockSaves
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 7
+VERSION = 8
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas are checked
@@ -58,11 +60,19 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
 
 
 def measured_plan(plan: "Plan") -> "Plan":
-    """The plan the measurement runs: the knobs that decide what a block saves (checkpointing included), at
-    micro-batch 1, one GPU, no offload; optimizer and accumulation do not touch the blocks."""
-    return plan.with_(micro_batch=1, grad_accum=1, offload_activations=False,
-                      optimizer_in_backward=False, world_size=1, strategy="single", optimizer="adamw",
-                      offload_optimizer=False, offload_params=False, loss="standard")
+    """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision,
+    attention, checkpointing, sequence length, LoRA targets/rank/dropout, int8 or 4-bit): micro-batch 1, one GPU,
+    no offload; the optimizer, accumulation, topology, the head's adapter, LoRA's scale, the 4-bit data type and
+    double quantization do not touch the blocks and take their defaults (one cache entry for them all)."""
+    from oomdoctor.plan.techniques import DEFAULTS
+
+    keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant")
+    if plan.uses_lora:
+        keep += ("lora_r", "lora_dropout", "lora_targets")
+    canonical = {k: v for k, v in DEFAULTS.items() if k not in keep and k in Plan.__dataclass_fields__}
+    if plan.quant == "fp4":
+        canonical["quant"] = "nf4"  # same shapes, same dequantized compute
+    return replace(plan, **canonical)
 
 
 def _key(spec: "ModelSpec", plan: "Plan") -> str:
@@ -89,45 +99,80 @@ def block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
     return _cached(spec, measured_plan(plan))
 
 
-#: Model types whose blocks are all built alike with no per-block list in their config.
-HOMOGENEOUS_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "falcon_h1"})
+#: Per-layer lists in a transformers config that hold block indices (membership marks a block's kind).
+INDEX_LIST_KEYS = frozenset({"mlp_only_layers", "moe_layers", "full_attn_idxs", "attn_layer_indices",
+                             "cross_attention_layers", "hybrid_layer_ids"})
+#: Config keys that vary blocks with their index: ``key: (value, i) -> kind of block i`` (Jamba's periods: the kind
+#: is ``i mod period``, which its offset only shifts).
+_INDEX_RULES = {
+    "first_k_dense_replace": lambda v, i: i < v,
+    "max_window_layers": lambda v, i: i >= v,
+    "moe_layer_start_index": lambda v, i: i >= v,
+    "moe_layer_end_index": lambda v, i: i <= v,
+    **{k: (lambda v, i: i % v if v else 0) for k in (
+        "moe_layer_interval", "decoder_sparse_step", "interleave_moe_layer_step", "no_rope_layer_interval",
+        "sliding_window_pattern", "_sliding_window_pattern", "expert_layer_period", "attn_layer_period")},
+}
+#: Config keys about layers that do not make blocks differ.
+_NOT_PER_LAYER = frozenset({"num_hidden_layers", "layer_norm_eps", "layer_norm_epsilon", "num_nextn_predict_layers",
+                            "mtp_layers_block_type", "expert_layer_offset", "attn_layer_offset"})
+_LAYER_KEY = re.compile(r"layer|pattern|interval|step_?$|freq|period|idxs|indices|first_k")
 
 
-def block_period(spec: "ModelSpec") -> int | None:
-    """Blocks per repeating unit when the config says how blocks differ: the period of its per-block lists
-    (``layer_types``, ``layers_block_type``), Jamba's attention/expert periods, 1 for
-    :data:`HOMOGENEOUS_TYPES`; None when it cannot be read from the config (the replay then runs every block)."""
-    from math import lcm
+def layer_kinds(spec: "ModelSpec", plan: "Plan") -> list | None:
+    """What makes each block differ from the others, per block, as transformers' config says (its per-layer lists,
+    index lists and index rules, read after the config class filled them in): None when the config has a
+    layer-related key this does not understand (the replay then runs every block)."""
+    from oomdoctor.execute.build import hf_config
 
-    from oomdoctor.execute.build import LAYER_LIST_KEYS
-
-    cfg, L = spec.config, spec.num_layers
-    periods = []
-    for k in LAYER_LIST_KEYS:
-        v = cfg.get(k)
-        if isinstance(v, list) and len(v) == L and v:
-            periods.append(next(p for p in range(1, L + 1) if L % p == 0 and all(v[i] == v[i % p] for i in range(L))))
-    if isinstance(cfg.get("attn_layer_period"), int) and isinstance(cfg.get("expert_layer_period"), int):
-        periods.append(lcm(cfg["attn_layer_period"], cfg["expert_layer_period"]))
-    if not periods:
-        return 1 if spec.model_type in HOMOGENEOUS_TYPES else None
-    return lcm(*periods)
-
-
-def replay_depth(spec: "ModelSpec") -> int:
-    """Blocks the measurement replays: one repeating unit after block 0 (which differs under LoRA: its input needs
-    no gradient) when :func:`block_period` knows it, else every block."""
-    p, L = block_period(spec), spec.num_layers
-    return p + 1 if p is not None and L % p == 0 and p + 1 < L else L
+    d = hf_config(spec, plan).get_text_config().to_dict()
+    L = spec.num_layers
+    kinds: list[list] = [[] for _ in range(L)]
+    for key, v in d.items():
+        if not _LAYER_KEY.search(key) or key in _NOT_PER_LAYER or v is None or key.startswith("time_step"):
+            continue
+        if key in INDEX_LIST_KEYS and isinstance(v, list):
+            for i in range(L):
+                kinds[i].append(i in v)
+        elif isinstance(v, (list, str)) and len(v) == L:
+            for i in range(L):
+                kinds[i].append(v[i])
+        elif key in _INDEX_RULES and isinstance(v, int):
+            for i in range(L):
+                kinds[i].append(_INDEX_RULES[key](v, i))
+        else:
+            return None
+    return [tuple(k) for k in kinds]
 
 
-def extend(measured: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
-    """Per-block bytes of all ``num_layers`` blocks from a replay of block 0 and one repeating unit (block ``i >= 1``
-    is of the kind of replayed block ``((i - 1) mod p) + 1``)."""
-    p = len(measured) - 1
-    if p <= 0 or len(measured) == num_layers:
+def replay_plan(kinds: list) -> tuple[int, int]:
+    """(q, p) for the fewest blocks to replay: blocks after ``q + 1`` repeat with period ``p`` (``kinds[i] ==
+    kinds[i - p]``), so blocks ``0 .. q + p`` are replayed; block 0 is always its own (under LoRA its input needs
+    no gradient)."""
+    L = len(kinds)
+    best = (L, 0)
+    for q in range(L):
+        for p in range(1, L - q):
+            if q + p + 1 >= L or q + p >= sum(best):
+                break
+            if all(kinds[i] == kinds[i - p] for i in range(q + 1 + p, L)):
+                best = (q, p)
+                break
+    return best
+
+
+def replay_depth(spec: "ModelSpec", plan: "Plan") -> tuple[int, int]:
+    """(q, p) of :func:`replay_plan` for the model, or (L, 0) to replay every block."""
+    kinds = layer_kinds(spec, plan)
+    return replay_plan(kinds) if kinds else (spec.num_layers, 0)
+
+
+def extend(measured: tuple[int, ...], q: int, p: int, num_layers: int) -> tuple[int, ...]:
+    """Per-block bytes of all ``num_layers`` blocks from a replay of blocks ``0 .. q + p`` (block ``i > q + p`` is
+    of the kind of replayed block ``q + 1 + ((i - q - 1) mod p)``)."""
+    if p == 0:
         return measured
-    return (measured[0],) + tuple(measured[((i - 1) % p) + 1] for i in range(1, num_layers))
+    return tuple(measured[i] if i < len(measured) else measured[q + 1 + (i - q - 1) % p] for i in range(num_layers))
 
 
 @lru_cache(maxsize=512)
@@ -180,8 +225,8 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
     from oomdoctor.execute.step import TrainStep
     from oomdoctor.execute.tracking import LiveBytes
 
-    depth = replay_depth(spec)
-    built = _meta_model(spec, plan, depth if depth < spec.num_layers else None, True)
+    q, p = replay_depth(spec, plan)
+    built = _meta_model(spec, plan, q + p + 1 if p else None, True)
     model = built.model
     with FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False), _fake_gaps():
         model.to_empty(device="cpu")
@@ -272,5 +317,5 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
         for mod, fn in restore:
             mod._gradient_checkpointing_func = fn
         lb.remove_hooks()
-    return BlockSaves(extend(tuple(per_block[:-1]), spec.num_layers), per_block[-1], max(fwd_t), max(bwd_t),
+    return BlockSaves(extend(tuple(per_block[:-1]), q, p, spec.num_layers), per_block[-1], max(fwd_t), max(bwd_t),
                       plan.gradient_checkpointing)

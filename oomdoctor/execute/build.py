@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: config.json keys that hold the number of transformer blocks, per convention.
 LAYER_KEYS: tuple[str, ...] = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 #: Config keys listing one entry per block (the block kinds of hybrids and of alternating attention).
-LAYER_LIST_KEYS: tuple[str, ...] = ("layer_types", "layers_block_type")
+LAYER_LIST_KEYS: tuple[str, ...] = ("layer_types", "layers_block_type", "no_rope_layers")
 
 
 @dataclass
