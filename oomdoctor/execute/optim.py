@@ -286,8 +286,12 @@ class OptimizerInBackward:
         self.inner = inner
         self.param_groups = [g for o in inner.values() for g in o.param_groups]
         self.defaults: dict = {}
-        self.state: dict = {}
         self.hooks = [p.register_post_accumulate_grad_hook(self._step_param) for p in inner]
+
+    @property
+    def state(self) -> dict:
+        """The inner optimizers' states by parameter (what trackers classify as optimizer states)."""
+        return {p: st for o in self.inner.values() for p, st in o.state.items()}
 
     def _step_param(self, p) -> None:
         opt = self.inner[p]
