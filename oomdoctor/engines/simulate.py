@@ -528,9 +528,9 @@ def estimate_simulated(spec: "ModelSpec", plan: "Plan") -> MemoryBreakdown:
     if why:
         import dataclasses
 
-        from oomdoctor.memory.analytic import estimate_analytic
+        from oomdoctor.engines import estimate
 
-        bd = estimate_analytic(spec, plan)
+        bd = estimate(spec, plan, "analytic")
         return dataclasses.replace(bd, notes=bd.notes + (f"{why}: analytic estimate",))
     return simulate_plan(spec, plan).breakdown
 
