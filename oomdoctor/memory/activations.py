@@ -376,9 +376,10 @@ def layer_activations(c: Ctx) -> LayerActs:
             inner += ab * T * (qd + kv_w / 2)
         out_saved_by_attn = True
     att += n_att * inner
-    att += consumers_saved(c, T, ab, roles.attn_out, already_saved=out_saved_by_attn or (c.full and not c.mixed))
+    out_saved = consumers_saved(c, T, ab, roles.attn_out, already_saved=out_saved_by_attn or (c.full and not c.mixed))
     if attn_impl == "eager" and c.full and c.mixed:
-        att += n_att * ab * T * qd  # o_proj saves the bf16 output copy (autocast cast is a no-op on bf16)
+        out_saved += n_att * ab * T * qd  # o_proj saves the bf16 output copy (autocast cast is a no-op on bf16)
+    att += out_saved
 
     # --- MLP
     gated = spec.mlp_kind == "gated"
@@ -513,7 +514,12 @@ def layer_activations(c: Ctx) -> LayerActs:
                 mlp_b = max(mlp_b, c.wb * (3 * w_gu + w_d))
     att_b = ab * T * (qd + kv_w) + 4 * T * qd
     if attn_impl == "eager":
-        att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w)
+        # at the softmax backward: the probabilities' gradient in fp32 and the softmax's input gradient (fp32),
+        # the compute-dtype probabilities already freed by the PV matmul's backward: (ab + 4) bytes per score net.
+        # Already freed too, in a sequential block: what the output projection, the MLP norm and the MLP saved
+        # (their backward ran first). Measured op by op on a replayed Llama block (eager, GC, bf16/fp32).
+        after = 0 if spec.parallel_attn else out_saved + norm_saved(c, h, T, rb) + mlp
+        att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w) - after
     lora_b = 0
     if not c.full:
         # peft LoRA backward of one adapted module (in -> out), at the dropout backward where it peaks (measured on
