@@ -287,6 +287,12 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     step_peaks: list[int] = []
     n_micro = min(max(plan.grad_accum, 1), 2) if micro_batches is None else micro_batches
     hooks = _head_region_hooks(head, lb)
+    tail_starts: list[int] = []
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None:
+        # the input embedding's backward starts the tail of backward (after every block): a moment aligned across
+        # block counts for the extrapolation (a tied head's gradients are summed there, with every gradient alive)
+        hooks.append(emb.register_full_backward_pre_hook(lambda _m, _g: tail_starts.append(lb.events)))
     policy_cls = _cuda_policy_mode_cls() if target == "cuda" else None
     restore_ckpt = _wrap_checkpoint_functions(model, lb, policy_cls, classify=checkpoint_region) \
         if plan.gradient_checkpointing else []
@@ -311,18 +317,26 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     for mod, fn in restore_ckpt:
         mod._gradient_checkpointing_func = fn
     lb.remove_hooks()
-    return _stats(lb, step_peaks, param_bytes, adapter_bytes, trainable_bytes)
+    return _stats(lb, step_peaks, param_bytes, adapter_bytes, trainable_bytes, tail_starts[-1:])
 
 
-def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int, trainable_bytes: int) -> RunStats:
+def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int, trainable_bytes: int,
+           tail_start: list[int] = ()) -> RunStats:
     peaks = lb.phase_peaks
     phase_cats = {ph: lb.categories_at(ev) for ph, ev in lb.phase_peak_events().items()}
-    # aligned candidate moments for extrapolation: the peak, and the start/end of the last instance of each phase
+    # aligned candidate moments for extrapolation: the peak, the start/end of the last instance of each phase and,
+    # in backward, the peak of its tail (from the input embedding's backward on)
     last: dict[str, tuple] = {}
     for name, start, end, _pk in lb.spans():
         last[name] = (start, end)
     candidates = {ph: [phase_cats[ph]] + [_within(lb.categories_at(ev), phase_cats[ph], peaks[ph]) for ev in last[ph]]
                   for ph in phase_cats}
+    tail = []
+    if tail_start and lb.history and "backward" in last and last["backward"][1] is not None:
+        tail = [lb.categories_at(ev) for ev in range(tail_start[0], last["backward"][1] + 1)]
+    if tail:
+        candidates["backward"].append(_within(max(tail, key=lambda c: sum(c.values())), phase_cats["backward"],
+                                              peaks["backward"]))
     best = max(PHASES, key=lambda ph: peaks.get(ph, -1))
     return RunStats(
         layers=0,

@@ -123,12 +123,21 @@ DEFAULT_ACT = {"gpt2": "gelu_new", "phi": "gelu_new", "falcon": "gelu", "gemma":
                "gemma2": "gelu_pytorch_tanh", "bert": "gelu", "t5": "relu"}
 
 
-def act_extra_tensors(spec: ModelSpec) -> int:
+#: Composite activations that cube their input with ``torch.pow`` (transformers ``NewGELUActivation``,
+#: ``GELUActivation`` accurate): under CUDA autocast ``pow`` runs in fp32, so the tanh branch is fp32 throughout.
+POW_ACTS = frozenset({"gelu_new", "gelu_accurate"})
+
+
+def activation_name(spec: ModelSpec) -> str:
     for key in ("hidden_act", "activation_function", "hidden_activation", "feed_forward_proj"):
         v = spec.config.get(key)
         if isinstance(v, str):
-            return ACT_EXTRA_TENSORS.get(v.replace("gated-", ""), 0)
-    return ACT_EXTRA_TENSORS.get(DEFAULT_ACT.get(spec.model_type, ""), 0)
+            return v.replace("gated-", "")
+    return DEFAULT_ACT.get(spec.model_type, "")
+
+
+def act_extra_tensors(spec: ModelSpec) -> int:
+    return ACT_EXTRA_TENSORS.get(activation_name(spec), 0)
 
 
 def effective_attn(spec: ModelSpec, attn: str) -> str:
@@ -433,6 +442,11 @@ def layer_activations(c: Ctx) -> LayerActs:
         mab = 4 if (c.quant is not None and c.mixed and any(_quantized(spec, n) for n, *_x in roles.mlp_in)) else ab
         mlp += (3 if gated else 1) * mab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
         mlp += act_extra_tensors(spec) * mab * T * I  # activations composed of several pointwise ops
+        if c.mixed and mab == 2 and activation_name(spec) in POW_ACTS:
+            # autocast: pow saves the fp32 cast of its input (not the bf16 input), and tanh's output, 1 + tanh are
+            # fp32 (0.5·x stays bf16): 4 + 4 + 4 + 2 bytes per element, not 4 x 2 (measured on Phi-2 with the
+            # simulated engine: -8 % for a full bf16-mixed fine-tune before)
+            mlp += 6 * T * I
         down = consumers_saved(c, T, mab, roles.mlp_out)
         mlp += down
         mlp_after += mlp
@@ -493,6 +507,11 @@ def layer_activations(c: Ctx) -> LayerActs:
     # flow (2 x hidden); SDPA/flash: dq/dk/dv + fp32 dq accumulator; eager: grad of probs + fp32 softmax grad.
     flow = 2 * rb * T * h
     mlp_b = ((3 if gated else 2) * ab * T * I * ktok) - down
+    if not gated and c.mixed and mab_global(c, roles) == 2 and activation_name(spec) in POW_ACTS:
+        # autocast gelu_new: the backward of 0.5·x (bf16) times the fp32 tanh branch holds the incoming bf16
+        # gradient, its fp32 cast, both fp32 products and the bf16 cast of one: 16 bytes per element (traced op by
+        # op on a replayed Phi block), fc2's saved input already freed
+        mlp_b = max(mlp_b, 16 * T * I - down)
     if spec.num_experts and not roles.mlp_in:
         # fused experts' output path backward (transformers integrations/moe.py grouped_mm_experts_forward:
         # ``(proj_out * weights)[inv_perm].view(T, k, h).sum(1)``): the index backward's zeros + index_put and the
