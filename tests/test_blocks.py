@@ -136,3 +136,17 @@ def test_mamba_all_linear_leaves_out_what_peft_refuses():
     assert adapted == priced
     with pytest.raises(BadInput, match="out_proj"):
         estimate(spec, plan.with_(lora_targets=("in_proj", "out_proj")))
+
+
+def test_a_model_the_executor_cannot_build_is_priced_by_the_formulas():
+    """Vision-language classes: transformers builds their text side only inside the multimodal model, which is not
+    a causal LM the executor can train; the analytic engine falls back to its formulas, with their note."""
+    from transformers import AutoConfig
+
+    from oomdoctor.model.architectures import build_spec
+
+    spec = build_spec(AutoConfig.for_model("qwen2_5_vl").to_dict(), "qwen2_5_vl")
+    plan = validate(Plan(method="qlora", precision="bf16", seq_len=512, gradient_checkpointing=True))
+    assert blocks.measures_blocks(spec, plan) and blocks.block_saves(spec, plan) is None
+    mem = estimate(spec, plan)
+    assert mem.peak_device > 0 and any("generic transformer-block formulas" in n for n in mem.notes)

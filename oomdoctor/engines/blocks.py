@@ -94,8 +94,10 @@ def cache_dir() -> Path:
     return Path(base) / "oomdoctor" / "blocks"
 
 
-def block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
-    """The measured :class:`BlockSaves` of ``spec`` under ``plan`` (cached)."""
+def block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
+    """The measured :class:`BlockSaves` of ``spec`` under ``plan`` (cached); None when the executor cannot build or
+    run the model as a causal LM (vision-language classes whose text side transformers builds only inside the
+    multimodal model): the formulas price it then, with their note."""
     return _cached(spec, measured_plan(plan))
 
 
@@ -176,7 +178,7 @@ def extend(measured: tuple[int, ...], q: int, p: int, num_layers: int) -> tuple[
 
 
 @lru_cache(maxsize=512)
-def _cached(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
+def _cached(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
     path = cache_dir() / f"{_key(spec, plan)}.json"
     try:
         doc = json.loads(path.read_text())
@@ -184,7 +186,10 @@ def _cached(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
                           int(doc["backward_transient"]), bool(doc["checkpointed"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    saves = measure_block_saves(spec, plan)
+    try:
+        saves = measure_block_saves(spec, plan)
+    except Exception:  # noqa: BLE001 - a model the executor cannot build or replay: the formulas price it
+        return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -196,6 +201,19 @@ def _cached(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
     except OSError:
         pass  # a read-only cache only costs the next run a replay
     return saves
+
+
+def _blocks_of(model) -> list:
+    """The decoder's blocks: its ``layers`` list when it has one (not a longer list elsewhere, such as a vision
+    tower's blocks or per-expert modules), else the model's biggest ``ModuleList``."""
+    import torch
+
+    from oomdoctor.execute.build import find_layers
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) and len(layers) else find_layers(base)
 
 
 class _StackDone(Exception):
@@ -221,7 +239,7 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
     from oomdoctor.engines.replay import (TrackingHooks, _cuda_policy_mode_cls, _wrap_checkpoint_functions,
                                           cuda_autocast_answers, hf_data_paths)
     from oomdoctor.engines.simulate import _fake_gaps, _meta_model, _retie
-    from oomdoctor.execute.build import find_layers, make_batch
+    from oomdoctor.execute.build import make_batch
     from oomdoctor.execute.step import TrainStep
     from oomdoctor.execute.tracking import LiveBytes
 
@@ -234,7 +252,7 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
         batch = make_batch(spec, plan, "cpu")
         lb = LiveBytes(round_to=512, param_copy_category="master_weights")
         lb.track_module(model)
-        layers = find_layers(model)
+        layers = _blocks_of(model)
         n = len(layers)
         per_block = [0] * (n + 1)  # the blocks, then the final norm
         fwd_t, bwd_t = [0] * n, [0] * n

@@ -278,8 +278,7 @@ def _notes(c: Ctx, measured_blocks: bool) -> list[str]:
                      "fake tensors (cached); the other terms are formulas")
     elif spec.inventory == "transformers":
         notes.append(f"{spec.model_type}: parameters read from the model transformers builds; activations priced "
-                     "with the generic transformer-block formulas (checked for this type: see the bundled models' "
-                     "tests); `--engine simulate` replays its real code")
+                     "with the generic transformer-block formulas (its blocks were not replayed for this plan)")
     if spec.num_experts:
         notes.append("MoE: experts_per_token dense MLPs per token with perfect load balance (real routing varies)")
     if spec.arch_kind == "encoder-decoder":
