@@ -150,3 +150,21 @@ def test_a_model_the_executor_cannot_build_is_priced_by_the_formulas():
     assert blocks.measures_blocks(spec, plan) and blocks.block_saves(spec, plan) is None
     mem = estimate(spec, plan)
     assert mem.peak_device > 0 and any("generic transformer-block formulas" in n for n in mem.notes)
+
+
+def test_llama4_all_linear_leaves_out_its_tuple_returning_router():
+    """Llama 4's router is an nn.Linear subclass returning a tuple, which peft's LoRA forward cannot add to: the
+    executor's all-linear leaves it out (and prices what it runs); its own experts code takes no kernel choice."""
+    from oomdoctor.execute.build import build_model
+    from oomdoctor.memory.context import lora_groups_of
+
+    spec = spec_from_config(tiny("llama4_text", layers=2, num_local_experts=4, intermediate_size_mlp=128,
+                                 moe_layers=[0, 1]), name="llama4_text")
+    plan = validate(Plan(method="lora", precision="bf16", seq_len=64))
+    priced = {g.name for g in lora_groups_of(spec, plan)}
+    assert priced and "router" not in priced
+    model = build_model(spec, plan, device="meta").model
+    adapted = {n.split(".")[-4] for n, _ in model.named_parameters() if n.endswith("lora_A.default.weight")}
+    assert adapted == priced
+    a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
+    assert abs(a.peak_allocated - s.peak_allocated) <= 0.02 * s.peak_allocated

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 8
+VERSION = 9
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas are checked
@@ -230,7 +230,8 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
     what exists before the first block (rotary tables, attention masks) is the formulas' shared forward tensors;
     weights and autocast's weight casts are not activations (``parameters``/``master_weights`` for the tracker).
     Transients: the peak of a block's forward above what it leaves, and the peak of its backward above the bytes
-    alive when it starts, gradients of weights excluded (priced as gradients)."""
+    alive when it starts — its weights' gradients included: the analytic engine's top-block moment holds the
+    head's gradients only (full fine-tuning of hybrid MoE blocks + GC: -2.2 % with them excluded, 0.0 % included)."""
     from contextlib import ExitStack
 
     import torch
@@ -293,21 +294,14 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
 
         def bwd_leave(i: int):
             def hook(_m, _gi, _go):
-                grads = lb.categories_at(lb.peak_event)["gradients"] - lb.categories_at(start_event[0])["gradients"]
-                bwd_t[i] = max(0, lb.peak - start[0] - grads)
+                bwd_t[i] = max(0, lb.peak - start[0])
             return hook
-
-        start_event = [0]
-
-        def bwd_enter_i(m, g):
-            start_event[0] = lb.events
-            bwd_enter(m, g)
 
         hooks = []
         for i, layer in enumerate(layers):
             hooks += [layer.register_forward_pre_hook(enter(i), with_kwargs=True),
                       layer.register_forward_hook(leave(i)),
-                      layer.register_full_backward_pre_hook(bwd_enter_i),
+                      layer.register_full_backward_pre_hook(bwd_enter),
                       layer.register_full_backward_hook(bwd_leave(i))]
         hooks.append(built.head_module.register_forward_pre_hook(head_reached))
         policy_cls = _cuda_policy_mode_cls()

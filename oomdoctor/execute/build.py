@@ -100,8 +100,17 @@ def attn_implementation(plan: "Plan") -> str:
 
 
 def experts_kwargs(plan: "Plan", config) -> dict:
-    """``experts_implementation=`` for ``from_config``/``from_pretrained`` of a MoE config (dense models refuse it)."""
-    return {"experts_implementation": experts_implementation(plan)} if _num_experts(config) else {}
+    """``experts_implementation=`` for ``from_config``/``from_pretrained`` of a MoE config whose experts use
+    transformers' switchable kernels (``@use_experts_implementation``); dense models and MoE classes with their own
+    experts code (Llama 4's batched experts) refuse it."""
+    if not _num_experts(config):
+        return {}
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if cls is None or not cls._can_set_experts_implementation():
+        return {}
+    return {"experts_implementation": experts_implementation(plan)}
 
 
 #: Leaf class names of the linear layers LoRA can adapt (torch, bitsandbytes, the bnb stand-ins subclass these).

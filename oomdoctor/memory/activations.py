@@ -246,8 +246,8 @@ class BlockSaves:
     forward_transient: int
     """The largest peak of a block's forward above the bytes it leaves."""
     backward_transient: int
-    """The largest peak of a block's backward above the bytes alive when it starts, weight gradients excluded (under
-    gradient checkpointing: with its recompute)."""
+    """The largest peak of a block's backward above the bytes alive when it starts, its weights' gradients included
+    (under gradient checkpointing: with its recompute)."""
     checkpointed: bool = False
     """Measured with gradient checkpointing: ``per_block`` is then empty of what checkpointed blocks save (each keeps
     its input, a formula) and the transients are those of checkpointed blocks."""

@@ -128,16 +128,21 @@ PEFT_MOE_TARGETS: dict[str, dict[str, str]] = {
 PARAM_WRAPPER = "ParamWrapper"
 
 
-#: peft 0.21 ``tuners/tuners_utils._check_lora_target_modules_mamba``: LoRA on these modules of these model types
-#: raises (the Mamba mixers' ``out_proj`` and ``conv1d``), also when they come from the string ``all-linear``.
-PEFT_LORA_REFUSED_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
-PEFT_LORA_REFUSED_MODULES = frozenset({"out_proj", "conv1d"})
+_MAMBA_MIXER = frozenset({"out_proj", "conv1d"})
+#: Linear modules peft cannot adapt with LoRA, by model type, also when they come from the string ``all-linear``:
+#: the Mamba mixers' ``out_proj``/``conv1d`` (peft 0.21 ``tuners/tuners_utils._check_lora_target_modules_mamba``
+#: raises); Llama 4's ``router``, an nn.Linear subclass returning a tuple, which peft's LoRA forward cannot add to
+#: (``'tuple' object has no attribute 'dtype'``, found replaying it).
+PEFT_LORA_REFUSED: dict[str, frozenset[str]] = {
+    **dict.fromkeys(("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"), _MAMBA_MIXER),
+    **dict.fromkeys(("llama4", "llama4_text"), frozenset({"router"})),
+}
 
 
 def lora_refused_names(model_type: str) -> frozenset[str]:
-    """Module names peft refuses to adapt with LoRA on ``model_type`` (:data:`PEFT_LORA_REFUSED_MODULES`): the
-    executor's ``all-linear`` leaves them out, explicit targets naming them are refused."""
-    return PEFT_LORA_REFUSED_MODULES if model_type in PEFT_LORA_REFUSED_TYPES else frozenset()
+    """Module names peft cannot adapt with LoRA on ``model_type`` (:data:`PEFT_LORA_REFUSED`): the executor's
+    ``all-linear`` leaves them out, explicit targets naming them are refused."""
+    return PEFT_LORA_REFUSED.get(model_type, frozenset())
 
 
 def _executor_targets(spec: ModelSpec, plan: Plan) -> set[str] | None:
@@ -238,8 +243,8 @@ def check_lora_targets(spec: ModelSpec, plan: Plan) -> None:
     names = sorted({g.name for g in spec.groups if g.kind == "linear"})
     refused = sorted(lora_refused_names(spec.model_type) & set(plan.lora_targets))
     if refused:
-        raise BadInput(f"LoRA targets {','.join(refused)}: peft refuses LoRA on them in {spec.model_type} models "
-                       "(Mamba mixers)", "leave them out; all-linear adapts every other linear")
+        raise BadInput(f"LoRA targets {','.join(refused)}: peft cannot adapt them in {spec.model_type} models",
+                       "leave them out; all-linear adapts every other linear")
     if not any(lora_targets_match(n, plan.lora_targets) for n in names):
         raise BadInput(f"LoRA targets {','.join(plan.lora_targets)} match no linear module of {spec.name}",
                        f"use all-linear or some of: {', '.join(names)}")
