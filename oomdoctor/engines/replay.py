@@ -280,6 +280,8 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     ``on_step(step_index)`` is called after each step (the measured engine samples NVML there).
     ``micro_batches``: forward/backward passes per optimizer step (None: 2 when ``plan.grad_accum >= 2`` — the
     later micro-batches all run with the gradients allocated (accumulated in place) and are identical — else 1)."""
+    import torch
+
     lb.track_module(model)
     adapter_bytes = sum(lb.counted_bytes(p) for n, p in model.named_parameters() if "lora_" in n)
     trainable_bytes = sum(lb.counted_bytes(p) for p in model.parameters() if p.requires_grad)
@@ -292,7 +294,11 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     if emb is not None:
         # the input embedding's backward starts the tail of backward (after every block): a moment aligned across
         # block counts for the extrapolation (a tied head's gradients are summed there, with every gradient alive)
-        hooks.append(emb.register_full_backward_pre_hook(lambda _m, _g: tail_starts.append(lb.events)))
+        def _mark_tail(_m, _a, out):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda _g: tail_starts.append(lb.events))
+
+        hooks.append(emb.register_forward_hook(_mark_tail))
     policy_cls = _cuda_policy_mode_cls() if target == "cuda" else None
     restore_ckpt = _wrap_checkpoint_functions(model, lb, policy_cls, classify=checkpoint_region) \
         if plan.gradient_checkpointing else []
