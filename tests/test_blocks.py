@@ -97,6 +97,9 @@ def test_measurements_are_cached_on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(blocks, "measure_block_saves", no_replay)
     # what does not change what a block saves shares the entry: batch, accumulation, optimizer
     assert blocks.block_saves(spec, plan.with_(micro_batch=4, grad_accum=2, optimizer="sgd")) == first
+    # sequence lengths share the measurement at the next power of two (tune --seq-len max bisects over them)
+    assert blocks.measured_seq_len(100) == 128 and blocks.measured_seq_len(128) == 128
+    assert blocks.block_saves(spec, plan.with_(seq_len=100)) == first
     blocks._cached.cache_clear()
     entry.write_text("{not json")  # a damaged entry is measured again, never trusted
     monkeypatch.undo()

@@ -317,6 +317,26 @@ def test_seq_len_max_finds_the_longest_context_and_the_yaml_passes_the_dry_run(m
     assert isinstance(bad.exception, BadInput)  # exit 2 through oomdoctor.cli.main
 
 
+def test_a_longest_context_that_fails_verification_is_calibrated_down():
+    """--seq-len max when the replay finds the memory model's longest context over the budget: the overshoot it
+    measured scales the model, the longest sequence that fits then is searched again (below the failed one, at the
+    boundary: 64 tokens more do not fit), and tune's recursion verifies it."""
+    from oomdoctor.engines import estimate as price
+    from oomdoctor.model.load import load_spec
+    from oomdoctor.plan.budget import resolve_budget as rb
+    from oomdoctor.tune.tuner import Trial, calibrated_context
+
+    spec, budget = load_spec("meta-llama/Llama-3.1-8B"), rb(80 * 10**9, None, None)
+    plan = Plan(method="qlora", precision="bf16", gradient_checkpointing=True, loss="chunked").with_()
+    failed = 65536
+    predicted = budget.needed(price(spec, plan.with_(seq_len=failed)))
+    trial = Trial(1, 1, "oom", "simulate", plan.label(), predicted, int(predicted * 1.1))
+    s = calibrated_context(spec, plan, budget, price, [trial], failed)
+    assert 0 < s < failed and s % 64 == 0
+    assert budget.needed(price(spec, plan.with_(seq_len=s))) * 1.1 <= budget.limit_bytes
+    assert budget.needed(price(spec, plan.with_(seq_len=s + 64))) * 1.1 > budget.limit_bytes
+
+
 def test_cli_errors_are_one_line_exit_codes(monkeypatch, tmp_path, capsys):
     from oomdoctor.cli import main
 

@@ -12,10 +12,11 @@ stops at the output head: the head and the loss are priced by their own formulas
 
 Block 0, the blocks before the repetition and one repeating unit are replayed when transformers' config says how
 blocks differ (``layer_kinds``), every block otherwise; at micro-batch 1 (what a block saves is linear in the
-batch), at the plan's sequence length, with the plan's gradient checkpointing (a checkpointed block keeps its input,
-a formula, and recomputes the rest inside its measured backward). Results are cached in memory and on disk
-(``blocks/`` under ``$OOMDOCTOR_CACHE``, else ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by
-the model config, the plan's settings at micro-batch 1 and the versions of torch, transformers and peft.
+batch), at the plan's sequence length rounded up to a power of two (scaled back linearly), with the plan's gradient
+checkpointing (a checkpointed block keeps its input, a formula, and recomputes the rest inside its measured
+backward). Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
+``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config, the plan's settings at
+micro-batch 1 and the versions of torch, transformers and peft.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 9
+VERSION = 10
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas are checked
@@ -61,7 +62,8 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
 
 def measured_plan(plan: "Plan") -> "Plan":
     """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision,
-    attention, checkpointing, sequence length, LoRA targets/rank/dropout, int8 or 4-bit): micro-batch 1, one GPU,
+    attention, checkpointing, sequence length rounded up to a power of two, LoRA targets/rank/dropout, int8 or
+    4-bit): micro-batch 1, one GPU,
     no offload; the optimizer, accumulation, topology, the head's adapter, LoRA's scale, the 4-bit data type and
     double quantization do not touch the blocks and take their defaults (one cache entry for them all)."""
     from oomdoctor.plan.techniques import DEFAULTS
@@ -72,7 +74,14 @@ def measured_plan(plan: "Plan") -> "Plan":
     canonical = {k: v for k, v in DEFAULTS.items() if k not in keep and k in Plan.__dataclass_fields__}
     if plan.quant == "fp4":
         canonical["quant"] = "nf4"  # same shapes, same dequantized compute
-    return replace(plan, **canonical)
+    return replace(plan, seq_len=measured_seq_len(plan.seq_len), **canonical)
+
+
+def measured_seq_len(seq_len: int) -> int:
+    """The sequence length measured for ``seq_len``: the next power of two (at least 64), so that the searches over
+    sequence lengths (``tune --seq-len max``) share a few measurements; the bytes are scaled back
+    (``BlockSaves.scale``)."""
+    return max(64, 1 << max(seq_len - 1, 0).bit_length())
 
 
 def _key(spec: "ModelSpec", plan: "Plan") -> str:
@@ -183,7 +192,7 @@ def _cached(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
     try:
         doc = json.loads(path.read_text())
         return BlockSaves(tuple(int(x) for x in doc["per_block"]), int(doc["final"]), int(doc["forward_transient"]),
-                          int(doc["backward_transient"]), bool(doc["checkpointed"]))
+                          int(doc["backward_transient"]), bool(doc["checkpointed"]), int(doc["seq_len"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
@@ -196,7 +205,7 @@ def _cached(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
         tmp.write_text(json.dumps({"model": spec.name, "per_block": list(saves.per_block), "final": saves.final,
                                    "forward_transient": saves.forward_transient,
                                    "backward_transient": saves.backward_transient,
-                                   "checkpointed": saves.checkpointed}))
+                                   "checkpointed": saves.checkpointed, "seq_len": saves.seq_len}))
         tmp.replace(path)
     except OSError:
         pass  # a read-only cache only costs the next run a replay
@@ -333,4 +342,4 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
             mod._gradient_checkpointing_func = fn
         lb.remove_hooks()
     return BlockSaves(extend(tuple(per_block[:-1]), q, p, spec.num_layers), per_block[-1], max(fwd_t), max(bwd_t),
-                      plan.gradient_checkpointing)
+                      plan.gradient_checkpointing, plan.seq_len)

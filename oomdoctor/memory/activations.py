@@ -251,6 +251,14 @@ class BlockSaves:
     checkpointed: bool = False
     """Measured with gradient checkpointing: ``per_block`` is then empty of what checkpointed blocks save (each keeps
     its input, a formula) and the transients are those of checkpointed blocks."""
+    seq_len: int = 0
+    """The sequence length measured at (micro-batch 1): bytes scale to a plan's tokens by ``B·S / seq_len``."""
+
+    def scale(self, c: Ctx) -> float:
+        """Factor from the measured tokens to the plan's: exact in the batch and in every term linear in the
+        sequence; the measurement runs at the next power of two (``engines/blocks.measured_plan``), so a term
+        quadratic in the sequence (eager scores, sliding-window masks) is over-priced by less than 2x between."""
+        return c.B * c.S / self.seq_len if self.seq_len else float(c.B)
 
 
 @dataclass(frozen=True)
@@ -580,15 +588,16 @@ def layer_activations(c: Ctx) -> LayerActs:
 
 def measured_layer_activations(c: Ctx, measured: BlockSaves) -> LayerActs:
     """The formulas' :class:`LayerActs` with what the blocks save and their forward/backward transients taken from a
-    replay of their real code (scaled by the micro-batch: every tensor has the batch as a dimension). Under gradient
+    replay of their real code (scaled to the plan's tokens: :meth:`BlockSaves.scale`). Under gradient
     checkpointing the kept block inputs stay the formulas' and a block's recompute is part of its measured backward
     transient."""
     from dataclasses import replace
 
     la = layer_activations(c)
-    per = [b * c.B for b in measured.per_block]
+    k = measured.scale(c)
+    per = [int(b * k) for b in measured.per_block]
     widest = max(per[1:] or per)
-    fwd, bwd = measured.forward_transient * c.B, measured.backward_transient * c.B
+    fwd, bwd = int(measured.forward_transient * k), int(measured.backward_transient * k)
     if measured.checkpointed:
         # the backward transient of a checkpointed block includes its recompute: nothing else is recomputed
         return replace(la, saved=0, stack=sum(per), bottom=0, gc_alias=0, fwd_transient=fwd, bwd_extra=bwd,
@@ -636,7 +645,7 @@ def final_saved(c: Ctx, measured: BlockSaves | None = None) -> int:
     h = spec.hidden_size
     tokens = c.T if spec.arch_kind != "encoder" else c.B
     if measured is not None:
-        total = measured.final * c.B
+        total = int(measured.final * measured.scale(c))
     elif spec.arch_kind != "encoder" or spec.norm_kind == "rms":
         total = norm_saved(c, h, c.T, c.rb)
     else:

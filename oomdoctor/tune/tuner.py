@@ -353,6 +353,7 @@ def tune(
     gpu: GpuInfo | None | bool = True,
     micro_limit: int = DEFAULT_MICRO_LIMIT,
     gpus_per_node: int | None = None,
+    context_retries: int = 2,
 ) -> TuneResult:
     """Find the plan for ``model`` (see the module docstring). ``pins["world_size"]`` (``--gpus``) plans for that
     many GPUs (``gpus_per_node`` per node, default one node): each technique stack climbs the strategy ladder
@@ -384,6 +385,7 @@ def tune(
     topo_pins = {k: all_pins.pop(k) for k in TOPOLOGY_FIELDS if k in all_pins}
     rank_batch = _rank_batch(global_batch, topo.world_size)
     profile = profile_for(gpu_info.name if gpu_info else None)
+    seq_max = seq_len == "max"
     if seq_len == "max":
         best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer)
         all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES
@@ -465,7 +467,23 @@ def tune(
             notes.append(f"verification by {mode} could not run ({trials[-1].message}); the plan is the memory "
                          "model's prediction, unverified")
             verification = f"{mode} (failed to run)"
-        else:
+        elif seq_max and context_retries > 0 and any(t.measured_peak_bytes for t in trials):
+            # the memory model's longest context did not verify: calibrate it by the verified overshoot and
+            # search again, once or twice, for a shorter context
+            shorter = calibrated_context(spec, plan, budget, estimator, trials, seq_len)
+            if shorter:
+                # the techniques of the longest-context plan stay pinned, as they were for the search at max
+                again = tune(spec, gpu_mem=gpu_mem, seq_len=shorter, global_batch=global_batch, method=None,
+                             prefer=prefer, margin=margin, pins={**all_pins, **topo_pins}, verify_mode=verify_mode,
+                             estimator=estimator,
+                             probe_steps=probe_steps, max_trials=max_trials, gpu=gpu_info if gpu_info else False,
+                             micro_limit=micro_limit, gpus_per_node=gpus_per_node,
+                             context_retries=context_retries - 1)
+                again.notes.insert(0, f"--seq-len max: the memory model's longest sequence, {seq_len:,} tokens, "
+                                      f"failed verification by {mode}; {shorter:,} tokens (calibrated by the "
+                                      "verified peak) is the plan")
+                return again
+        if not (vplan is not None and cand is not None) and not (trials and trials[-1].outcome == "error"):
             raise DoesNotFit(
                 f"the predicted plans failed verification by {mode} ({len(trials)} trial(s)): "
                 + "; ".join(f"{t.plan_label} micro-batch {t.micro_batch}: {t.outcome}" for t in trials),
@@ -496,6 +514,26 @@ def tune(
         batch=batch, throughput=throughput, search=result, trials=trials, verification=verification, notes=notes,
         topology=topo, strategies=strategies,
     )
+
+
+def calibrated_context(spec: ModelSpec, plan: Plan, budget: Budget, estimator: Estimator, trials: list[Trial],
+                       failed: int) -> int:
+    """The longest sequence below ``failed`` at which ``plan`` fits once the memory model is scaled by the worst
+    verified overshoot (measured / predicted peak of the failed trials); 0 when none does."""
+    k = max(t.measured_peak_bytes / max(t.predicted_peak_bytes, 1) for t in trials if t.measured_peak_bytes)
+    k = max(k, 1.0)
+
+    def fits(s: int) -> bool:
+        return budget.needed(estimator(spec, plan.with_(seq_len=s, grad_accum=1))) * k <= budget.limit_bytes
+
+    lo, hi = 0, (failed - 1) // SEQ_STEP
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * SEQ_STEP):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * SEQ_STEP
 
 
 def _rank_batch(global_batch: int | None, world_size: int) -> int | None:
