@@ -50,12 +50,12 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     (``model/architectures.BUILDERS``, whose blocks the formulas were written for) and not in :data:`FORMULA_TYPES`,
     when the replay can run the plan (else the formulas, with their note)."""
     from oomdoctor.engines.simulate import not_simulated
-    from oomdoctor.memory.context import experts_implementation
+    from oomdoctor.execute.build import runs_eager_experts
     from oomdoctor.model.architectures import BUILDERS
 
     if spec.arch_kind != "decoder" or spec.model_type in BUILDERS or spec.model_type in FORMULA_TYPES:
         return False
-    if spec.num_experts and experts_implementation(plan) == "eager":
+    if runs_eager_experts(spec, plan):
         return False
     return not_simulated(measured_plan(plan)) is None
 

@@ -189,14 +189,13 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
     """One fake-tensor simulation of ``plan`` with ``num_layers`` blocks (None = the spec's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomdoctor.execute.build import make_batch
-    from oomdoctor.memory.context import experts_implementation
+    from oomdoctor.execute.build import make_batch, runs_eager_experts
     from oomdoctor.execute.tracking import LiveBytes
 
     why = not_simulated(plan)
     if why:
         raise BadInput(f"the simulated engine cannot run this plan: {why}", "use --engine analytic")
-    if spec.num_experts and experts_implementation(plan) == "eager":
+    if runs_eager_experts(spec, plan):
         raise BadInput(f"the simulated engine cannot run {spec.name}'s MoE experts with {plan.precision} weights: "
                        "transformers' eager experts (what runs where the grouped matmul needs bf16) pick their "
                        "tokens with nonzero, a data-dependent shape fake tensors do not have",

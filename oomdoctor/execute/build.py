@@ -99,18 +99,32 @@ def attn_implementation(plan: "Plan") -> str:
     return {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[plan.attn]
 
 
-def experts_kwargs(plan: "Plan", config) -> dict:
-    """``experts_implementation=`` for ``from_config``/``from_pretrained`` of a MoE config whose experts use
-    transformers' switchable kernels (``@use_experts_implementation``); dense models and MoE classes with their own
-    experts code (Llama 4's batched experts) refuse it."""
-    if not _num_experts(config):
-        return {}
+def _switchable_experts(config) -> bool:
+    """Whether the causal-LM class of a MoE ``config`` runs transformers' switchable experts kernels
+    (``@use_experts_implementation``); MoE classes with their own experts code (Llama 4's batched experts) do not."""
     from transformers import AutoModelForCausalLM
 
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    if cls is None or not cls._can_set_experts_implementation():
+    return cls is not None and cls._can_set_experts_implementation()
+
+
+def experts_kwargs(plan: "Plan", config) -> dict:
+    """``experts_implementation=`` for ``from_config``/``from_pretrained`` of a MoE config whose experts use
+    transformers' switchable kernels; dense models and MoE classes with their own experts code refuse it."""
+    if not _num_experts(config) or not _switchable_experts(config):
         return {}
     return {"experts_implementation": experts_implementation(plan)}
+
+
+def runs_eager_experts(spec: "ModelSpec", plan: "Plan") -> bool:
+    """Whether the plan's model runs transformers' eager experts (a matmul per expert over the tokens ``nonzero``
+    picks: shapes that depend on the data, which fake tensors do not have)."""
+    if not spec.num_experts or experts_implementation(plan) != "eager":
+        return False
+    try:
+        return _switchable_experts(hf_config(spec, plan))
+    except BadInput:
+        return True
 
 
 #: Leaf class names of the linear layers LoRA can adapt (torch, bitsandbytes, the bnb stand-ins subclass these).
