@@ -124,19 +124,24 @@ def test_how_blocks_repeat_is_read_from_transformers_config():
     assert blocks.extend((1, 1, 1, 5), 2, 1, 6) == (1, 1, 1, 5, 5, 5)
 
 
-def test_mamba_all_linear_leaves_out_what_peft_refuses():
-    """peft refuses LoRA on the Mamba mixers' out_proj/conv1d (``_check_lora_target_modules_mamba``), also through
-    all-linear: the executor leaves them out and prices what it runs; naming them is one message."""
+def _all_linear_leaves_out(spec, plan, name: str) -> None:
+    """The adapters peft puts on the executor's model are the ones priced, and none is on ``name``."""
     from oomdoctor.execute.build import build_model
     from oomdoctor.memory.context import lora_groups_of
 
-    spec = spec_from_config(tiny("mamba2", layers=2, **NEW_TYPES["mamba2"]), name="mamba2")
-    plan = validate(Plan(method="lora", precision="bf16", seq_len=64))
     priced = {g.name for g in lora_groups_of(spec, plan)}
-    assert priced and "out_proj" not in priced
+    assert priced and name not in priced
     model = build_model(spec, plan, device="meta").model
     adapted = {n.split(".")[-4] for n, _ in model.named_parameters() if n.endswith("lora_A.default.weight")}
     assert adapted == priced
+
+
+def test_mamba_all_linear_leaves_out_what_peft_refuses():
+    """peft refuses LoRA on the Mamba mixers' out_proj/conv1d (``_check_lora_target_modules_mamba``), also through
+    all-linear: the executor leaves them out and prices what it runs; naming them is one message."""
+    spec = spec_from_config(tiny("mamba2", layers=2, **NEW_TYPES["mamba2"]), name="mamba2")
+    plan = validate(Plan(method="lora", precision="bf16", seq_len=64))
+    _all_linear_leaves_out(spec, plan, "out_proj")
     with pytest.raises(BadInput, match="out_proj"):
         estimate(spec, plan.with_(lora_targets=("in_proj", "out_proj")))
 
@@ -158,16 +163,9 @@ def test_a_model_the_executor_cannot_build_is_priced_by_the_formulas():
 def test_llama4_all_linear_leaves_out_its_tuple_returning_router():
     """Llama 4's router is an nn.Linear subclass returning a tuple, which peft's LoRA forward cannot add to: the
     executor's all-linear leaves it out (and prices what it runs); its own experts code takes no kernel choice."""
-    from oomdoctor.execute.build import build_model
-    from oomdoctor.memory.context import lora_groups_of
-
     spec = spec_from_config(tiny("llama4_text", layers=2, num_local_experts=4, intermediate_size_mlp=128,
                                  moe_layers=[0, 1]), name="llama4_text")
     plan = validate(Plan(method="lora", precision="bf16", seq_len=64))
-    priced = {g.name for g in lora_groups_of(spec, plan)}
-    assert priced and "router" not in priced
-    model = build_model(spec, plan, device="meta").model
-    adapted = {n.split(".")[-4] for n, _ in model.named_parameters() if n.endswith("lora_A.default.weight")}
-    assert adapted == priced
+    _all_linear_leaves_out(spec, plan, "router")
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.02 * s.peak_allocated

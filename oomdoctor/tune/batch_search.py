@@ -147,12 +147,14 @@ MAX_SEQ_LEN = 1 << 21
 
 
 def longest_seq_len(spec: ModelSpec, plan: Plan, budget: Budget, estimator: Estimator, *, micro_batch: int = 1,
-                    limit: int = MAX_SEQ_LEN) -> int:
+                    limit: int = MAX_SEQ_LEN, overshoot: float = 1.0) -> int:
     """The longest sequence (a multiple of :data:`SEQ_STEP`, at most ``limit``) at which ``plan`` with
-    ``micro_batch`` fits ``budget``; 0 when not even one step does. Bisection: memory grows with the sequence."""
+    ``micro_batch`` fits ``budget`` — its estimate times ``overshoot`` (a verified calibration), when given; 0 when
+    not even one step does. Bisection: memory grows with the sequence."""
 
     def fits(s: int) -> bool:
-        return budget.fits(estimator(spec, plan.with_(seq_len=s, micro_batch=micro_batch, grad_accum=1)))
+        memory = estimator(spec, plan.with_(seq_len=s, micro_batch=micro_batch, grad_accum=1))
+        return budget.needed(memory) * overshoot <= budget.limit_bytes
 
     lo, hi = 0, limit // SEQ_STEP  # fits(lo * STEP) holds (vacuously for 0); find the largest such lo
     if not fits(SEQ_STEP):

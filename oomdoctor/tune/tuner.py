@@ -521,19 +521,8 @@ def calibrated_context(spec: ModelSpec, plan: Plan, budget: Budget, estimator: E
     """The longest sequence below ``failed`` at which ``plan`` fits once the memory model is scaled by the worst
     verified overshoot (measured / predicted peak of the failed trials); 0 when none does."""
     k = max(t.measured_peak_bytes / max(t.predicted_peak_bytes, 1) for t in trials if t.measured_peak_bytes)
-    k = max(k, 1.0)
-
-    def fits(s: int) -> bool:
-        return budget.needed(estimator(spec, plan.with_(seq_len=s, grad_accum=1))) * k <= budget.limit_bytes
-
-    lo, hi = 0, (failed - 1) // SEQ_STEP
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid * SEQ_STEP):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * SEQ_STEP
+    return longest_seq_len(spec, plan, budget, estimator, micro_batch=plan.micro_batch, limit=failed - 1,
+                           overshoot=max(k, 1.0))
 
 
 def _rank_batch(global_batch: int | None, world_size: int) -> int | None:
