@@ -235,8 +235,8 @@ def m_tok(c: Ctx, m: float) -> float:
 
 @dataclass(frozen=True)
 class BlockSaves:
-    """Bytes each block of a model leaves alive for backward in its forward, measured by replaying the blocks'
-    real code (``oomdoctor.engines.blocks``) at micro-batch 1 without gradient checkpointing: what the analytic
+    """What each block of a model keeps for backward and holds transiently, measured by replaying the blocks' real
+    code (``oomdoctor.engines.blocks``) at micro-batch 1 with the plan's gradient checkpointing: what the analytic
     engine uses for blocks its formulas do not know."""
 
     per_block: tuple[int, ...]
