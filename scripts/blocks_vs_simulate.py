@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 
-TYPES = ("cohere2,seed_oss,apertus,exaone4,olmo3,ernie4_5,smollm3,gemma3_text,starcoder2,gpt_neox,glm4,"
-         "mamba,mamba2,falcon_h1,lfm2,granitemoehybrid,jamba,qwen3_next,qwen2_moe,olmoe,deepseek_v2")
+TYPES = ("cohere2,seed_oss,apertus,exaone4,olmo3,ernie4_5,smollm3,gemma3_text,starcoder2,gpt_neox,glm4,ministral3,"
+         "mamba,mamba2,falcon_h1,lfm2,granitemoehybrid,nemotron_h,jamba,qwen3_next,llama4_text,qwen2_moe,olmoe,"
+         "glm4_moe,deepseek_v2,mllama")
 PLANS = {
     "lora bf16 GC": dict(method="lora", precision="bf16", gradient_checkpointing=True),
     "lora bf16": dict(method="lora", precision="bf16", gradient_checkpointing=False),

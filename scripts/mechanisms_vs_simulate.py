@@ -1,0 +1,54 @@
+"""Analytic vs simulate on the plans where one mechanism sets the peak (the README's "found op by op" list).
+
+    python scripts/mechanisms_vs_simulate.py
+
+One row per case: a bundled model (or a model type: transformers' default config cut to 8 blocks), the plan, peak allocated by each engine and the analytic error. The tied-head
+case also replays every block (``layers="full"``): the simulated engine extrapolates from 2 and 3 blocks otherwise.
+Takes a few minutes on 2 cores (the 32k-token Mistral case most).
+"""
+
+from __future__ import annotations
+
+CASES = [
+    ("tied head, full bf16 + GC", "google/gemma-2b", dict(method="full", precision="bf16", seq_len=1024,
+                                                          gradient_checkpointing=True, optimizer="adamw-8bit")),
+    ("tied head, full bf16 + GC", "meta-llama/Llama-3.2-1B", dict(method="full", precision="bf16", seq_len=2048,
+                                                                  gradient_checkpointing=True)),
+    ("sliding window, SDPA 32k", "mistralai/Mistral-7B-v0.1", dict(method="lora", precision="bf16", seq_len=32768)),
+    ("eager + GC, 4k", "meta-llama/Llama-3.2-1B", dict(method="lora", precision="bf16", attn="eager", seq_len=4096,
+                                                       gradient_checkpointing=True)),
+    ("gelu_new under autocast", "microsoft/phi-2", dict(method="full", precision="bf16-mixed", seq_len=2048)),
+    ("attention dropout (SDPA)", "seed_oss", dict(method="lora", precision="bf16", seq_len=1024)),
+]
+
+
+def _default_spec(model_type: str):
+    from transformers import AutoConfig
+
+    from blocks_vs_simulate import shrink
+    from oomdoctor.model.architectures import build_spec
+
+    return build_spec(shrink(AutoConfig.for_model(model_type).to_dict(), 8), model_type)
+
+
+def main() -> None:
+    from oomdoctor.engines import estimate
+    from oomdoctor.engines.simulate import simulate_plan
+    from oomdoctor.model.load import load_spec
+    from oomdoctor.plan import Plan, validate
+
+    print(f"{'mechanism':28} {'model':34} {'analytic GiB':>12} {'simulate GiB':>12} {'error':>8}")
+    for name, model, kw in CASES:
+        spec = load_spec(model) if "/" in model else _default_spec(model)
+        plan = validate(Plan(**kw))
+        a = estimate(spec, plan, "analytic").peak_allocated
+        s = estimate(spec, plan, "simulate").peak_allocated
+        print(f"{name:28} {model:34} {a / 2**30:12.3f} {s / 2**30:12.3f} {100 * (a - s) / s:+7.2f}%", flush=True)
+        if name.startswith("tied"):
+            full = simulate_plan(spec, plan, layers="full").breakdown.peak_allocated
+            print(f"{'  every block replayed':28} {model:34} {a / 2**30:12.3f} {full / 2**30:12.3f} "
+                  f"{100 * (a - full) / full:+7.2f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
