@@ -21,6 +21,7 @@ What :func:`build_model` applies, in the order a Hugging Face fine-tuning script
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput
@@ -99,19 +100,23 @@ def attn_implementation(plan: "Plan") -> str:
     return {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[plan.attn]
 
 
-def _switchable_experts(config) -> bool:
-    """Whether the causal-LM class of a MoE ``config`` runs transformers' switchable experts kernels
+@lru_cache(maxsize=None)
+def switchable_experts(model_type: str) -> bool:
+    """Whether the causal-LM class of MoE ``model_type`` runs transformers' switchable experts kernels
     (``@use_experts_implementation``); MoE classes with their own experts code (Llama 4's batched experts) do not."""
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_type not in CONFIG_MAPPING:
+        return False
+    cls = AutoModelForCausalLM._model_mapping.get(CONFIG_MAPPING[model_type], None)
     return cls is not None and cls._can_set_experts_implementation()
 
 
 def experts_kwargs(plan: "Plan", config) -> dict:
     """``experts_implementation=`` for ``from_config``/``from_pretrained`` of a MoE config whose experts use
     transformers' switchable kernels; dense models and MoE classes with their own experts code refuse it."""
-    if not _num_experts(config) or not _switchable_experts(config):
+    if not _num_experts(config) or not switchable_experts(config.model_type):
         return {}
     return {"experts_implementation": experts_implementation(plan)}
 
@@ -119,12 +124,7 @@ def experts_kwargs(plan: "Plan", config) -> dict:
 def runs_eager_experts(spec: "ModelSpec", plan: "Plan") -> bool:
     """Whether the plan's model runs transformers' eager experts (a matmul per expert over the tokens ``nonzero``
     picks: shapes that depend on the data, which fake tensors do not have)."""
-    if not spec.num_experts or experts_implementation(plan) != "eager":
-        return False
-    try:
-        return _switchable_experts(hf_config(spec, plan))
-    except BadInput:
-        return True
+    return bool(spec.num_experts) and experts_implementation(plan) == "eager" and switchable_experts(spec.model_type)
 
 
 #: Leaf class names of the linear layers LoRA can adapt (torch, bitsandbytes, the bnb stand-ins subclass these).
