@@ -283,3 +283,18 @@ def test_grad_accum_runs_micro_batches_with_gradients_alive(tiny_spec):
     assert two.phase_categories["forward"]["gradients"] == grads
     assert two.phase_peaks["forward"] >= one.phase_peaks["forward"] + grads
     assert eight.phase_peaks == two.phase_peaks
+
+
+def test_attention_dropout_replays_as_the_cuda_kernel_keeping_every_other_argument():
+    """SDPA with dropout runs without it in the replay (CUDA's kernels drop inside, saving no scores); arguments after
+    dropout_p, positional or not, still apply (a causal call stays causal)."""
+    import torch
+
+    from oomdoctor.engines.replay import _cuda_policy_mode_cls
+
+    q = torch.randn(1, 2, 8, 4)
+    causal = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with _cuda_policy_mode_cls()():
+        positional = torch.nn.functional.scaled_dot_product_attention(q, q, q, None, 0.5, True)
+        keywords = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5, is_causal=True)
+    assert torch.equal(positional, causal) and torch.equal(keywords, causal)

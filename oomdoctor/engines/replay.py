@@ -77,7 +77,10 @@ def _cuda_policy_mode_cls():
                 # CUDA's flash / memory-efficient kernels apply attention dropout inside the kernel (a Philox seed
                 # and offset saved, no probabilities); CPU kernels fall back to the math path (B·heads·S² probs
                 # and mask): replay the kernel without dropout, which saves what CUDA's does
-                args, kwargs = args[:4], {k: v for k, v in kwargs.items() if k != "dropout_p"}
+                if len(args) > 4:
+                    args = args[:4] + (0.0,) + args[5:]  # is_causal, scale, enable_gqa may follow positionally
+                else:
+                    kwargs = dict(kwargs, dropout_p=0.0)
                 return func(*args, **kwargs)
             if func in dropout_funcs:
                 x = args[0] if args else kwargs.get("input")
