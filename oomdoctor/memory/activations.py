@@ -248,17 +248,17 @@ class BlockSaves:
     backward_transient: int
     """The largest peak of a block's backward above the bytes alive when it starts, its weights' gradients included
     (under gradient checkpointing: with its recompute)."""
-    checkpointed: bool = False
+    checkpointed: bool
     """Measured with gradient checkpointing: ``per_block`` is then empty of what checkpointed blocks save (each keeps
     its input, a formula) and the transients are those of checkpointed blocks."""
-    seq_len: int = 0
+    seq_len: int
     """The sequence length measured at (micro-batch 1): bytes scale to a plan's tokens by ``B·S / seq_len``."""
 
     def scale(self, c: Ctx) -> float:
         """Factor from the measured tokens to the plan's: exact in the batch and in every term linear in the
         sequence; the measurement runs at the next power of two (``engines/blocks.measured_plan``), so a term
         quadratic in the sequence (eager scores, sliding-window masks) is over-priced by less than 2x between."""
-        return c.B * c.S / self.seq_len if self.seq_len else float(c.B)
+        return c.B * c.S / self.seq_len
 
 
 @dataclass(frozen=True)
