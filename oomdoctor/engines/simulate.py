@@ -115,11 +115,12 @@ def random_sharded_model(spec: "ModelSpec", plan: "Plan", device: str, num_layer
                          bnb_decompose: bool = True):
     """The FSDP2 model of ``plan`` with real random shards on ``device`` (``cpu`` here, ``cuda`` for the measured
     engine): meta build, ``apply_fsdp`` on the current process group, then each rank materializes and initializes
-    its own shards (no full copy). Returns the ``BuiltModel``."""
+    its own shards (no full copy; on the CPU with ``offload_params``, where FSDP2's CPU offload wants them, as
+    ``execute/load.load_sharded_model`` does). Returns the ``BuiltModel``."""
     import torch
 
     built = _meta_model(spec, plan, num_layers, bnb_decompose, device_type=device)
-    built.model.to_empty(device=device)
+    built.model.to_empty(device="cpu" if plan.offload_params else device)
     _retie(built.model)
     with torch.no_grad():
         for p in built.model.parameters():
