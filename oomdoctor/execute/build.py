@@ -143,11 +143,12 @@ def lora_targets_of_model(model, plan: "Plan") -> str | list[str]:
     ``memory/context.lora_groups_of``), explicit names as given; with ``lora_on_head``, the leaf name of every linear
     layer but the output head (peft's ``all-linear`` resolution) plus the head; on models where peft refuses some
     linears (Mamba mixers: ``memory/context.lora_refused_names``) all-linear is that list without them."""
-    from oomdoctor.memory.context import lora_refused_names
+    from oomdoctor.memory.context import all_linear_string, lora_refused_names
 
-    refused = lora_refused_names(getattr(getattr(model, "config", None), "model_type", ""))
-    if plan.lora_targets == ("all-linear",) and not plan.lora_on_head and not refused:
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    if all_linear_string(plan, model_type):
         return "all-linear"
+    refused = lora_refused_names(model_type)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_names = {n.split(".")[-1] for n, m in model.named_modules() if head is not None and m is head}
     targets = [t for t in plan.lora_targets if t != "all-linear"]

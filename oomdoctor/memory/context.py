@@ -145,12 +145,18 @@ def lora_refused_names(model_type: str) -> frozenset[str]:
     return PEFT_LORA_REFUSED.get(model_type, frozenset())
 
 
-def _executor_targets(spec: ModelSpec, plan: Plan) -> set[str] | None:
-    """The target names the executor hands peft (``execute/build.lora_targets_of_model``): None for the string
-    ``all-linear`` (no ``lora_on_head``, nothing peft refuses on the model), else the explicit leaf names
+def all_linear_string(plan: Plan, model_type: str) -> bool:
+    """Whether peft gets the string ``all-linear`` (it resolves it, MoE conversion included): the plan targets
+    all-linear alone, not the head, on a model where peft adapts every linear."""
+    return plan.lora_targets == ("all-linear",) and not plan.lora_on_head and not lora_refused_names(model_type)
+
+
+def executor_targets(spec: ModelSpec, plan: Plan) -> set[str] | None:
+    """The target names the executor hands peft (``execute/build.lora_targets_of_model``; ``tune --emit`` writes the
+    same): None for the string ``all-linear`` (:func:`all_linear_string`), else the explicit leaf names
     (all-linear expanded to every non-head linear peft adapts, the head added with ``lora_on_head``)."""
     refused = lora_refused_names(spec.model_type)
-    if plan.lora_targets == ("all-linear",) and not plan.lora_on_head and not refused:
+    if all_linear_string(plan, spec.model_type):
         return None
     names = {t for t in plan.lora_targets if t != "all-linear"}
     if "all-linear" in plan.lora_targets:
@@ -177,7 +183,7 @@ def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
     Each becomes a synthetic ``linear`` group (``module`` :data:`PARAM_WRAPPER`, ``name`` its parameter path's last
     two parts) whose r·(in+out) is the adapter's trainable count and r·in / out·r the element counts of lora_A /
     lora_B."""
-    names = _executor_targets(spec, plan)
+    names = executor_targets(spec, plan)
     conv = PEFT_MOE_TARGETS.get(spec.peft_moe_conversion, {})
     if names is None:
         names = {g.name for g in spec.groups if g.kind == "linear" and g.name not in HEAD_NAMES}
@@ -222,7 +228,7 @@ def check_param_wrapper(spec: ModelSpec, plan: Plan) -> None:
     only one of two names fused into one parameter is targeted (``gate_proj`` without ``up_proj``)."""
     if not plan.uses_lora or not spec.peft_moe_conversion:
         return
-    names = _executor_targets(spec, plan) or set()
+    names = executor_targets(spec, plan) or set()
     conv = PEFT_MOE_TARGETS[spec.peft_moe_conversion]
     fused = sorted(n for n, p in conv.items() if p == "gate_up_proj")
     if 0 < len(names & set(fused)) < len(fused):

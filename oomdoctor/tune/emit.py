@@ -167,17 +167,13 @@ def _optim(plan: Plan) -> _Optim:
 
 
 def lora_targets(plan: Plan, spec: ModelSpec) -> str | list[str]:
-    """peft ``target_modules``: ``all-linear`` as is; with the head (which peft's all-linear excludes) every linear
-    module name of the model but the MoE router, plus the head; explicit names as a sorted list."""
-    if plan.lora_targets == (ALL_LINEAR,) and not plan.lora_on_head:
-        return ALL_LINEAR
-    names = {t for t in plan.lora_targets if t != ALL_LINEAR}
-    if ALL_LINEAR in plan.lora_targets:
-        names |= {g.name for g in spec.linear_groups if g.name != spec.head_name
-                  and not (spec.num_experts and g.out_features == spec.num_experts)}
-    if plan.lora_on_head:
-        names.add(spec.head_name)
-    return sorted(names)
+    """peft ``target_modules``: what the executor hands peft for this plan (``memory.context.executor_targets``):
+    ``all-linear`` as is, else the sorted leaf names (all-linear expanded without what peft cannot adapt, the
+    head with ``lora_on_head``)."""
+    from oomdoctor.memory.context import executor_targets
+
+    names = executor_targets(spec, plan)
+    return ALL_LINEAR if names is None else sorted(names)
 
 
 def decoder_layer_class(spec: ModelSpec) -> str | None:
