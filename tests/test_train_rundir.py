@@ -229,3 +229,33 @@ def test_fp16_skipped_updates_neither_count_nor_move_the_scheduler(tmp_path, mon
     assert res.optimizer_steps == 3 and len(res.losses) == 3
     lr0 = tiny_cfg(tmp_path).learning_rate
     assert lrs == pytest.approx([lr0 * 2 / 3, lr0 / 3, 0.0])  # linear decay over 3 real updates, no warm-up
+
+
+def test_a_restart_without_this_launchs_oom_marker_continues_nothing(tmp_path, monkeypatch):
+    """torchrun restarts a job after any failure. Only an OOM marker of this launch makes the restart resume; a
+    restart after anything else (a rank killed before rank 0 checked the directory) opens the directory as a first
+    attempt does: an earlier run there is refused, not continued and rotated away. A marker left by an earlier
+    launch under a reused run id is not this launch's."""
+    from oomdoctor.train import restart
+
+    out = tmp_path / "out"
+    first = _train(tiny_cfg(out, max_steps=2))
+    restart.write_marker(out, restart.OOMRestart(step=1, failed_micro_batch=4, new_micro_batch=2, phase="forward",
+                                                 message="CUDA out of memory", rank=0, run_id="old", attempt=0))
+    before = {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")}
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "new")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    with pytest.raises(BadInput, match="already holds a run"):
+        _train(tiny_cfg(out, max_steps=4))
+    assert {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")} == before and first.optimizer_steps == 2
+
+
+def test_a_home_relative_output_dir_is_one_directory(tmp_path, monkeypatch):
+    """``output_dir: ~/...`` names one directory for the lock, the checkpoints and the outputs (checkpoints went to
+    a literal ``./~`` while the lock and outputs went to $HOME)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    r = _train(tiny_cfg("~/run", max_steps=2))
+    run = tmp_path / "home" / "run"
+    assert r.output_dir == str(run) and (run / "checkpoint-2").is_dir() and not (tmp_path / "~").exists()

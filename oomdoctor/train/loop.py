@@ -928,20 +928,24 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     # under torchrun only rank 0 talks, owns the run directory (its lock, checks) and writes
     emit = (on_event or (lambda e: None)) if info.is_main else (lambda e: None)
     quiet_hf()
-    cfg = resolve_topology(cfg, info.world_size)
+    # one spelling of the run directory for every reader and writer (lock, checkpoints, restart marker, outputs)
+    cfg = replace(resolve_topology(cfg, info.world_size), output_dir=str(Path(cfg.output_dir).expanduser()))
     if max_steps is not None:
         cfg = replace(cfg, max_steps=max_steps, warmup_steps=min(cfg.warmup_steps, max_steps))
     current = restart.job()
-    oom = restart.pending(Path(cfg.output_dir).expanduser(), current)
-    if current.attempt:  # torchrun restarted the job: continue it (never refuse or wipe the directory again)
-        resume = resume or bool(ckpt.list_checkpoints(Path(cfg.output_dir).expanduser()))
+    out_dir = Path(cfg.output_dir)
+    oom = restart.pending(out_dir, current)
+    # torchrun restarted the job for an OOM of this launch: continue it (never refuse or wipe the directory again).
+    # A restart without that marker continues nothing: it opens the directory as a first attempt would.
+    resume = resume or (oom is not None and bool(ckpt.list_checkpoints(out_dir)))
     with contextlib.ExitStack() as scope:
-        out_dir = Path(cfg.output_dir).expanduser()
         if info.is_main:
             out_dir = scope.enter_context(open_run_dir(
-                cfg.output_dir, resume=resume or bool(current.attempt),
+                cfg.output_dir, resume=resume or oom is not None,
                 overwrite=(overwrite or cfg.overwrite_output_dir) and not current.attempt,
                 emit=lambda m: emit({"type": "info", "message": m}), restarted=bool(current.attempt))).path
+            if not current.attempt:
+                restart.clear(out_dir)  # a marker of an earlier launch (a reused torchrun run id) is not this one's
         run = _setup(cfg, gpu_mem, engine, emit)
         run.command = command
         if info.is_main:
