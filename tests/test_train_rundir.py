@@ -56,6 +56,20 @@ def test_non_empty_run_dir_refused_overwrite_keeps_foreign_files(tmp_path):
     assert any("temporary" in m for m in said) and any("--overwrite" in m for m in said)
 
 
+def test_a_checkpoint_an_interrupted_re_save_moved_aside_is_put_back(tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / ".old-checkpoint-6-4242").mkdir()  # the re-save of step 6 died between its two renames
+    (out / ".old-checkpoint-6-4242" / "model.safetensors").write_text("weights")
+    (out / ".old-checkpoint-5-4242").mkdir()  # checkpoint-5 landed: this copy is garbage
+    said: list[str] = []
+    with open_run_dir(out, resume=True, overwrite=False, emit=said.append):
+        pass
+    assert (out / "checkpoint-6" / "model.safetensors").read_text() == "weights"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-5", "checkpoint-6"]
+    assert any("restored checkpoint-6" in m for m in said)
+
+
 def test_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):
     out = tmp_path / "out"
     with open_run_dir(out, resume=False, overwrite=False):

@@ -117,6 +117,14 @@ def check_space(path: Path, needed_bytes: int) -> None:
 
 
 def _clean_temporaries(path: Path, emit: Callable[[str], None]) -> None:
+    """Remove what an interrupted save left, but first put back a checkpoint a re-save had moved aside
+    (``.old-checkpoint-<step>-<pid>``, ``checkpoint._replace_into``) when it died before its replacement landed:
+    that copy is then the only one."""
+    for old in sorted(path.glob(".old-checkpoint-*")):
+        final = path / f"checkpoint-{old.name.split('-')[2]}"
+        if not final.exists():
+            os.replace(old, final)
+            emit(f"restored {final.name}: an interrupted save had moved it aside")
     stale = [p for p in path.iterdir() if p.name.startswith(TEMP_PREFIXES)]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
