@@ -319,8 +319,8 @@ def test_seq_len_max_finds_the_longest_context_and_the_yaml_passes_the_dry_run(m
 
 def test_a_longest_context_that_fails_verification_is_calibrated_down():
     """--seq-len max when the replay finds the memory model's longest context over the budget: the overshoot it
-    measured scales the model, the longest sequence that fits then is searched again (below the failed one, at the
-    boundary: 64 tokens more do not fit), and tune's recursion verifies it."""
+    measured scales the model, and the longest sequence that fits then is searched again (below the failed one, at
+    the boundary: 64 tokens more do not fit); tune verifies that length in a second pass."""
     from oomdoctor.engines import estimate as price
     from oomdoctor.model.load import load_spec
     from oomdoctor.plan.budget import resolve_budget as rb
@@ -333,8 +333,8 @@ def test_a_longest_context_that_fails_verification_is_calibrated_down():
     trial = Trial(1, 1, "oom", "simulate", plan.label(), predicted, int(predicted * 1.1))
     s = calibrated_context(spec, plan, budget, price, [trial], failed)
     assert 0 < s < failed and s % 64 == 0
-    assert budget.needed(price(spec, plan.with_(seq_len=s))) * 1.1 <= budget.limit_bytes
-    assert budget.needed(price(spec, plan.with_(seq_len=s + 64))) * 1.1 > budget.limit_bytes
+    assert budget.fits(price(spec, plan.with_(seq_len=s)), 1.1)
+    assert not budget.fits(price(spec, plan.with_(seq_len=s + 64)), 1.1)
 
 
 def test_cli_errors_are_one_line_exit_codes(monkeypatch, tmp_path, capsys):

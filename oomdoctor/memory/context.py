@@ -244,13 +244,15 @@ def check_param_wrapper(spec: ModelSpec, plan: Plan) -> None:
 
 def check_lora_targets(spec: ModelSpec, plan: Plan) -> None:
     """Refuse LoRA targets that adapt nothing (peft raises on them too): BadInput listing the model's linears."""
-    if not plan.uses_lora or plan.lora_on_head:
+    if not plan.uses_lora:
         return
-    names = sorted({g.name for g in spec.groups if g.kind == "linear"})
     refused = sorted(lora_refused_names(spec.model_type) & set(plan.lora_targets))
     if refused:
         raise BadInput(f"LoRA targets {','.join(refused)}: peft cannot adapt them in {spec.model_type} models",
                        "leave them out; all-linear adapts every other linear")
+    if plan.lora_on_head:
+        return
+    names = sorted({g.name for g in spec.groups if g.kind == "linear"})
     if not any(lora_targets_match(n, plan.lora_targets) for n in names):
         raise BadInput(f"LoRA targets {','.join(plan.lora_targets)} match no linear module of {spec.name}",
                        f"use all-linear or some of: {', '.join(names)}")

@@ -81,13 +81,14 @@ class Budget:
         """Bytes of ``memory`` (a ``MemoryBreakdown``) that the rule counts."""
         return int(getattr(memory, self.counted))
 
-    def headroom(self, memory: Any) -> int:
-        """``limit - needed``: bytes left (>= 0 fits) or missing (< 0)."""
-        return self.limit_bytes - self.needed(memory)
+    def headroom(self, memory: Any, overshoot: float = 1.0) -> int:
+        """``limit - needed``: bytes left (>= 0 fits) or missing (< 0); ``overshoot`` scales what is needed (a
+        verified calibration of the estimate: measured / predicted)."""
+        return self.limit_bytes - int(self.needed(memory) * overshoot)
 
-    def fits(self, memory: Any) -> bool:
-        """The one rule: the counted bytes of ``memory`` are at most ``capacity - margin``."""
-        return self.headroom(memory) >= 0
+    def fits(self, memory: Any, overshoot: float = 1.0) -> bool:
+        """The one rule: the counted bytes of ``memory`` (times ``overshoot``) are at most ``capacity - margin``."""
+        return self.headroom(memory, overshoot) >= 0
 
     def describe(self) -> str:
         """One line: ``22.35 GiB (--gpu-mem) - margin 0 B = 22.35 GiB for the resident device peak``."""

@@ -153,8 +153,7 @@ def longest_seq_len(spec: ModelSpec, plan: Plan, budget: Budget, estimator: Esti
     not even one step does. Bisection: memory grows with the sequence."""
 
     def fits(s: int) -> bool:
-        memory = estimator(spec, plan.with_(seq_len=s, micro_batch=micro_batch, grad_accum=1))
-        return budget.needed(memory) * overshoot <= budget.limit_bytes
+        return budget.fits(estimator(spec, plan.with_(seq_len=s, micro_batch=micro_batch, grad_accum=1)), overshoot)
 
     lo, hi = 0, limit // SEQ_STEP  # fits(lo * STEP) holds (vacuously for 0); find the largest such lo
     if not fits(SEQ_STEP):

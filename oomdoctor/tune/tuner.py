@@ -386,7 +386,7 @@ def tune(
     rank_batch = _rank_batch(global_batch, topo.world_size)
     profile = profile_for(gpu_info.name if gpu_info else None)
     seq_max = seq_len == "max"
-    if seq_len == "max":
+    if seq_max:
         best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer)
         all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES
                          if t.name not in NOT_PINNED_BY_MAX + TOPOLOGY_FIELDS})
@@ -467,23 +467,21 @@ def tune(
             notes.append(f"verification by {mode} could not run ({trials[-1].message}); the plan is the memory "
                          "model's prediction, unverified")
             verification = f"{mode} (failed to run)"
-        elif seq_max and context_retries > 0 and any(t.measured_peak_bytes for t in trials):
-            # the memory model's longest context did not verify: calibrate it by the verified overshoot and
-            # search again, once or twice, for a shorter context
-            shorter = calibrated_context(spec, plan, budget, estimator, trials, seq_len)
-            if shorter:
-                # the techniques of the longest-context plan stay pinned, as they were for the search at max
-                again = tune(spec, gpu_mem=gpu_mem, seq_len=shorter, global_batch=global_batch, method=None,
-                             prefer=prefer, margin=margin, pins={**all_pins, **topo_pins}, verify_mode=verify_mode,
-                             estimator=estimator,
-                             probe_steps=probe_steps, max_trials=max_trials, gpu=gpu_info if gpu_info else False,
-                             micro_limit=micro_limit, gpus_per_node=gpus_per_node,
-                             context_retries=context_retries - 1)
-                again.notes.insert(0, f"--seq-len max: the memory model's longest sequence, {seq_len:,} tokens, "
-                                      f"failed verification by {mode}; {shorter:,} tokens (calibrated by the "
-                                      "verified peak) is the plan")
-                return again
-        if not (vplan is not None and cand is not None) and not (trials and trials[-1].outcome == "error"):
+        elif seq_max and context_retries > 0 and any(t.measured_peak_bytes for t in trials) and (
+                shorter := calibrated_context(spec, plan, budget, estimator, trials, seq_len)):
+            # the memory model's longest context did not verify: calibrated by the verified overshoot, a shorter
+            # context is planned and verified again (at most ``context_retries`` times)
+            # the techniques of the longest-context plan stay pinned, as they were for the search at max
+            again = tune(spec, gpu_mem=gpu_mem, seq_len=shorter, global_batch=global_batch, method=None,
+                         prefer=prefer, margin=margin, pins={**all_pins, **topo_pins}, verify_mode=verify_mode,
+                         estimator=estimator, probe_steps=probe_steps, max_trials=max_trials,
+                         gpu=gpu_info if gpu_info else False, micro_limit=micro_limit, gpus_per_node=gpus_per_node,
+                         context_retries=context_retries - 1)
+            again.notes.insert(0, f"--seq-len max: the memory model's longest sequence, {seq_len:,} tokens, failed "
+                                  f"verification by {mode}; {shorter:,} tokens (calibrated by the verified peak) is "
+                                  "the plan")
+            return again
+        else:
             raise DoesNotFit(
                 f"the predicted plans failed verification by {mode} ({len(trials)} trial(s)): "
                 + "; ".join(f"{t.plan_label} micro-batch {t.micro_batch}: {t.outcome}" for t in trials),
