@@ -312,7 +312,9 @@ def train(
     if not dry_run and (nproc > 1 or nnodes) and not launched:
         rest = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else [config]
         if max_restarts is None:
-            max_restarts = 3 if cfg.to_plan(micro_batch=1).strategy in ("fsdp", "zero2", "zero3") else 0
+            from oomdoctor.plan.plan import SHARDED
+
+            max_restarts = 3 if cfg.to_plan(micro_batch=1).strategy in SHARDED else 0
         raise typer.Exit(_torchrun(nproc, max_restarts, nnodes, node_rank, rdzv_endpoint,
                                    ["-m", "oomdoctor", "train"] + _without_launch_flags(rest), rdzv_id))
     if dry_run:  # priced per rank, for the world size the launch flags (or the config) give

@@ -195,7 +195,13 @@ class CPUOffloadOptimizer:
 def make_plan_optimizer(params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *, target: str = "cpu",
                         lb: Any = None, host_scope: Callable[[], ContextManager] | None = None):
     """The optimizer a run of ``plan`` steps with: :class:`CPUOffloadOptimizer` when the plan offloads it,
-    :class:`OptimizerInBackward` when it steps in backward, else :func:`make_optimizer`."""
+    :class:`OptimizerInBackward` when it steps in backward, else :func:`make_optimizer`. Sharded strategies take
+    the plain optimizer: FSDP2's CPUOffloadPolicy keeps the states with the offloaded shards, DeepSpeed wraps (and
+    offloads) a torch optimizer itself."""
+    from oomdoctor.plan.plan import SHARDED
+
+    if plan.strategy in SHARDED:
+        return make_optimizer(params, plan, args, target=target, lb=lb)
     if plan.offload_optimizer:
         return CPUOffloadOptimizer(params, plan, args, host_scope=host_scope or _disable_modes)
     if plan.optimizer_in_backward:

@@ -35,6 +35,7 @@ from oomdoctor.gpu import detect_gpu
 from oomdoctor.noise import quiet_third_party
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, choose_micro_batch, max_fitting
+from oomdoctor.plan.plan import SHARDED
 from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.train.config import TrainConfig
@@ -462,7 +463,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     # the process group only now: the prediction may run the simulate engine, which makes a fake group of its own
     sharded = plan.strategy == "fsdp"
     zero = plan.strategy in ("zero2", "zero3")
-    dist.init(info, device.type, one_rank_group=sharded or zero, shared_dir=str(Path(cfg.output_dir).expanduser()))
+    dist.init(info, device.type, one_rank_group=plan.strategy in SHARDED, shared_dir=cfg.output_dir)
     torch.manual_seed(cfg.seed)
     args = OptimizerArgs(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
                          adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
@@ -470,23 +471,15 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     _check_host_ram(plan, memory, notes)
     if sharded:
         from oomdoctor.execute.load import load_sharded_model
-        from oomdoctor.execute.optim import make_optimizer
         from oomdoctor.execute.shard import device_mesh
 
         loaded = load_sharded_model(source, plan, device, device_mesh(plan, device.type), is_main=info.is_main,
                                     vocab_size=len(tok), seed=cfg.seed)
         _agree_rng(info)
-        # CPUOffloadPolicy already keeps the optimizer states with the offloaded shards: a plain torch optimizer
-        optimizer = make_optimizer(loaded.trainable, plan, args, target=target)
     else:
         loaded = load_model(source, plan, device, vocab_size=len(tok), seed=cfg.seed,
                             compute_dtype=cfg.bnb_4bit_compute_dtype)
-        if zero:  # DeepSpeed wraps (and offloads) a plain torch optimizer
-            from oomdoctor.execute.optim import make_optimizer
-
-            optimizer = make_optimizer(loaded.trainable, plan, args, target=target)
-        else:
-            optimizer = make_plan_optimizer(loaded.trainable, plan, args, target=target)
+    optimizer = make_plan_optimizer(loaded.trainable, plan, args, target=target)
     scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=min(cfg.warmup_steps, total),
                                total_steps=total)
     engine = None
