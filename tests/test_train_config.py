@@ -123,6 +123,7 @@ def test_random_init_needs_config_and_tokenizer():
         Plan(method="lora", precision="fp16-mixed", optimizer="sgd", sgd_momentum=0.9,
              lora_targets=("q_proj", "v_proj"), lora_on_head=True, quant="int8"),
         Plan(method="lora", precision="fp32", optimizer="adafactor", lora_r=8, lora_dropout=0.0),
+        Plan(method="full", precision="bf16", world_size=8, strategy="zero3", bucket_size=10**7),
     ],
 )
 def test_plan_yaml_round_trip(plan):

@@ -282,7 +282,6 @@ TECHNIQUES: tuple[Technique, ...] = (
         "zero2/zero3: elements per DeepSpeed communication bucket (reduce_bucket_size, allgather_bucket_size, "
         "stage3_prefetch_bucket_size)",
         "each bucket is a buffer of this many elements; DeepSpeed's own default 5e8 costs 1 GB (bf16) per rank",
-        train_executes=False,
     ),
 )
 

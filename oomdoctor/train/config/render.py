@@ -68,6 +68,7 @@ def config_from_plan(model: str, plan: Plan, **extra: Any) -> TrainConfig:
         strategy=plan.strategy,
         shard_group=plan.shard_group,
         reshard_after_forward=plan.reshard_after_forward,
+        bucket_size=plan.bucket_size,
     )
     unknown = [k for k in extra if k not in {f.name for f in fields(TrainConfig)}]
     if unknown:

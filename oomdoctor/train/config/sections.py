@@ -156,6 +156,8 @@ class TrainConfig:
     """Plan ``shard_group`` (HSDP when smaller than ``world_size``)."""
     reshard_after_forward: bool = default("reshard_after_forward")
     """Plan ``reshard_after_forward``."""
+    bucket_size: int | None = default("bucket_size")
+    """Plan ``bucket_size`` (DeepSpeed buckets; zero2/zero3)."""
     output_dir: str = default("output_dir")
     """Run directory."""
     save_steps: int = default("save_steps")
@@ -274,6 +276,7 @@ def to_plan(cfg: TrainConfig, micro_batch: int | None = None) -> Plan:
             strategy=cfg.strategy,  # type: ignore[arg-type]
             shard_group=cfg.shard_group,
             reshard_after_forward=cfg.reshard_after_forward,
+            bucket_size=cfg.bucket_size,
         )
     )
 
