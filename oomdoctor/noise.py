@@ -27,9 +27,10 @@ def quiet_third_party() -> None:
 def _no_deepspeed_accelerator_probe() -> None:
     """Once deepspeed is installed, accelerate imports it, and on a machine without an NVIDIA driver its accelerator
     probe logs "Setting accelerator to CPU. If you have GPU ..." on stdout at every command. Telling it the answer
-    (``DS_ACCELERATOR=cpu``, its documented override) when no NVIDIA device node exists keeps it quiet; a user's own
-    ``DS_ACCELERATOR`` wins, and a machine with a GPU probes as usual."""
-    if "DS_ACCELERATOR" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    (``DS_ACCELERATOR=cpu``, its documented override) when no GPU device node exists (NVIDIA, WSL2, ROCm) keeps it
+    quiet; a user's own ``DS_ACCELERATOR`` wins, and a machine with a GPU probes as usual."""
+    gpu_nodes = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")  # NVIDIA, WSL2's GPU paravirtualization, ROCm
+    if "DS_ACCELERATOR" not in os.environ and not any(os.path.exists(p) for p in gpu_nodes):
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
