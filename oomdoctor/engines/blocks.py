@@ -11,10 +11,10 @@ activation bytes autograd saves for backward in each block and after the last on
 stops at the output head: the head and the loss are priced by their own formulas.
 
 Block 0, the blocks before the repetition and one repeating unit are replayed when transformers' config says how
-blocks differ (``layer_kinds``), every block otherwise; at micro-batch 1 (what a block saves is linear in the
-batch), at the plan's sequence length rounded up to a power of two (scaled back linearly), with the plan's gradient
-checkpointing (a checkpointed block keeps its input, a formula, and recomputes the rest inside its measured
-backward). Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
+blocks differ (``layer_kinds``), every block otherwise; at micro-batch 1 and 2 (what grows with the batch is the
+difference, the rest is weight-sized: gradients, peft's merged expert weights), at the plan's sequence length
+rounded up to a power of two (the token share scaled back linearly), with the plan's gradient checkpointing (a
+checkpointed block keeps its input, a formula, and recomputes the rest inside its measured backward). Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
 ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config, the plan's settings at
 micro-batch 1 and the versions of torch, transformers and peft.
 """
@@ -30,40 +30,42 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from oomdoctor.memory.activations import BlockSaves
+from oomdoctor.memory.activations import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 
 if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 10
+VERSION = 11
 
 
-#: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas are checked
-#: against the simulated engine under every precision (tests/test_moe.py), where the replay runs bf16 experts only.
+#: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
+#: transformers' grouped experts) are checked against the simulated engine (tests/test_moe.py).
 FORMULA_TYPES: frozenset[str] = frozenset({"qwen3_moe"})
 
 
 def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     """Whether the analytic engine prices ``spec``'s blocks from a measurement: decoder types without a hand builder
     (``model/architectures.BUILDERS``, whose blocks the formulas were written for) and not in :data:`FORMULA_TYPES`,
-    unless they run transformers' eager experts, which the replay cannot (the formulas then, with their note). The
-    measured plan runs on one device without offload (:func:`measured_plan`), so every topology is measurable."""
+    and every MoE plan that runs transformers' eager experts (the formulas follow the grouped experts; a balanced
+    router sizes the eager ones' tokens in the replay: ``engines/routing``). The measured plan runs on one device
+    without offload (:func:`measured_plan`), so every topology and plan is measurable."""
     from oomdoctor.execute.build import runs_eager_experts
     from oomdoctor.model.architectures import BUILDERS
 
-    if spec.arch_kind != "decoder" or spec.model_type in BUILDERS or spec.model_type in FORMULA_TYPES:
+    if spec.arch_kind != "decoder":
         return False
-    return not runs_eager_experts(spec, plan)
+    formulas = spec.model_type in BUILDERS or spec.model_type in FORMULA_TYPES
+    return not formulas or runs_eager_experts(spec, plan)
 
 
 def measured_plan(plan: "Plan") -> "Plan":
     """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision,
     attention, checkpointing, sequence length rounded up to a power of two, LoRA targets/rank/dropout, int8 or
-    4-bit): micro-batch 1, one GPU,
-    no offload; the optimizer, accumulation, topology, the head's adapter, LoRA's scale, the 4-bit data type and
-    double quantization do not touch the blocks and take their defaults (one cache entry for them all)."""
+    4-bit): micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation,
+    topology, the head's adapter, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks
+    and take their defaults (one cache entry for them all)."""
     from oomdoctor.plan.techniques import DEFAULTS
 
     keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant")
@@ -184,25 +186,34 @@ def extend(measured: tuple[int, ...], q: int, p: int, num_layers: int) -> tuple[
     return tuple(measured[i] if i < len(measured) else measured[q + 1 + (i - q - 1) % p] for i in range(num_layers))
 
 
+def _bytes_doc(b: BlockBytes) -> dict:
+    return {"per_block": list(b.per_block), "final": b.final, "forward_transient": b.forward_transient,
+            "backward_transient": b.backward_transient}
+
+
+def _bytes_of(doc: dict) -> BlockBytes:
+    return BlockBytes(tuple(int(x) for x in doc["per_block"]), int(doc["final"]), int(doc["forward_transient"]),
+                      int(doc["backward_transient"]))
+
+
 @lru_cache(maxsize=512)
 def _cached(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
     path = cache_dir() / f"{_key(spec, plan)}.json"
     try:
         doc = json.loads(path.read_text())
-        return BlockSaves(tuple(int(x) for x in doc["per_block"]), int(doc["final"]), int(doc["forward_transient"]),
-                          int(doc["backward_transient"]), bool(doc["checkpointed"]), int(doc["seq_len"]))
+        return BlockSaves(_bytes_of(doc["one"]), _bytes_of(doc["two"]), bool(doc["checkpointed"]),
+                          int(doc["seq_len"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
-        saves = measure_block_saves(spec, plan)
+        saves = BlockSaves(measure_block_bytes(spec, plan), measure_block_bytes(spec, replace(plan, micro_batch=2)),
+                           plan.gradient_checkpointing, plan.seq_len)
     except Exception:  # noqa: BLE001 - a model the executor cannot build or replay: the formulas price it
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"model": spec.name, "per_block": list(saves.per_block), "final": saves.final,
-                                   "forward_transient": saves.forward_transient,
-                                   "backward_transient": saves.backward_transient,
+        tmp.write_text(json.dumps({"model": spec.name, "one": _bytes_doc(saves.one), "two": _bytes_doc(saves.two),
                                    "checkpointed": saves.checkpointed, "seq_len": saves.seq_len}))
         tmp.replace(path)
     except OSError:
@@ -227,7 +238,7 @@ class _StackDone(Exception):
     """Raised by the output head's forward pre-hook: the head and the loss are priced by their formulas."""
 
 
-def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
+def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
     """One forward of the blocks of ``spec`` as ``plan`` builds them, on fake tensors, and the backward of the
     blocks from the final norm's output (see the module docstring).
 
@@ -235,7 +246,8 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
     (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once, for the first block that saves it:
     a block's input is the previous block's output, counted where it is saved (by a norm that keeps its input);
     what exists before the first block (rotary tables, attention masks) is the formulas' shared forward tensors;
-    weights and autocast's weight casts are not activations (``parameters``/``master_weights`` for the tracker).
+    weights and autocast's weight casts are not activations (``parameters``/``master_weights`` for the tracker; casts of
+    parameters outside autocast are).
     Transients: the peak of a block's forward above what it leaves, and the peak of its backward above the bytes
     alive when it starts — its weights' gradients included: the analytic engine's top-block moment holds the
     head's gradients only (full fine-tuning of hybrid MoE blocks + GC: -2.2 % with them excluded, 0.0 % included)."""
@@ -247,6 +259,7 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
 
     from oomdoctor.engines.replay import (TrackingHooks, _cuda_policy_mode_cls, _wrap_checkpoint_functions,
                                           cuda_autocast_answers, hf_data_paths)
+    from oomdoctor.engines.routing import balanced_routing
     from oomdoctor.engines.simulate import _fake_gaps, _meta_model, _retie
     from oomdoctor.execute.build import make_batch
     from oomdoctor.execute.step import TrainStep
@@ -255,7 +268,8 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
     q, p = replay_depth(spec, plan)
     built = _meta_model(spec, plan, q + p + 1 if p else None, True)
     model = built.model
-    with FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False), _fake_gaps():
+    with FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False), _fake_gaps(), \
+            balanced_routing(spec, plan):
         model.to_empty(device="cpu")
         _retie(model)
         batch = make_batch(spec, plan, "cpu")
@@ -265,14 +279,24 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
         n = len(layers)
         per_block = [0] * (n + 1)  # the blocks, then the final norm
         fwd_t, bwd_t = [0] * n, [0] * n
-        seen: set[int] = set()
+        # a storage is (address, birth): an address freed during the forward is reused by a later storage
+        seen: set[tuple[int, int]] = set()
         current, start, stack_out = [-1], [0], []
 
+        # what a block saves: activations, and without autocast the casts of its parameters too (peft's bf16 copies
+        # of fp32 expert adapters, ``ParamWrapper``); under autocast weight casts are AMP copies, priced as such
+        saved_categories = ("activations",) if plan.precision.endswith("-mixed") else ("activations", "master_weights")
+
+        def storage_id(t) -> tuple[int, int] | None:
+            key = t.untyped_storage()._cdata
+            rec = lb.records.get(key)
+            return (key, rec.birth) if rec is not None else None
+
         def pack(t):
-            if 0 <= current[0] and isinstance(t, torch.Tensor) and lb.category_of(t) == "activations":
-                key = t.untyped_storage()._cdata
-                if key not in seen:
-                    seen.add(key)
+            if 0 <= current[0] and isinstance(t, torch.Tensor) and lb.category_of(t) in saved_categories:
+                sid = storage_id(t)
+                if sid not in seen:
+                    seen.add(sid)
                     per_block[current[0]] += lb.counted_bytes(t)
             return t
 
@@ -280,8 +304,8 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
             def hook(_m, args, kwargs):
                 if i == 0:  # what exists before the blocks (rotary tables, masks) is priced as shared, not here
                     x = args[0] if args else kwargs.get("hidden_states")
-                    seen.update(lb.records)
-                    seen.discard(x.untyped_storage()._cdata if isinstance(x, torch.Tensor) else None)
+                    seen.update((key, rec.birth) for key, rec in lb.records.items())
+                    seen.discard(storage_id(x) if isinstance(x, torch.Tensor) else None)
                 current[0] = i
                 lb.reset_peak()
             return hook
@@ -339,5 +363,4 @@ def measure_block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
         for mod, fn in restore:
             mod._gradient_checkpointing_func = fn
         lb.remove_hooks()
-    return BlockSaves(extend(tuple(per_block[:-1]), q, p, spec.num_layers), per_block[-1], max(fwd_t), max(bwd_t),
-                      plan.gradient_checkpointing, plan.seq_len)
+    return BlockBytes(extend(tuple(per_block[:-1]), q, p, spec.num_layers), per_block[-1], max(fwd_t), max(bwd_t))

@@ -190,23 +190,19 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
     """One fake-tensor simulation of ``plan`` with ``num_layers`` blocks (None = the spec's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomdoctor.execute.build import make_batch, runs_eager_experts
+    from oomdoctor.engines.routing import balanced_routing
+    from oomdoctor.execute.build import make_batch
     from oomdoctor.execute.tracking import LiveBytes
 
     why = not_simulated(plan)
     if why:
         raise BadInput(f"the simulated engine cannot run this plan: {why}", "use --engine analytic")
-    if runs_eager_experts(spec, plan):
-        raise BadInput(f"the simulated engine cannot run {spec.name}'s MoE experts with {plan.precision} weights: "
-                       "transformers' eager experts (what runs where the grouped matmul needs bf16) pick their "
-                       "tokens with nonzero, a data-dependent shape fake tensors do not have",
-                       "use --engine analytic, or --precision bf16 (grouped experts, replayed exactly)")
     with fake_process_group(plan.world_size) if plan.strategy == "fsdp" else nullcontext():
         built = _meta_model(spec, plan, num_layers, bnb_decompose)
         model = built.model
         # no fallback kernels: an op without a fake implementation must never run for real on full-size zeros
         fake = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
-        with fake, _fake_gaps():
+        with fake, _fake_gaps(), balanced_routing(spec, plan):
             model.to_empty(device="cpu")
             _retie(model)
             batch = make_batch(spec, plan, "cpu")

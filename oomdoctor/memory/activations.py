@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from oomdoctor.memory import parameters as prm
 from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx, experts_implementation
 from oomdoctor.model.spec import ModelSpec
 
@@ -234,10 +235,8 @@ def m_tok(c: Ctx, m: float) -> float:
 
 
 @dataclass(frozen=True)
-class BlockSaves:
-    """What each block of a model keeps for backward and holds transiently, measured by replaying the blocks' real
-    code (``oomdoctor.engines.blocks``) at micro-batch 1 with the plan's gradient checkpointing: what the analytic
-    engine uses for blocks its formulas do not know."""
+class BlockBytes:
+    """What the blocks of a model keep for backward and hold transiently at one token count (bytes)."""
 
     per_block: tuple[int, ...]
     """One entry per block, bottom first: the activation bytes autograd saves while the block runs."""
@@ -248,17 +247,43 @@ class BlockSaves:
     backward_transient: int
     """The largest peak of a block's backward above the bytes alive when it starts, its weights' gradients included
     (under gradient checkpointing: with its recompute)."""
+
+
+@dataclass(frozen=True)
+class BlockSaves:
+    """What each block of a model keeps for backward and holds transiently, measured by replaying the blocks' real
+    code (``oomdoctor.engines.blocks``) at micro-batch 1 and 2 with the plan's gradient checkpointing: what the
+    analytic engine uses for blocks its formulas do not know."""
+
+    one: BlockBytes
+    """Measured at micro-batch 1."""
+    two: BlockBytes
+    """Measured at micro-batch 2: the difference is what grows with the tokens; the rest is the same for any batch
+    (weight-sized tensors: the gradients a block's backward makes, the merged W' of peft's ``ParamWrapper``)."""
     checkpointed: bool
     """Measured with gradient checkpointing: ``per_block`` is then empty of what checkpointed blocks save (each keeps
     its input, a formula) and the transients are those of checkpointed blocks."""
     seq_len: int
-    """The sequence length measured at (micro-batch 1): bytes scale to a plan's tokens by ``B·S / seq_len``."""
+    """The sequence length measured at."""
 
     def scale(self, c: Ctx) -> float:
-        """Factor from the measured tokens to the plan's: exact in the batch and in every term linear in the
-        sequence; the measurement runs at the next power of two (``engines/blocks.measured_plan``), so a term
-        quadratic in the sequence (eager scores, sliding-window masks) is over-priced by less than 2x between."""
+        """The plan's tokens in measured micro-batches: exact in the batch and in every term linear in the sequence;
+        the measurement runs at the next power of two (``engines/blocks.measured_plan``), so a term quadratic in the
+        sequence (eager scores, sliding-window masks) is over-priced by less than 2x between."""
         return c.B * c.S / self.seq_len
+
+    def at(self, c: Ctx) -> BlockBytes:
+        """The bytes at the plan's tokens: the weight-sized part as measured, the token part scaled (the line
+        through the two measurements)."""
+        k = self.scale(c)
+
+        def line(a: int, b: int) -> int:
+            return max(0, int(a + (b - a) * (k - 1)))
+
+        one, two = self.one, self.two
+        return BlockBytes(tuple(line(a, b) for a, b in zip(one.per_block, two.per_block)), line(one.final, two.final),
+                          line(one.forward_transient, two.forward_transient),
+                          line(one.backward_transient, two.backward_transient))
 
 
 @dataclass(frozen=True)
@@ -313,6 +338,17 @@ def param_wrapped(c: Ctx) -> dict[str, int]:
             base = next(b for b in c.spec.groups if b.path == g.path and b.kind != "linear")
             out[g.name.split(".")[-1]] = base.numel_each * g.count // L
     return out
+
+
+def eager_expert_grads(c: Ctx, w_gu: int, w_d: int) -> int:
+    """Bytes of one block's expert-weight gradients in flight in the backward of transformers' eager experts, from
+    the fused stacks' elements (``w_gu`` gate_up, ``w_d`` down). The eager loop indexes ``W[e]`` per expert
+    (``MixtralExperts.forward``); each index backward makes a zero-filled full-size gradient that autograd sums into
+    the parameter's running sum (``InputBuffer``): two full-size gate_up gradients alive at once besides its running
+    sum, while down's sum is complete and waits (for its ``AccumulateGrad`` in a full fine-tune, for the
+    parametrization backward of a ``ParamWrapper`` adapter). Measured with real_cpu_run (fp32 LoRA) and the simulated
+    engine (full fine-tunes, balanced routing: engines/routing)."""
+    return c.wb * (3 * w_gu + w_d)
 
 
 def param_wrapper_weights(c: Ctx) -> int:
@@ -425,7 +461,13 @@ def layer_activations(c: Ctx) -> LayerActs:
         # (perm // k), the reordered routing weights; a normalized top-k (Mixtral, norm_topk_prob) divides fp32
         # values by their sum, both saved. Measured with the simulate engine (tiny Qwen3-MoE / Mixtral).
         sb = routing_weight_bytes(c)
-        mlp += T * ktok * (3 * 8 + sb)
+        if experts_implementation(plan) == "eager":
+            # eager experts (MixtralExperts.forward): ``index_add_`` keeps its source, the routing-weighted output,
+            # for its backward (``expand_as(source)``); per slot the int64 (top-k slot, token) pair ``nonzero``
+            # made. Measured block by block with the replay under a balanced router (engines/routing).
+            mlp += ab * T * h * ktok + T * ktok * (2 * 8 + sb)
+        else:
+            mlp += T * ktok * (3 * 8 + sb)
         if spec.model_type in FP32_ROUTING_WEIGHTS or spec.config.get("norm_topk_prob"):
             mlp += 8 * T * ktok
         down = 0
@@ -535,10 +577,10 @@ def layer_activations(c: Ctx) -> LayerActs:
             if experts_implementation(plan) == "grouped_mm":
                 mlp_b = max(mlp_b, c.wb * max(w_d, w_gu - w_d) + ab * T * ktok * (h + I))
             else:
-                # eager experts index W'[e] per expert: each ``select`` backward makes a zero-filled full-size
-                # gradient that autograd sums into W''s (two alive at once besides the running sum), while down's
-                # summed gradient waits for its parametrization backward. Measured with real_cpu_run (fp32).
-                mlp_b = max(mlp_b, c.wb * (3 * w_gu + w_d))
+                mlp_b = max(mlp_b, eager_expert_grads(c, w_gu, w_d))
+        elif c.full and experts_implementation(plan) == "eager":
+            stacks = prm.expert_stacks(c)
+            mlp_b = max(mlp_b, eager_expert_grads(c, stacks.get("gate_up_proj", 0), stacks.get("down_proj", 0)))
     att_b = ab * T * (qd + kv_w) + 4 * T * qd
     if attn_impl == "eager":
         # at the softmax backward: the probabilities' gradient in fp32 and the softmax's input gradient (fp32),
@@ -588,16 +630,17 @@ def layer_activations(c: Ctx) -> LayerActs:
 
 def measured_layer_activations(c: Ctx, measured: BlockSaves) -> LayerActs:
     """The formulas' :class:`LayerActs` with what the blocks save and their forward/backward transients taken from a
-    replay of their real code (scaled to the plan's tokens: :meth:`BlockSaves.scale`). Under gradient
-    checkpointing the kept block inputs stay the formulas' and a block's recompute is part of its measured backward
-    transient."""
+    replay of their real code (at the plan's tokens: :meth:`BlockSaves.at`). Under gradient checkpointing the kept
+    block inputs stay the formulas' and a block's recompute is part of its measured backward transient."""
     from dataclasses import replace
 
     la = layer_activations(c)
-    k = measured.scale(c)
-    per = [int(b * k) for b in measured.per_block]
+    m = measured.at(c)
+    per = m.per_block
     widest = max(per[1:] or per)
-    fwd, bwd = int(measured.forward_transient * k), int(measured.backward_transient * k)
+    # a block's backward starts with the gradient of its output alive (made by the block above or the head): the
+    # measurement's baseline, not its transient
+    fwd, bwd = m.forward_transient, m.backward_transient + c.rb * c.T * c.spec.hidden_size
     if measured.checkpointed:
         # the backward transient of a checkpointed block includes its recompute: nothing else is recomputed
         return replace(la, saved=0, stack=sum(per), bottom=0, gc_alias=0, fwd_transient=fwd, bwd_extra=bwd,
@@ -645,7 +688,7 @@ def final_saved(c: Ctx, measured: BlockSaves | None = None) -> int:
     h = spec.hidden_size
     tokens = c.T if spec.arch_kind != "encoder" else c.B
     if measured is not None:
-        total = int(measured.final * measured.scale(c))
+        total = measured.at(c).final
     elif spec.arch_kind != "encoder" or spec.norm_kind == "rms":
         total = norm_saved(c, h, c.T, c.rb)
     else:

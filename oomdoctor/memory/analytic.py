@@ -95,13 +95,15 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     if gc:
         # Non-reentrant checkpointing drops the saved casts; the autocast cache keeps the trainable ones for the
         # forward only. Forward end: trainable casts (cached) + the head's; backward: one block's + the head's.
-        trainable_casts = (c.lora_numel * 2) if not c.full else M_all
+        trainable_casts = (c.cast_lora_numel * 2) if not c.full else M_all
         M_fwd = min(M_all, trainable_casts + M_head) if c.mixed else 0
         M_top = M_layer
     else:
         M_fwd = M_all
         M_top = M_all - M_head  # the head's copy dies with the head's backward, before the top block's
     M_bottom = M_layer
+    if blocks is not None and blocks.checkpointed:
+        M_top = M_bottom = 0  # a measured checkpointed block's backward transient holds its recompute's casts
     M_loss = M_head if gc else M_fwd
     unpack_tmp = 0
     if plan.offload_activations:
@@ -111,7 +113,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         # cache's casts of trainable leaf weights, until the autocast region exits at the end of the forward.
         # In backward each node unpacks its own saved tensors: one weight (cast or frozen parameter) copied back at a
         # time, a transient.
-        trainable_casts = (c.lora_numel * 2) if not c.full else M_all
+        trainable_casts = (c.cast_lora_numel * 2) if not c.full else M_all
         M_fwd = min(M_all, trainable_casts) if c.mixed else 0
         M_loss = M_top = M_bottom = 0
         unpack_tmp = max((g.weight_numel for g in spec.groups

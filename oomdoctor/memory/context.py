@@ -291,6 +291,15 @@ class Ctx:
         return self.plan.is_mixed
 
     @property
+    def cast_lora_numel(self) -> int:
+        """LoRA weights autocast casts under ``*-mixed`` (cached for the forward: leaves that require grad): every
+        adapter but peft's ``ParamWrapper`` factors, which it merges into W' in the parameter's dtype first (W' and
+        its casts are activations). Measured with the simulated engine on wide-expert OLMoE/Qwen3-MoE shapes."""
+        wrapped = sum(self.plan.lora_r * (g.in_features + g.out_features) * g.count
+                      for g in self.lora_groups if g.module == PARAM_WRAPPER)
+        return self.lora_numel - wrapped
+
+    @property
     def gathered_in_compute_dtype(self) -> bool:
         """FSDP2 with a ``*-mixed`` plan: every weight, adapters included, is gathered in the compute dtype
         (``MixedPrecisionPolicy(param_dtype)``, execute/shard.py), so the step computes like a pure low-precision

@@ -71,7 +71,7 @@ def eval_memory(spec: ModelSpec, plan: Plan, eval_batch: int, train: MemoryBreak
     c = make_ctx(spec, plan.with_(micro_batch=eval_batch, grad_accum=1))
     amp = 0
     if c.mixed:
-        amp = prm.amp_weight_copy_bytes(c) if c.full else 2 * c.lora_numel
+        amp = prm.amp_weight_copy_bytes(c) if c.full else 2 * c.cast_lora_numel
     block = block_forward_peak(c)
     at_loss = c.rb * c.T * spec.hidden_size
     logits = lgt.logits_memory(c).forward_peak

@@ -4,7 +4,7 @@ LoRA adapters, and AMP's low-precision weight copies. Pure functions of (ModelSp
 
 from __future__ import annotations
 
-from oomdoctor.memory.context import HEAD_NAMES, Ctx
+from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx
 from oomdoctor.memory.lora import adapter_bytes
 
 #: bitsandbytes 4-bit: one absmax per block of 64 weights (``quantize_4bit`` default blocksize; QLoRA paper §2,
@@ -82,6 +82,14 @@ def parameter_bytes(c: Ctx) -> int:
     return base_weight_bytes(c) + adapter_bytes(c)
 
 
+def expert_stacks(c: Ctx) -> dict[str, int]:
+    """The fused 3-D expert weights of one block (``gate_up_proj``, ``down_proj``: raw ``nn.Parameter`` groups under
+    ``experts``; gpt-oss's bias stacks are added, not multiplied) -> their elements in one block."""
+    L = max(c.spec.num_layers, 1)
+    return {g.name: g.numel_each * g.count // L for g in c.spec.groups
+            if g.per_layer and g.module == "Parameter" and ".experts." in g.path and not g.name.endswith("bias")}
+
+
 def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
     """AMP's low-precision copies of fp32 weights that are alive while their layer's activations are.
 
@@ -90,19 +98,24 @@ def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
     Apex's heuristic); for a frozen weight it is redone per call. Either way the copy is saved for backward (the
     input gradient needs the weight), so it lives until that layer's backward: 2 bytes per linear weight (+bias) that
     is not quantized — the full linear set for full fine-tuning and for LoRA on an fp32 base (frozen copies), the
-    adapters only for QLoRA (bitsandbytes dequantizes per call, nothing saved). Embeddings and norm weights are not
-    cast (not autocast ops). ``layers``: how many blocks' copies are alive (None = the whole model).
+    adapters only for QLoRA (bitsandbytes dequantizes per call, nothing saved). Fused 3-D expert stacks are cast
+    too (never quantized): per expert slice by transformers' eager experts, whole by Llama 4's batched ``bmm`` —
+    unless a peft ``ParamWrapper`` adapts them (its W' casts: ``activations.param_wrapper_weights``); the grouped
+    matmul runs bf16 weights only, outside autocast. Embeddings and norm weights are not cast (not autocast ops).
+    ``layers``: how many blocks' copies are alive (None = the whole model).
     Limit: fp16-mixed and bf16-mixed are both priced at 2 bytes; ``GradScaler`` buffers are ignored (tiny).
     """
     if not c.mixed:
         return 0
     s = c.sums
     L = max(c.spec.num_layers, 1)
-    adapters = c.lora_numel * 2
+    adapters = c.cast_lora_numel * 2
     if c.quant is not None:  # quantized linears are dequantized per call, nothing saved; the rest are cast
         base_layer = sum(g.weight_numel * g.count for g in c.spec.groups if g.kind == "linear" and g.per_layer and not is_quantized(g)) * 2
     else:
         base_layer = s.linear_numel * 2
+    wrapped = {g.name.split(".")[-1] for g in c.lora_groups if g.module == PARAM_WRAPPER}
+    base_layer += 2 * L * sum(n for name, n in expert_stacks(c).items() if name not in wrapped)
     head = (s.head_numel or (s.embed_numel if c.spec.tie_word_embeddings else 0)) * 2
     if layers is None:
         return base_layer + head + adapters
