@@ -186,3 +186,20 @@ def test_weight_sized_bytes_do_not_scale_with_the_tokens(micro_batch, seq_len):
     plan = validate(Plan(method="lora", precision="bf16", seq_len=seq_len, micro_batch=micro_batch))
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.01 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, precision, gc", [("lora", "bf16", False), ("lora", "fp32", True),
+                                                   ("qlora", "bf16-mixed", True), ("qlora", "bf16", False)])
+def test_bf16_adapters_are_priced_from_a_measurement(tiny_config, method, precision, gc):
+    """``adapter_dtype: bf16`` (TRL's QLoRA recipe): bf16 adapters, gradients and AdamW states (2 B each), and the
+    blocks measured (the formulas follow peft's fp32 adapters and their input copies)."""
+    from oomdoctor.memory.context import make_ctx
+
+    spec = spec_from_config(dict(tiny_config, num_hidden_layers=4), name="tiny-llama")
+    plan = validate(Plan(method=method, precision=precision, seq_len=256, micro_batch=2, gradient_checkpointing=gc,
+                         adapter_dtype="bf16"))
+    assert blocks.measures_blocks(spec, plan) and not blocks.measures_blocks(spec, plan.with_(adapter_dtype="fp32"))
+    a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
+    assert a.adapters == 2 * make_ctx(spec, plan).lora_numel <= s.adapters  # the replay rounds to 512-byte blocks
+    assert abs(a.peak_allocated - s.peak_allocated) <= 0.02 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)

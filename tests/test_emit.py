@@ -179,6 +179,18 @@ def test_hf_notes_name_what_training_arguments_cannot_say(spec7b):
     assert json.loads(em.text)["oomdoctor"]["notes"] == list(em.notes)
 
 
+def test_the_adapter_dtype_each_tool_runs_is_said(spec7b):
+    """TRL's SFTTrainer casts a quantized model's adapters to bf16 (and only those): a plan with other adapters
+    says so; HF/axolotl/accelerate scripts are told how to get bf16 adapters."""
+    qlora = Plan(method="qlora", quant="nf4", precision="bf16-mixed")
+    fp32_notes = emit("trl", _request(spec7b, qlora)).notes
+    assert any(n.startswith("adapter_dtype fp32: not expressible in TRL") for n in fp32_notes)
+    assert not any("adapter_dtype" in n for n in emit("trl", _request(spec7b, qlora.with_(adapter_dtype="bf16"))).notes)
+    for target in ("hf", "axolotl", "accelerate"):
+        notes = emit(target, _request(spec7b, qlora.with_(adapter_dtype="bf16"))).notes
+        assert any("cast every trainable parameter to torch.bfloat16" in n for n in notes), target
+
+
 # ---------------------------------------------------------------------------------------------- accelerate
 
 

@@ -78,6 +78,18 @@ def test_qlora_4bit_on_cpu(tmp_path):
     assert res.plan.startswith("qlora-nf4+dq")
 
 
+def test_qlora_with_bf16_adapters_as_trl_runs_it(tmp_path):
+    """adapter_dtype: bf16 (the QLoRA paper's recipe, TRL's SFTTrainer on a quantized model): the adapters, their
+    gradients and AdamW states are bf16, it learns, and what it allocates is what was priced."""
+    res = _run(tmp_path, "qlora-bf16", method="qlora", adapter_dtype="bf16", precision="bf16-mixed", r=4,
+               lora_alpha=8, learning_rate=1e-2)
+    _finite_and_learning(res)
+    weights = load_weights(res.checkpoint)
+    assert weights and all(w.dtype == torch.bfloat16 for w in weights.values())
+    pred = res.memory["peak_allocated_bytes"]
+    assert abs(res.measured_peak_bytes - pred) / res.measured_peak_bytes < 0.015, (res.measured_peak_bytes, pred)
+
+
 def test_qlora_base_is_quantized(tmp_path):
     from oomdoctor.execute.load import load_model, load_tokenizer, resolve_device
 

@@ -59,6 +59,7 @@ def tune(
     lora_r: Optional[int] = plan_option("lora_r"),
     lora_targets: Optional[str] = plan_option("lora_targets"),
     lora_on_head: Optional[bool] = plan_option("lora_on_head"),
+    adapter_dtype: Optional[str] = plan_option("adapter_dtype"),
     quant: Optional[str] = plan_option("quant"),
     double_quant: Optional[bool] = plan_option("double_quant"),
     offload: Optional[str] = offload_option(),
@@ -111,7 +112,8 @@ def tune(
         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
         gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
         optimizer_in_backward=optimizer_in_backward, lora_targets=lora_targets,
-        lora_on_head=lora_on_head, quant=quant, double_quant=double_quant, offload=offload,
+        lora_on_head=lora_on_head, adapter_dtype=adapter_dtype, quant=quant, double_quant=double_quant,
+        offload=offload,
         world_size=world_size, strategy=strategy, shard_group=shard_group,
         reshard_after_forward=reshard_after_forward, bucket_size=bucket_size,
     )

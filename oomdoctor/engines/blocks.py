@@ -48,21 +48,23 @@ FORMULA_TYPES: frozenset[str] = frozenset({"qwen3_moe"})
 def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     """Whether the analytic engine prices ``spec``'s blocks from a measurement: decoder types without a hand builder
     (``model/architectures.BUILDERS``, whose blocks the formulas were written for) and not in :data:`FORMULA_TYPES`,
-    and every MoE plan that runs transformers' eager experts (the formulas follow the grouped experts; a balanced
-    router sizes the eager ones' tokens in the replay: ``engines/routing``). The measured plan runs on one device
-    without offload (:func:`measured_plan`), so every topology and plan is measurable."""
+    every MoE plan that runs transformers' eager experts (the formulas follow the grouped experts; a balanced
+    router sizes the eager ones' tokens in the replay: ``engines/routing``) and every plan with bf16 adapters (the
+    formulas follow peft's fp32 ones). The measured plan runs on one device without offload (:func:`measured_plan`),
+    so every topology and plan is measurable."""
     from oomdoctor.execute.build import runs_eager_experts
     from oomdoctor.model.architectures import BUILDERS
 
     if spec.arch_kind != "decoder":
         return False
     formulas = spec.model_type in BUILDERS or spec.model_type in FORMULA_TYPES
-    return not formulas or runs_eager_experts(spec, plan)
+    bf16_adapters = plan.uses_lora and plan.adapter_dtype == "bf16"
+    return not formulas or runs_eager_experts(spec, plan) or bf16_adapters
 
 
 def measured_plan(plan: "Plan") -> "Plan":
     """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision,
-    attention, checkpointing, sequence length rounded up to a power of two, LoRA targets/rank/dropout, int8 or
+    attention, checkpointing, sequence length rounded up to a power of two, LoRA targets/rank/dropout/dtype, int8 or
     4-bit): micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation,
     topology, the head's adapter, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks
     and take their defaults (one cache entry for them all)."""
@@ -70,7 +72,7 @@ def measured_plan(plan: "Plan") -> "Plan":
 
     keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant")
     if plan.uses_lora:
-        keep += ("lora_r", "lora_dropout", "lora_targets")
+        keep += ("lora_r", "lora_dropout", "lora_targets", "adapter_dtype")
     canonical = {k: v for k, v in DEFAULTS.items() if k not in keep and k in Plan.__dataclass_fields__}
     if plan.quant == "fp4":
         canonical["quant"] = "nf4"  # same shapes, same dequantized compute

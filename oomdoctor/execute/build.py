@@ -185,7 +185,9 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
       fp16/bf16 parameters (norms, embeddings, head, biases) to fp32, enables non-reentrant checkpointing with GC;
     * otherwise LoRA freezes the base, and GC is enabled (non-reentrant);
     * LoRA: peft ``get_peft_model`` with the plan's rank, alpha, dropout and ``lora_targets`` (peft's default
-      ``autocast_adapter_dtype=True`` keeps the adapters in fp32 under every precision).
+      ``autocast_adapter_dtype=True`` keeps the adapters in fp32 under every precision); ``adapter_dtype: bf16``
+      then casts every trainable parameter to bf16, as TRL's SFTTrainer does for a quantized model (the QLoRA
+      paper's recipe; peft's ``autocast_adapter_dtype=False`` does not reach adapters on a quantized base).
 
     Returns the (possibly peft-wrapped) model in train mode."""
     if plan.quant is not None:
@@ -203,6 +205,12 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
         lcfg = LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
                           target_modules=lora_targets, bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(model, lcfg)
+        if plan.adapter_dtype == "bf16":
+            import torch
+
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
     model.train()
     return model
 

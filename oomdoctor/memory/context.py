@@ -282,6 +282,8 @@ class Ctx:
     lora_groups: tuple[ParamGroup, ...]
     """Linear groups carrying a LoRA adapter."""
     lora_numel: int
+    adapter_b: int
+    """Bytes per element of the LoRA adapter weights (and their gradients): 4, or 2 with ``adapter_dtype: bf16``."""
     mask_b: int
     """Bytes of one dropout-mask element on this device."""
     quant: str | None
@@ -293,8 +295,11 @@ class Ctx:
     @property
     def cast_lora_numel(self) -> int:
         """LoRA weights autocast casts under ``*-mixed`` (cached for the forward: leaves that require grad): every
-        adapter but peft's ``ParamWrapper`` factors, which it merges into W' in the parameter's dtype first (W' and
-        its casts are activations). Measured with the simulated engine on wide-expert OLMoE/Qwen3-MoE shapes."""
+        fp32 adapter but peft's ``ParamWrapper`` factors, which it merges into W' in the parameter's dtype first (W'
+        and its casts are activations); bf16 adapters need no cast. Measured with the simulated engine on
+        wide-expert OLMoE/Qwen3-MoE shapes."""
+        if self.adapter_b == 2:
+            return 0
         wrapped = sum(self.plan.lora_r * (g.in_features + g.out_features) * g.count
                       for g in self.lora_groups if g.module == PARAM_WRAPPER)
         return self.lora_numel - wrapped
@@ -340,6 +345,7 @@ def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:
         full=plan.method == "full",
         lora_groups=lora_groups,
         lora_numel=lora_numel,
+        adapter_b=2 if plan.adapter_dtype == "bf16" else 4,
         mask_b=CUDA_DROPOUT_MASK_BYTES if device == "cuda" else CPU_LORA_DROPOUT_NOISE_BYTES,
         quant=plan.quant if plan.method == "qlora" else None,
     )

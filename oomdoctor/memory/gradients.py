@@ -13,7 +13,6 @@ they stay allocated across micro-batches (priced in the forward/backward phases 
 from __future__ import annotations
 
 from oomdoctor.memory.context import Ctx
-from oomdoctor.memory.lora import ADAPTER_BYTES
 
 
 def trainable_numel(c: Ctx) -> int:
@@ -25,7 +24,7 @@ def trainable_numel(c: Ctx) -> int:
 
 def param_bytes_per_trainable(c: Ctx) -> int:
     """Bytes per element of trainable parameters (and so of their gradients)."""
-    return c.wb if c.full else ADAPTER_BYTES
+    return c.wb if c.full else c.adapter_b
 
 
 def gradient_bytes(c: Ctx) -> int:
@@ -56,7 +55,7 @@ def head_gradient_bytes(c: Ctx) -> int:
     if c.plan.lora_on_head:
         for g in c.lora_groups:
             if not g.per_layer:
-                return c.plan.lora_r * (g.in_features + g.out_features) * ADAPTER_BYTES
+                return c.plan.lora_r * (g.in_features + g.out_features) * c.adapter_b
     return 0
 
 
@@ -66,4 +65,4 @@ def per_layer_gradient_bytes(c: Ctx) -> int:
     if c.full:
         return c.sums.per_layer_numel * c.wb
     per_layer_lora = sum(c.plan.lora_r * (g.in_features + g.out_features) * g.count for g in c.lora_groups if g.per_layer)
-    return per_layer_lora * ADAPTER_BYTES // L
+    return per_layer_lora * c.adapter_b // L

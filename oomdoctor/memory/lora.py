@@ -6,7 +6,8 @@ but the output head (peft ``_maybe_include_all_linear_layers``); ``lora_on_head`
 converts the expert/router names to ``target_parameters`` (``ParamWrapper`` adapters on the router and the fused
 expert stacks, per-expert factors): ``memory/context.lora_groups_of`` lists them as equivalent linear groups.
 Adapters are fp32 whatever the base dtype: ``get_peft_model(autocast_adapter_dtype=True)`` (the default) upcasts
-fp16/bf16 adapter weights to fp32 (peft ``tuners/tuners_utils.py: cast_adapter_dtype``).
+fp16/bf16 adapter weights to fp32 (peft ``tuners/tuners_utils.py: cast_adapter_dtype``); the plan's
+``adapter_dtype: bf16`` casts them to bf16 afterwards (TRL's SFTTrainer on a quantized model): ``Ctx.adapter_b``.
 Limit: LoRA variants (DoRA's magnitude vector, rsLoRA) and ``modules_to_save`` copies are not priced.
 """
 
@@ -14,17 +15,13 @@ from __future__ import annotations
 
 from oomdoctor.memory.context import Ctx
 
-#: Adapter weight bytes per element (fp32 after peft's autocast_adapter_dtype upcast).
-ADAPTER_BYTES = 4
-
-
 def adapter_numel(c: Ctx) -> int:
     """Trainable LoRA parameters: sum over adapted modules of r*(in+out)."""
     return c.lora_numel
 
 
 def adapter_bytes(c: Ctx) -> int:
-    return c.lora_numel * ADAPTER_BYTES
+    return c.lora_numel * c.adapter_b
 
 
 def adapted_layer_modules(c: Ctx) -> list[tuple[str, int, int]]:

@@ -21,6 +21,7 @@ Quant = Literal["int8", "nf4", "fp4"]
 OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 Strategy = Literal["single", "ddp", "fsdp", "zero2", "zero3"]
 Loss = Literal["standard", "chunked"]
+AdapterDtype = Literal["fp32", "bf16"]
 
 METHODS: tuple[str, ...] = choices("method")
 PRECISIONS: tuple[str, ...] = choices("precision")
@@ -32,6 +33,7 @@ STRATEGIES: tuple[str, ...] = choices("strategy")
 #: Strategies that shard model states across the ranks.
 SHARDED: tuple[str, ...] = ("fsdp", "zero2", "zero3")
 LOSSES: tuple[str, ...] = choices("loss")
+ADAPTER_DTYPES: tuple[str, ...] = choices("adapter_dtype")
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULTS["lora_targets"]
 
@@ -71,6 +73,8 @@ class Plan:
     """See ``TECHNIQUES``: modules that get adapters."""
     lora_on_head: bool = DEFAULTS["lora_on_head"]
     """See ``TECHNIQUES``: also adapt the output head."""
+    adapter_dtype: AdapterDtype = DEFAULTS["adapter_dtype"]
+    """See ``TECHNIQUES``: dtype of the LoRA adapter weights."""
     quant: Quant | None = DEFAULTS["quant"]
     """See ``TECHNIQUES``: bitsandbytes quantization of the frozen base."""
     double_quant: bool = DEFAULTS["double_quant"]
@@ -258,6 +262,7 @@ def validate(plan: Plan) -> Plan:
     _check_choice(problems, "optimizer", plan.optimizer, OPTIMIZERS)
     _check_choice(problems, "optimizer_impl", plan.optimizer_impl, OPTIMIZER_IMPLS)
     _check_choice(problems, "loss", plan.loss, LOSSES)
+    _check_choice(problems, "adapter_dtype", plan.adapter_dtype, ADAPTER_DTYPES)
     _check_choice(problems, "attn", plan.attn, ATTNS)
     _check_choice(problems, "strategy", plan.strategy, STRATEGIES)
     if plan.quant is not None:
@@ -289,6 +294,9 @@ def validate(plan: Plan) -> Plan:
         problems.append(f"sgd_momentum must be in [0, 1), got {plan.sgd_momentum}")
     if not plan.lora_targets:
         problems.append("lora_targets is empty; name modules (q_proj,v_proj) or use all-linear")
+    if plan.adapter_dtype == "bf16" and plan.precision == "fp16-mixed":
+        problems.append("adapter_dtype bf16 under fp16-mixed: autocast would cast the bf16 adapters to fp16 in every "
+                        "matmul; use bf16-mixed, or fp32 adapters")
     _check_topology(plan, problems, changes)
     if plan.optimizer_in_backward:
         if plan.grad_accum > 1:

@@ -197,6 +197,14 @@ TECHNIQUES: tuple[Technique, ...] = (
         yaml_key="", flag="--lora-on-head",
     ),
     Technique(
+        "adapter_dtype", "choice", "fp32", "peft get_peft_model(autocast_adapter_dtype=True): fp32 adapters",
+        "dtype of the LoRA adapter weights: fp32 (peft's default under every precision) or bf16 (the QLoRA paper's "
+        "recipe; TRL's SFTTrainer casts the adapters of a quantized model to bf16)",
+        "bf16: adapters, their gradients and AdamW states at 2 B/param instead of 4, and the adapters' matmuls in "
+        "bf16 (no fp32 copies of their inputs)",
+        choices=("fp32", "bf16"),
+    ),
+    Technique(
         "quant", "choice", None, "from_pretrained without a quantization_config",
         "bitsandbytes quantization of the frozen base: int8 (LLM.int8()), nf4 or fp4 (4-bit, QLoRA); in a train "
         "YAML also load_in_4bit + bnb_4bit_quant_type / load_in_8bit",

@@ -55,6 +55,8 @@ DATASET_PLACEHOLDER = "PATH/TO/YOUR/train.jsonl"
 #: ``load_dataset`` builder for a local data file, by suffix.
 DATA_BUILDERS: dict[str, str] = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
                                  ".txt": "text"}
+#: How a script gets bf16 adapters (peft's ``autocast_adapter_dtype=False`` does not reach a quantized base).
+BF16_ADAPTERS = "after get_peft_model, cast every trainable parameter to torch.bfloat16 (as TRL's SFTTrainer does)"
 #: The extra (non-TrainingArguments) keys of the ``hf`` JSON.
 HF_EXTRA_KEYS: tuple[str, ...] = ("model_name_or_path", "model_init_kwargs", "quantization_config", "peft_config",
                                   "dataset", "max_length", "oomdoctor")
@@ -315,6 +317,10 @@ def emit_trl(req: EmitRequest) -> Emitted:
             targets = rf".*\.{targets[0]}"
         doc.update(lora_r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=p.lora_dropout,
                    lora_target_modules=targets)
+        trl_dtype = "bf16" if p.quant is not None else "fp32"  # SFTTrainer casts a quantized model's adapters
+        if p.adapter_dtype != trl_dtype:
+            notes.append(f"adapter_dtype {p.adapter_dtype}: not expressible in TRL (SFTTrainer keeps {trl_dtype} "
+                         f"adapters {'on a quantized' if p.quant else 'on an unquantized'} base)")
     doc["load_in_4bit"] = p.quant in ("nf4", "fp4")
     doc["load_in_8bit"] = p.quant == "int8"
     if p.quant in ("nf4", "fp4"):
@@ -365,6 +371,8 @@ def emit_hf(req: EmitRequest) -> Emitted:
     if p.uses_lora:
         peft = {"r": p.lora_r, "lora_alpha": p.lora_alpha, "lora_dropout": p.lora_dropout,
                 "target_modules": lora_targets(p, req.spec), "bias": "none", "task_type": "CAUSAL_LM"}
+        if p.adapter_dtype == "bf16":
+            notes.append(f"adapter_dtype bf16: {BF16_ADAPTERS}")
     notes.append(HF_USAGE)
     run = run_command("hf", "THIS.json")
     doc.update({
@@ -394,6 +402,8 @@ def emit_axolotl(req: EmitRequest) -> Emitted:
     if p.uses_lora:
         doc["adapter"] = "qlora" if p.quant in ("nf4", "fp4") else "lora"
         doc.update(lora_r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=p.lora_dropout)
+        if p.adapter_dtype == "bf16":
+            notes.append(f"adapter_dtype bf16: not expressible in axolotl's config ({BF16_ADAPTERS})")
         targets = lora_targets(p, req.spec)
         if targets == ALL_LINEAR:
             doc["lora_target_linear"] = True
@@ -536,7 +546,8 @@ def emit_accelerate(req: EmitRequest) -> Emitted:
               + (f" ({opt.args})" if opt.args else "")]
     if p.uses_lora:
         script.append(f"LoRA r {p.lora_r}, lora_alpha {p.lora_alpha}, lora_dropout {p.lora_dropout}, "
-                      f"target_modules {lora_targets(p, req.spec)}")
+                      f"target_modules {lora_targets(p, req.spec)}"
+                      + (f", adapter_dtype bf16 ({BF16_ADAPTERS})" if p.adapter_dtype == "bf16" else ""))
     if p.quant:
         script.append("BitsAndBytesConfig(" + ("load_in_8bit=True" if p.quant == "int8" else
                       f"load_in_4bit=True, bnb_4bit_quant_type={p.quant}, bnb_4bit_use_double_quant="

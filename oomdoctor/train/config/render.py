@@ -55,6 +55,7 @@ def config_from_plan(model: str, plan: Plan, **extra: Any) -> TrainConfig:
         lora_dropout=plan.lora_dropout,
         target_modules=list(plan.lora_targets)
         + (["lm_head"] if plan.lora_on_head and "lm_head" not in plan.lora_targets else []),
+        adapter_dtype=plan.adapter_dtype,
         load_in_4bit=quant in ("nf4", "fp4"),
         load_in_8bit=quant == "int8",
         bnb_4bit_quant_type=quant if quant in ("nf4", "fp4") else "nf4",

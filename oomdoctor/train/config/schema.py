@@ -66,7 +66,7 @@ _GROUPS = {
     "optimizer_in_backward": "memory: optimizer",
     "sgd_momentum": "memory: optimizer",
     "lora_r": "memory: LoRA", "lora_alpha": "memory: LoRA", "lora_dropout": "memory: LoRA",
-    "lora_targets": "memory: LoRA", "double_quant": "memory: quantized base (bitsandbytes)",
+    "lora_targets": "memory: LoRA", "adapter_dtype": "memory: LoRA", "double_quant": "memory: quantized base (bitsandbytes)",
     **{k: "memory: scale-out (per rank)" for k in ("world_size", "strategy", "shard_group", "reshard_after_forward",
                                                   "bucket_size", "offload_params")},
 }

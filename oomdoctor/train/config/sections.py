@@ -130,6 +130,8 @@ class TrainConfig:
     """Plan ``lora_dropout``."""
     target_modules: list[str] = field(default_factory=lambda: default("target_modules"))
     """Plan ``lora_targets`` (+ ``lm_head``: ``lora_on_head``)."""
+    adapter_dtype: str = default("adapter_dtype")
+    """Plan ``adapter_dtype``."""
     load_in_4bit: bool = default("load_in_4bit")
     """Plan ``quant`` nf4/fp4."""
     load_in_8bit: bool = default("load_in_8bit")
@@ -263,6 +265,7 @@ def to_plan(cfg: TrainConfig, micro_batch: int | None = None) -> Plan:
             lora_dropout=cfg.lora_dropout,
             lora_targets=targets,
             lora_on_head=on_head,
+            adapter_dtype=cfg.adapter_dtype,  # type: ignore[arg-type]
             quant=cfg.quant,  # type: ignore[arg-type]
             double_quant=bool(cfg.bnb_4bit_use_double_quant and cfg.quant in ("nf4", "fp4")),
             micro_batch=mb,
