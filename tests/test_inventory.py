@@ -27,7 +27,6 @@ def test_the_meta_inventory_equals_the_hand_written_builders(model_id):
     assert abs(a - b) / a <= 0.002
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type,published", [("gpt_oss", 116.8e9), ("deepseek_v3", 671e9)])
 def test_new_model_types_are_priced_from_their_transformers_defaults(model_type, published):
     """Types without a builder: transformers' default configs are the released models (gpt-oss-120b, DeepSeek-V3);
@@ -40,7 +39,7 @@ def test_new_model_types_are_priced_from_their_transformers_defaults(model_type,
     assert abs(spec.num_params - published) / published < 0.01
     mem = estimate(spec, validate(Plan(method="qlora", precision="bf16", gradient_checkpointing=True, seq_len=1024)))
     assert mem.peak_device > spec.num_params * 0.5  # at least the 4-bit base
-    assert any("measured by replaying" in n for n in mem.notes)  # QLoRA runs the eager experts: measured
+    assert any("generic transformer-block formulas" in n for n in mem.notes)  # eager experts: > 64, formulas
 
 
 def test_a_vision_language_model_prices_its_vision_tower_as_frozen_other_parameters():

@@ -160,21 +160,19 @@ def test_analytic_within_2_percent_of_simulate_for_moe_lora(cfg, gc, wide):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [QWEN3_MOE_LORA, MIXTRAL], ids=lambda c: c["model_type"])
-@pytest.mark.parametrize("method, precision, gc, wide", [
-    ("lora", "fp32", True, False), ("qlora", "bf16-mixed", False, True), ("full", "bf16-mixed", True, True),
-    ("full", "fp32", False, True)])
-def test_analytic_within_2_percent_of_simulate_for_eager_experts(cfg, method, precision, gc, wide):
-    """Plans that run the eager experts (fp32 weights, autocast, QLoRA) are priced from a measurement of the blocks
-    (the per-expert loop's index-backward gradient sums, per-slice autocast casts and ``index_add_`` source)."""
+@pytest.mark.parametrize("method, precision, gc", [("lora", "fp32", True), ("qlora", "bf16-mixed", False),
+                                                   ("full", "bf16-mixed", True), ("full", "fp32", False)])
+def test_analytic_within_2_percent_of_simulate_for_eager_experts(cfg, method, precision, gc):
+    """Plans that run the eager experts (fp32 weights, autocast, QLoRA), with weight-dominated experts as released
+    MoE models have them (32 experts of 256 here): the per-expert loop's index-backward gradient sums, per-slice
+    autocast casts and ``index_add_`` source are priced by the formulas."""
     from oomdoctor.engines import estimate
 
-    if wide:
-        cfg = dict(cfg, **({"moe_intermediate_size": 256, "num_experts": 32} if "num_experts" in cfg
-                           else {"intermediate_size": 256, "num_local_experts": 32}))
+    cfg = dict(cfg, **({"moe_intermediate_size": 256, "num_experts": 32} if "num_experts" in cfg
+                       else {"intermediate_size": 256, "num_local_experts": 32}))
     spec = spec_from_config(dict(cfg), name=cfg["model_type"])
-    plan = validate(Plan(method=method, precision=precision, seq_len=512 if wide else 1024, lora_dropout=0.0,
+    plan = validate(Plan(method=method, precision=precision, seq_len=512, lora_dropout=0.0,
                          gradient_checkpointing=gc))
     sim = estimate(spec, plan, "simulate").peak_allocated
-    ana = estimate(spec, plan, "analytic")
-    assert abs(ana.peak_allocated - sim) / sim <= 0.02, (ana.peak_allocated, sim)
-    assert any("measured by replaying" in n for n in ana.notes)
+    ana = estimate(spec, plan, "analytic").peak_allocated
+    assert abs(ana - sim) / sim <= 0.02, (ana, sim)

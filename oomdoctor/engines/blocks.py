@@ -43,23 +43,27 @@ VERSION = 11
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
 #: transformers' grouped experts) are checked against the simulated engine (tests/test_moe.py).
 FORMULA_TYPES: frozenset[str] = frozenset({"qwen3_moe"})
+#: Above this many experts, plans that run transformers' eager experts keep the formulas: the replay runs the
+#: per-expert Python loop of every replayed block twice (DeepSeek-V3's 256 experts: minutes per plan, where the
+#: formulas price these weight-dominated experts within 1 %: tests/test_moe.py).
+EAGER_REPLAY_MAX_EXPERTS = 64
 
 
 def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     """Whether the analytic engine prices ``spec``'s blocks from a measurement: decoder types without a hand builder
-    (``model/architectures.BUILDERS``, whose blocks the formulas were written for) and not in :data:`FORMULA_TYPES`,
-    every MoE plan that runs transformers' eager experts (the formulas follow the grouped experts; a balanced
-    router sizes the eager ones' tokens in the replay: ``engines/routing``) and every plan with bf16 adapters (the
-    formulas follow peft's fp32 ones). The measured plan runs on one device without offload (:func:`measured_plan`),
-    so every topology and plan is measurable."""
+    (``model/architectures.BUILDERS``, whose blocks the formulas were written for) and not in :data:`FORMULA_TYPES`
+    (transformers' eager experts included, up to :data:`EAGER_REPLAY_MAX_EXPERTS`: a balanced router sizes their
+    tokens in the replay, ``engines/routing``), and every plan with bf16 adapters (the formulas follow peft's fp32 ones). The measured plan runs on one device
+    without offload (:func:`measured_plan`), so every topology and plan is measurable."""
     from oomdoctor.execute.build import runs_eager_experts
     from oomdoctor.model.architectures import BUILDERS
 
     if spec.arch_kind != "decoder":
         return False
+    if spec.num_experts > EAGER_REPLAY_MAX_EXPERTS and runs_eager_experts(spec, plan):
+        return False
     formulas = spec.model_type in BUILDERS or spec.model_type in FORMULA_TYPES
-    bf16_adapters = plan.uses_lora and plan.adapter_dtype == "bf16"
-    return not formulas or runs_eager_experts(spec, plan) or bf16_adapters
+    return not formulas or (plan.uses_lora and plan.adapter_dtype == "bf16")
 
 
 def measured_plan(plan: "Plan") -> "Plan":

@@ -563,10 +563,12 @@ def layer_activations(c: Ctx) -> LayerActs:
         # op on a replayed Phi block), fc2's saved input already freed
         mlp_b = max(mlp_b, 16 * T * I - down)
     if spec.num_experts and not roles.mlp_in:
-        # fused experts' output path backward (transformers integrations/moe.py grouped_mm_experts_forward:
-        # ``(proj_out * weights)[inv_perm].view(T, k, h).sum(1)``): the index backward's zeros + index_put and the
-        # grad copy, k·T·h each, in the routing weights' dtype (measured with the simulate engine on Mixtral)
-        mlp_b = max(mlp_b, 3 * routing_weight_bytes(c) * T * h * ktok)
+        if experts_implementation(plan) == "grouped_mm":
+            # fused experts' output path backward (transformers integrations/moe.py grouped_mm_experts_forward:
+            # ``(proj_out * weights)[inv_perm].view(T, k, h).sum(1)``): the index backward's zeros + index_put and
+            # the grad copy, k·T·h each, in the routing weights' dtype (measured with the simulate engine on
+            # Mixtral); the eager loop's ``index_add_`` backward selects one expert's rows at a time
+            mlp_b = max(mlp_b, 3 * routing_weight_bytes(c) * T * h * ktok)
         pw = param_wrapped(c)
         if pw:
             # ParamWrapper experts: each grouped matmul's backward makes the full-size gradient of its W' (param
