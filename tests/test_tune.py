@@ -317,6 +317,22 @@ def test_seq_len_max_finds_the_longest_context_and_the_yaml_passes_the_dry_run(m
     assert isinstance(bad.exception, BadInput)  # exit 2 through oomdoctor.cli.main
 
 
+def test_host_mem_lets_offload_plans_reach_longer_contexts(monkeypatch, tmp_path):
+    """Offload plans must fit the training machine's CPU RAM: this machine's unless --host-mem names another's.
+    Offloading the checkpointed activations (unsloth's offloaded gradient checkpointing) needs host RAM for every
+    block input of a long sequence; with it the longest context grows."""
+    monkeypatch.setattr("oomdoctor.tune.tuner.host_ram_bytes", lambda: 16 * 2**30)
+    args = ["tune", "meta-llama/Llama-3.1-8B", "--gpu-mem", "80GB", "--method", "qlora", "--seq-len", "max",
+            "--verify", "none", "--json"]
+    here = _cli(args, monkeypatch, tmp_path)
+    big = _cli(args + ["--host-mem", "512GB", "--output", str(tmp_path / "big.yaml")], monkeypatch, tmp_path)
+    assert here.exit_code == 0 and big.exit_code == 0, (here.output, big.output)
+    small, large = json.loads(here.stdout)["plan"], json.loads(big.stdout)["plan"]
+    assert not small["offload_activations"] and large["offload_activations"]
+    assert large["seq_len"] > 1.5 * small["seq_len"]
+    assert isinstance(_cli(args + ["--host-mem", "512"], monkeypatch, tmp_path).exception, BadInput)  # no unit
+
+
 def test_a_longest_context_that_fails_verification_is_calibrated_down():
     """--seq-len max when the replay finds the memory model's longest context over the budget: the overshoot it
     measured scales the model, and the longest sequence that fits then is searched again (below the failed one, at

@@ -37,6 +37,8 @@ HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
 def tune(
     model: str = typer.Argument(..., help="HF id (e.g. meta-llama/Llama-2-7b-hf), model dir, or config.json"),
     gpu_mem: Optional[str] = typer.Option(None, help="card size: 24GB (10^9), 24GiB (2^30), 24000MiB; default: NVML"),
+    host_mem: Optional[str] = typer.Option(None, help="CPU RAM of the training machine, which offload plans must fit "
+                                                      "(512GB); default: this machine's"),
     seq_len: Optional[str] = typer.Option(
         None, help="longest sequence in tokens (default min(2048, model max)), or max: the longest any plan fits "
                    "(micro-batch 1 unless --micro-batch)"),
@@ -108,6 +110,7 @@ def tune(
     if global_batch is not None and global_batch < 1:
         raise BadInput(f"--global-batch must be a positive integer, got {global_batch}")
     cap = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
+    host = parse_size(host_mem, what="--host-mem") if host_mem is not None else None
     pins = pins_from(
         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
         gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
@@ -125,7 +128,7 @@ def tune(
     if micro_batch is not None:
         pins["micro_batch"] = micro_batch
     result = run_tune(model, gpu_mem=cap, seq_len=seq, global_batch=global_batch, method=method, prefer=prefer,
-                      margin=margin, pins=pins, verify_mode=verify, gpus_per_node=gpus_per_node)
+                      margin=margin, pins=pins, verify_mode=verify, gpus_per_node=gpus_per_node, host_mem=host)
     written = None
     if emit == "oomdoctor":
         path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)

@@ -55,8 +55,10 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     """Plans tune considers: the technique matrix (``oomdoctor.diagnose.matrix``) for the pins, minus optimizer swaps
     (Adafactor/Lion/SGD) unless the optimizer is pinned; on GPUs without bf16 the bf16 plans become fp16-mixed;
     then, unless pinned, full fine-tuning with paged 8-bit AdamW and with the optimizer in backward (torchtune's
-    low-memory recipes; diagnose's matrix leaves them out to stay readable), and every plan with the chunked loss
-    (``chunked_loss``: the model is a decoder)."""
+    low-memory recipes; diagnose's matrix leaves them out to stay readable), every checkpointed plan with its
+    activations offloaded too (unsloth's offloaded gradient checkpointing; ranked after every on-device plan of its
+    tier, and only within the host RAM: ``price``), and every plan with the chunked loss (``chunked_loss``: the
+    model is a decoder)."""
     from oomdoctor.diagnose.matrix import enumerate_plans
 
     pins = dict(pins or {})
@@ -79,6 +81,9 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
         plans += [p.with_(optimizer_in_backward=True) for p in plans
                   if p.method == "full" and not p.offload_optimizer and p.precision != "fp16-mixed"
                   and not p.optimizer_in_backward]
+    if not any(k in pins for k in ("offload_activations", "offload_optimizer", "offload_params")):
+        plans += [p.with_(offload_activations=True) for p in plans
+                  if p.gradient_checkpointing and not p.offload_activations]
     if "loss" not in pins and chunked_loss:  # changes no numbers: searched next to every plan
         plans += [p.with_(loss="chunked") for p in plans if p.loss != "chunked"]
     return plans

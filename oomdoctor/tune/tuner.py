@@ -314,15 +314,14 @@ NOT_PINNED_BY_MAX = ("micro_batch", "grad_accum", "seq_len")
 
 
 def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estimator: Estimator,
-                    profile: HardwareProfile, prefer: str) -> tuple[Plan, int]:
+                    profile: HardwareProfile, prefer: str, host_ram: int | None) -> tuple[Plan, int]:
     """The plan that fits the longest sequence (micro-batch ``pins["micro_batch"]`` or 1) and that length: every
-    candidate plan's longest sequence by bisection (:func:`longest_seq_len`; offload plans only within this
-    machine's RAM), the longest wins, ties broken by the quality tier. DoesNotFit when no plan fits even one step
-    of tokens."""
+    candidate plan's longest sequence by bisection (:func:`longest_seq_len`; offload plans only within ``host_ram``
+    bytes of CPU RAM, None: unchecked), the longest wins, ties broken by the quality tier. DoesNotFit when no plan
+    fits even one step of tokens."""
     micro = int(pins.get("micro_batch", 1))
     plans = enumerate_candidates({k: v for k, v in pins.items() if k != "micro_batch"}, Plan(seq_len=SEQ_STEP),
                                  bf16_supported=profile.bf16, chunked_loss=spec.arch_kind == "decoder")
-    host_ram = host_ram_bytes()
     found = [(longest_seq_len(spec, p, budget, estimator, micro_batch=micro), p) for p in plans]
     found = [(s, p.with_(seq_len=s, micro_batch=micro, grad_accum=1)) for s, p in found if s > 0]
     if host_ram is not None:  # an offload plan is out when its host share does not fit this machine's RAM
@@ -354,13 +353,15 @@ def tune(
     micro_limit: int = DEFAULT_MICRO_LIMIT,
     gpus_per_node: int | None = None,
     context_retries: int = 2,
+    host_mem: int | None = None,
 ) -> TuneResult:
     """Find the plan for ``model`` (see the module docstring). ``pins["world_size"]`` (``--gpus``) plans for that
     many GPUs (``gpus_per_node`` per node, default one node): each technique stack climbs the strategy ladder
     (``oomdoctor.tune.strategies``) and ``global_batch`` is the batch over every GPU. ``seq_len="max"``: the longest sequence any plan fits
     (:func:`longest_context`), then the plan for it. ``margin``: what ``oomdoctor.plan.budget.parse_margin``
     reads (None: the default margin). ``gpu=True`` queries NVML, ``None``/``False`` means "no GPU" (tests), a
-    :class:`GpuInfo` is used as given."""
+    :class:`GpuInfo` is used as given. ``host_mem``: the training machine's CPU RAM in bytes, which offload plans must fit
+    (``--host-mem``; None: this machine's)."""
     if verify_mode not in VERIFY_MODES:
         raise BadInput(f"--verify {verify_mode!r}: use one of {', '.join(VERIFY_MODES)}")
     if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
@@ -377,6 +378,7 @@ def tune(
         )
     capacity = budget.capacity_bytes
     notes = list(budget.notes)
+    host_ram = host_mem if host_mem is not None else host_ram_bytes()
 
     all_pins = dict(pins or {})
     if method is not None:
@@ -387,7 +389,7 @@ def tune(
     profile = profile_for(gpu_info.name if gpu_info else None)
     seq_max = seq_len == "max"
     if seq_max:
-        best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer)
+        best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer, host_ram)
         all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES
                          if t.name not in NOT_PINNED_BY_MAX + TOPOLOGY_FIELDS})
         notes.append(f"--seq-len max: {seq_len:,} tokens at micro-batch {best.micro_batch} is the longest sequence "
@@ -409,11 +411,11 @@ def tune(
                                  chunked_loss=spec.arch_kind == "decoder")
     if topo.world_size == 1 and not topo_pins:
         result = search(spec, plans, budget, global_batch=rank_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
-                        profile=profile, micro_limit=micro_limit, host_ram=host_ram_bytes())
+                        profile=profile, micro_limit=micro_limit, host_ram=host_ram)
         ladders: dict[Plan, list[Candidate]] = {}
     else:
         result, ladders = _climb(spec, plans, budget, topo, topo_pins, global_batch=rank_batch, estimator=estimator,
-                                 prefer=prefer, profile=profile, micro_limit=micro_limit)
+                                 prefer=prefer, profile=profile, micro_limit=micro_limit, host_ram=host_ram)
     if result.best is None:
         low = result.smallest
         raise DoesNotFit(
@@ -476,7 +478,7 @@ def tune(
                          prefer=prefer, margin=margin, pins={**all_pins, **topo_pins}, verify_mode=verify_mode,
                          estimator=estimator, probe_steps=probe_steps, max_trials=max_trials,
                          gpu=gpu_info if gpu_info else False, micro_limit=micro_limit, gpus_per_node=gpus_per_node,
-                         context_retries=context_retries - 1)
+                         context_retries=context_retries - 1, host_mem=host_mem)
             again.notes.insert(0, f"--seq-len max: the memory model's longest sequence, {seq_len:,} tokens, failed "
                                   f"verification by {mode}; {shorter:,} tokens (calibrated by the verified peak) is "
                                   "the plan")
@@ -539,13 +541,12 @@ def _rank_batch(global_batch: int | None, world_size: int) -> int | None:
 
 def _climb(spec: ModelSpec, stacks: list[Plan], budget: Budget, topo: Topology, pins: dict[str, Any], *,
            global_batch: int | None, estimator: Estimator, prefer: str, profile: HardwareProfile,
-           micro_limit: int) -> tuple[SearchResult, dict[Plan, list[Candidate]]]:
+           micro_limit: int, host_ram: int | None) -> tuple[SearchResult, dict[Plan, list[Candidate]]]:
     """Each stack climbs its strategy ladder until a rung fits (``oomdoctor.tune.strategies``); the kept rungs are
     ranked like single-GPU plans. Returns the ranking and every stack's priced rungs (ladder order)."""
     from oomdoctor.plan.batch import SearchTrace
 
     trace = SearchTrace()
-    host_ram = host_ram_bytes()
     cands: list[Candidate] = []
     ladders: dict[Plan, list[Candidate]] = {}
     for stack in stacks:
