@@ -214,3 +214,10 @@ def test_eager_experts_of_a_measured_type_are_measured(method, precision, gc):
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert any("measured by replaying" in n for n in a.notes)
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.02 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
+
+
+def test_a_wide_block_low_in_the_stack_peaks_with_fewer_saves_alive():
+    """DeepSeek-style dense first blocks: block 0's forward peak holds only block 0's saves."""
+    assert blocks.forward_over_saves((10, 20, 20), (100, 5, 5)) == 60  # block 0: 10 + 100 - 50
+    assert blocks.forward_over_saves((10, 20, 20), (1, 5, 7)) == 7  # the last block: every save + its transient
+    assert blocks.forward_over_saves((10, 20, 20), (0, 0, 0)) == 0

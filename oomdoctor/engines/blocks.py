@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 11
+VERSION = 12
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
@@ -369,4 +369,17 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
         for mod, fn in restore:
             mod._gradient_checkpointing_func = fn
         lb.remove_hooks()
-    return BlockBytes(extend(tuple(per_block[:-1]), q, p, spec.num_layers), per_block[-1], max(fwd_t), max(bwd_t))
+    saves = extend(tuple(per_block[:-1]), q, p, spec.num_layers)
+    return BlockBytes(saves, per_block[-1], forward_over_saves(saves, extend(tuple(fwd_t), q, p, spec.num_layers)),
+                      max(bwd_t))
+
+
+def forward_over_saves(saves: tuple[int, ...], transients: tuple[int, ...]) -> int:
+    """The forward's peak inside a block above what every block saves: block ``i`` peaks at what blocks ``0..i``
+    saved plus its own transient, so a wide block low in the stack (DeepSeek's dense first blocks) peaks with
+    fewer saves alive than the last block would (0 when no block peaks above the saves at the end of the forward)."""
+    total, below, over = sum(saves), 0, 0
+    for saved, transient in zip(saves, transients):
+        below += saved
+        over = max(over, below + transient - total)
+    return over

@@ -243,7 +243,7 @@ class BlockBytes:
     final: int
     """The activation bytes saved between the last block and the output head (the final norm)."""
     forward_transient: int
-    """The largest peak of a block's forward above the bytes it leaves."""
+    """The largest peak of a block's forward above what all blocks save (``engines/blocks.forward_over_saves``)."""
     backward_transient: int
     """The largest peak of a block's backward above the bytes alive when it starts, its weights' gradients included
     (under gradient checkpointing: with its recompute)."""
