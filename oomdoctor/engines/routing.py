@@ -10,7 +10,7 @@ with ``nonzero``, whose output shape depends on the router's data, which fake te
         if expert_idx == self.num_experts: continue                           # a Python bool of the data
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])           # nonzero of [top_k, tokens]
 
-:class:`BalancedRouting` answers those two questions for the replay as a balanced router would: every expert is hit
+The mode :func:`balanced_routing` enters answers those two questions for the replay as a balanced router would: every expert is hit
 (a real index tensor, so the loop and its comparisons run) and each receives ``tokens·top_k / experts`` token slots
 (``nonzero_static`` of that size; the remainder spread over the first experts). The bytes the experts save are the
 same for any routing — every token sends exactly ``top_k`` rows, so the per-expert slices always sum to
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import nullcontext
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from oomdoctor.errors import BadInput
@@ -38,7 +39,9 @@ def expert_token_counts(slots: int, experts: int) -> list[int]:
     return [base + (1 if e < extra else 0) for e in range(experts)]
 
 
+@lru_cache(maxsize=1)
 def _mode_cls():
+    """The ``TorchDispatchMode`` class (defined on first use: importing torch stays lazy)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _BalancedRouting(TorchDispatchMode):
@@ -95,7 +98,8 @@ def _mode_cls():
 
 
 def balanced_routing(spec: "ModelSpec", plan: "Plan"):
-    """The :class:`BalancedRouting` mode for a plan that runs transformers' eager experts, else a no-op context."""
+    """The balanced-routing dispatch mode for a plan that runs transformers' eager experts (enter it inside the
+    ``FakeTensorMode``), else a no-op context."""
     from oomdoctor.execute.build import runs_eager_experts
 
     if not runs_eager_experts(spec, plan):
