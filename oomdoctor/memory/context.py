@@ -300,9 +300,7 @@ class Ctx:
         wide-expert OLMoE/Qwen3-MoE shapes."""
         if self.adapter_b == 2:
             return 0
-        wrapped = sum(self.plan.lora_r * (g.in_features + g.out_features) * g.count
-                      for g in self.lora_groups if g.module == PARAM_WRAPPER)
-        return self.lora_numel - wrapped
+        return self.lora_numel - adapter_numel(self.plan, [g for g in self.lora_groups if g.module == PARAM_WRAPPER])
 
     @property
     def gathered_in_compute_dtype(self) -> bool:
@@ -313,6 +311,12 @@ class Ctx:
 
     def is_adapted(self, name: str) -> bool:
         return any(g.name == name for g in self.lora_groups)
+
+
+def adapter_numel(plan: Plan, groups) -> int:
+    """LoRA parameters on ``groups``: lora_A (r x in) + lora_B (out x r) per module, no bias (Hu et al. 2021, peft
+    tuners/lora/layer.py)."""
+    return sum(plan.lora_r * (g.in_features + g.out_features) * g.count for g in groups)
 
 
 def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:
@@ -329,8 +333,7 @@ def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:
         # compute in bf16 internally. Measured on CPU: the same bytes as the fp32 QLoRA plan.
         wb = ab = rb = 4
     lora_groups = lora_groups_of(spec, plan) if plan.uses_lora else ()
-    # peft LoRA Linear: lora_A (r x in) + lora_B (out x r), no bias (Hu et al. 2021, peft tuners/lora/layer.py)
-    lora_numel = sum(plan.lora_r * (g.in_features + g.out_features) * g.count for g in lora_groups)
+    lora_numel = adapter_numel(plan, lora_groups)
     return Ctx(
         spec=spec,
         plan=plan,

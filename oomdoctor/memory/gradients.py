@@ -12,7 +12,7 @@ they stay allocated across micro-batches (priced in the forward/backward phases 
 
 from __future__ import annotations
 
-from oomdoctor.memory.context import Ctx
+from oomdoctor.memory.context import Ctx, adapter_numel
 
 
 def trainable_numel(c: Ctx) -> int:
@@ -64,5 +64,4 @@ def per_layer_gradient_bytes(c: Ctx) -> int:
     L = max(c.spec.num_layers, 1)
     if c.full:
         return c.sums.per_layer_numel * c.wb
-    per_layer_lora = sum(c.plan.lora_r * (g.in_features + g.out_features) * g.count for g in c.lora_groups if g.per_layer)
-    return per_layer_lora * c.adapter_b // L
+    return adapter_numel(c.plan, [g for g in c.lora_groups if g.per_layer]) * c.adapter_b // L

@@ -73,24 +73,13 @@ def _embedding_numel(spec: ModelSpec) -> int:
 
 
 def trainable_params(spec: ModelSpec, plan: Plan) -> int:
-    """Trainable parameters: all for full fine-tuning; for LoRA ``r * (in + out)`` per adapted linear.
+    """Trainable parameters: all for full fine-tuning; for LoRA ``r * (in + out)`` per module peft adapts
+    (``memory/context.lora_groups_of``: the one rule the executor and the pricing use)."""
+    from oomdoctor.memory.context import adapter_numel, lora_groups_of
 
-    ``all-linear`` adapts every linear but the output head (peft's rule); named targets match module names.
-    """
     if plan.method == "full":
         return spec.num_params
-    head = spec.head_name
-    n = 0
-    for g in spec.groups:
-        if g.kind != "linear":
-            continue
-        if g.name == head:
-            hit = plan.lora_on_head
-        else:
-            hit = "all-linear" in plan.lora_targets or g.name in plan.lora_targets
-        if hit:
-            n += plan.lora_r * (g.in_features + g.out_features) * g.count
-    return n
+    return adapter_numel(plan, lora_groups_of(spec, plan))
 
 
 @dataclass(frozen=True)
