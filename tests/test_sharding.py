@@ -224,3 +224,7 @@ def test_one_host_ram_rule_for_tune_and_train(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(DoesNotFit, match="8 rank"):
         _check_host_ram(plan, memory, [])
+    # offloaded activations (tune searches them) are held to the same RAM before the model loads
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(DoesNotFit, match="1 rank"):
+        _check_host_ram(validate(Plan(gradient_checkpointing=True, offload_activations=True)), memory, [])

@@ -96,3 +96,18 @@ def test_resume_refuses_a_different_run(tmp_path):
         train(tiny_cfg(tmp_path, max_steps=2, seq_len=32), resume=True)
     with pytest.raises(BadInput, match="no checkpoint"):
         train(tiny_cfg(tmp_path / "empty", max_steps=2), resume=True)
+
+
+def test_a_setting_added_after_the_checkpoint_was_written_counts_at_its_default():
+    """Checkpoints of an earlier oomdoctor lack newer fingerprint keys (adapter_dtype): they resume unless the
+    config moves that setting away from its default."""
+    from dataclasses import replace
+
+    from oomdoctor.train.config import TrainConfig
+    from oomdoctor.train.loop import _fingerprint, fingerprint_changes
+
+    now = _fingerprint(TrainConfig())
+    older = {k: v for k, v in now.items() if k != "adapter_dtype"}
+    assert fingerprint_changes(older, now) == []
+    assert fingerprint_changes(older, _fingerprint(replace(TrainConfig(), adapter_dtype="bf16"))) == [
+        "adapter_dtype: 'fp32' -> 'bf16'"]

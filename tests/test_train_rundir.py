@@ -70,6 +70,21 @@ def test_a_checkpoint_an_interrupted_re_save_moved_aside_is_put_back(tmp_path):
     assert any("restored checkpoint-6" in m for m in said)
 
 
+def test_a_moved_aside_checkpoint_counts_as_the_run_it_belongs_to(tmp_path):
+    """Put back before the directory is judged: alone it is a run to refuse, and --overwrite removes it with the
+    rest (left in place, the old run's step 5 would outrank the new run's checkpoints in the rotation)."""
+    out = tmp_path / "out"
+    (out / ".old-checkpoint-5-999").mkdir(parents=True)
+    with pytest.raises(BadInput, match="already holds a run"):
+        open_run_dir(out, resume=False, overwrite=False)
+    assert (out / "checkpoint-5").is_dir()
+    (out / "summary.json").write_text("{}")
+    (out / ".old-checkpoint-7-999").mkdir()
+    with open_run_dir(out, resume=False, overwrite=True):
+        pass
+    assert [p.name for p in out.iterdir()] == []
+
+
 def test_lock_refuses_a_live_run_and_takes_over_a_dead_ones(tmp_path):
     out = tmp_path / "out"
     with open_run_dir(out, resume=False, overwrite=False):

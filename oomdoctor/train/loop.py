@@ -224,7 +224,13 @@ def _model_shape(cfg: TrainConfig) -> str:
 
 
 def fingerprint_changes(saved: dict, now: dict) -> list[str]:
-    """``key: old -> new`` for every fingerprinted setting that differs."""
+    """``key: old -> new`` for every fingerprinted setting that differs. A key the saved fingerprint lacks (a setting
+    oomdoctor added after the checkpoint was written, e.g. ``adapter_dtype``) was at its default then."""
+    import json
+    from dataclasses import asdict
+
+    defaults = json.loads(json.dumps(_flatten(asdict(TrainConfig())), default=str))
+    saved = {**{k: defaults[k] for k in now if k not in saved and k in defaults}, **saved}
     keys = sorted(set(saved) | set(now))
     return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in keys if saved.get(k) != now.get(k)]
 
@@ -520,14 +526,15 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
 
 
 def _check_host_ram(plan: Plan, memory: dict | None, notes: list[str]) -> None:
-    """Offloaded states (FSDP2 ``offload_params``, ZeRO offload): this node's host RAM must hold what its ranks
+    """Offloaded states and activations (FSDP2 ``offload_params``, ZeRO offload, ``save_on_cpu``): this node's host
+    RAM must hold what its ranks
     (``LOCAL_WORLD_SIZE``) offload, by the rule tune applies (``memory.sharding.node_host_bytes``); checked before
     the model is loaded."""
     from oomdoctor.errors import DoesNotFit
     from oomdoctor.gpu import host_ram_bytes
     from oomdoctor.memory.sharding import node_host_bytes
 
-    if not (plan.offload_params or plan.offload_optimizer):
+    if not (plan.offload_params or plan.offload_optimizer or plan.offload_activations):
         return
     per_node = int((memory or {}).get("host_per_node_bytes") or 0)
     ram = host_ram_bytes()

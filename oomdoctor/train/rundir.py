@@ -116,15 +116,19 @@ def check_space(path: Path, needed_bytes: int) -> None:
                        "free some space or choose an output_dir on another disk")
 
 
-def _clean_temporaries(path: Path, emit: Callable[[str], None]) -> None:
-    """Remove what an interrupted save left, but first put back a checkpoint a re-save had moved aside
-    (``.old-checkpoint-<step>-<pid>``, ``checkpoint._replace_into``) when it died before its replacement landed:
-    that copy is then the only one."""
+def _restore_moved_aside(path: Path, emit: Callable[[str], None]) -> None:
+    """Put back a checkpoint a re-save had moved aside (``.old-checkpoint-<step>-<pid>``,
+    ``checkpoint._replace_into``) when it died before its replacement landed: that copy is then the only one, and
+    it belongs to the run the directory holds (judged after this)."""
     for old in sorted(path.glob(".old-checkpoint-*")):
         final = path / f"checkpoint-{old.name.split('-')[2]}"
         if not final.exists():
             os.replace(old, final)
             emit(f"restored {final.name}: an interrupted save had moved it aside")
+
+
+def _clean_temporaries(path: Path, emit: Callable[[str], None]) -> None:
+    """Remove what an interrupted save left (moved-aside checkpoints already restored)."""
     stale = [p for p in path.iterdir() if p.name.startswith(TEMP_PREFIXES)]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
@@ -155,6 +159,7 @@ def open_run_dir(output_dir: str | Path, *, resume: bool, overwrite: bool,
     _check_writable(path)
     lock = _take_lock(path, (lambda m: None) if restarted else emit)
     try:
+        _restore_moved_aside(path, emit)
         entries = run_entries(path)
         if entries and not resume and not overwrite:
             shown = ", ".join(entries[:4]) + (" ..." if len(entries) > 4 else "")
