@@ -94,3 +94,17 @@ def test_topology_normalizes_like_torchrun_and_fsdp2():
 def test_topology_problems_are_named(plan, words):
     with pytest.raises(BadInput, match=words):
         validate(plan)
+
+
+def test_adapter_dtype_is_a_lora_knob():
+    from oomdoctor.diagnose.matrix import _pinned_methods
+    from oomdoctor.tune.search import enumerate_candidates
+
+    with pytest.raises(BadInput, match="applies to LoRA adapters"):
+        validate(Plan(method="full", adapter_dtype="bf16"))
+    assert "bf16-adapters" in validate(Plan(method="qlora", adapter_dtype="bf16")).label()
+    assert "adapters" not in validate(Plan(method="qlora")).label()
+    assert set(_pinned_methods({"adapter_dtype": "bf16"})) == {"lora", "qlora"}
+    # no bf16 hardware: bf16 adapters are dropped, not turned into a refused fp16-mixed plan
+    plans = enumerate_candidates({"adapter_dtype": "bf16", "method": "lora"}, Plan(), bf16_supported=False)
+    assert plans and all(p.precision == "fp32" for p in plans)

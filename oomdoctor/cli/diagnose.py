@@ -42,7 +42,7 @@ def diagnose(
     lora_r: Optional[int] = plan_option("lora_r"),
     lora_targets: Optional[str] = plan_option("lora_targets"),
     lora_on_head: Optional[bool] = plan_option("lora_on_head"),
-    adapter_dtype: Optional[str] = plan_option("adapter_dtype"),
+    adapter_dtype: Optional[str] = plan_option("adapter_dtype", "fp32, peft's default"),
     quant: Optional[str] = plan_option("quant"),
     double_quant: Optional[bool] = plan_option("double_quant"),
     offload: Optional[str] = offload_option(),

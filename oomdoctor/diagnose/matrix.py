@@ -34,7 +34,7 @@ QUANT_VARIANTS: tuple[tuple[str, bool], ...] = (("nf4", True), ("int8", False))
 #: Offload variants for full fine-tuning when not pinned (optimizer state to CPU, DeepSpeed/FSDP style).
 OFFLOAD_OPTIMIZERS: tuple[str, ...] = ("adamw",)
 
-LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_on_head")
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_on_head", "adapter_dtype")
 QUANT_FIELDS = ("quant", "double_quant")
 OFFLOAD_FIELDS = ("offload_optimizer", "offload_activations", "offload_params")
 #: Strategies spanned for more than one GPU when ``--strategy`` is not pinned: torch DDP and FSDP2, DeepSpeed

@@ -158,7 +158,8 @@ class Plan:
         else:
             tgt = "all" if self.lora_targets == DEFAULT_LORA_TARGETS else ",".join(self.lora_targets)
             m = "lora" if self.method == "lora" else f"qlora-{self.quant}{'+dq' if self.double_quant else ''}"
-            parts.append(f"{m} r{self.lora_r}:{tgt}{'+head' if self.lora_on_head else ''}")
+            parts.append(f"{m} r{self.lora_r}:{tgt}{'+head' if self.lora_on_head else ''}"
+                         + (f" {self.adapter_dtype}-adapters" if self.adapter_dtype != DEFAULTS["adapter_dtype"] else ""))
         parts.append(self.precision)
         shows_impl = self.optimizer in TORCH_OPTIMIZERS and self.optimizer_impl != DEFAULTS["optimizer_impl"]
         parts.append(self.optimizer + (f"({self.optimizer_impl})" if shows_impl else ""))
@@ -294,6 +295,9 @@ def validate(plan: Plan) -> Plan:
         problems.append(f"sgd_momentum must be in [0, 1), got {plan.sgd_momentum}")
     if not plan.lora_targets:
         problems.append("lora_targets is empty; name modules (q_proj,v_proj) or use all-linear")
+    if plan.adapter_dtype != DEFAULTS["adapter_dtype"] and plan.method == "full":
+        problems.append(f"adapter_dtype {plan.adapter_dtype} applies to LoRA adapters (--method lora or qlora), "
+                        "not to a full fine-tune")
     if plan.adapter_dtype == "bf16" and plan.precision == "fp16-mixed":
         problems.append("adapter_dtype bf16 under fp16-mixed: autocast would cast the bf16 adapters to fp16 in every "
                         "matmul; use bf16-mixed, or fp32 adapters")

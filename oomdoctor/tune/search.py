@@ -73,6 +73,8 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
             if p.precision == "bf16":
                 continue  # pure bf16 needs bf16 hardware; fp16 pure training is unstable
             if p.precision == "bf16-mixed":
+                if p.adapter_dtype == "bf16":
+                    continue  # fp16 autocast would cast bf16 adapters in every matmul (validate refuses it)
                 p = p.with_(precision="fp16-mixed")
             if p not in out:
                 out.append(p)
