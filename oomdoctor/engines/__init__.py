@@ -1,7 +1,8 @@
 """Memory engines behind one entry point.
 
-``estimate(spec, plan, engine=...)``: ``analytic`` (formulas, instant, no torch; for blocks the formulas do not know,
-what they save is measured once by replaying them, ``engines/blocks.py``), ``simulate`` (the real HF step
+``estimate(spec, plan, engine=...)``: ``analytic`` (formulas, sub-millisecond, no torch for the families they were
+written for; for blocks the formulas do not know, what they save is measured by replaying them once per model and
+knobs, seconds to minutes, then cached on disk: ``engines/blocks.py``), ``simulate`` (the real HF step
 replayed on fake tensors; for ``world_size`` > 1 one rank: FSDP on a fake process group, DDP as the single step plus
 its gradient bucket, ZeRO and parameter offload by the analytic formulas, with a note) and ``measure`` (the real step
 on the local CUDA GPU). Multi-GPU numbers are per rank.

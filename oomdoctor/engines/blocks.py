@@ -30,6 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from oomdoctor.execute.build import LAYER_KEYS
 from oomdoctor.memory.activations import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 
@@ -68,15 +69,16 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
 
 def measured_plan(plan: "Plan") -> "Plan":
     """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision,
-    attention, checkpointing, sequence length rounded up to a power of two, LoRA targets/rank/dropout/dtype, int8 or
+    attention, checkpointing, sequence length rounded up to a power of two, LoRA targets/head/rank/dropout/dtype
+    (with ``lora_on_head`` peft gets explicit names, which changes its MoE conversion in the blocks), int8 or
     4-bit): micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation,
-    topology, the head's adapter, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks
+    topology, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks
     and take their defaults (one cache entry for them all)."""
     from oomdoctor.plan.techniques import DEFAULTS
 
     keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant")
     if plan.uses_lora:
-        keep += ("lora_r", "lora_dropout", "lora_targets", "adapter_dtype")
+        keep += ("lora_r", "lora_dropout", "lora_targets", "lora_on_head", "adapter_dtype")
     canonical = {k: v for k, v in DEFAULTS.items() if k not in keep and k in Plan.__dataclass_fields__}
     if plan.quant == "fp4":
         canonical["quant"] = "nf4"  # same shapes, same dequantized compute
@@ -113,7 +115,8 @@ def block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
     """The measured :class:`BlockSaves` of ``spec`` under ``plan`` (cached); None when the executor cannot build or
     run the model as a causal LM (vision-language classes whose text side transformers builds only inside the
     multimodal model): the formulas price it then, with their note."""
-    return _cached(spec, measured_plan(plan))
+    # the spec's config is not part of its equality (ModelSpec.config): two configs of one name/shape differ here
+    return _cached(spec, measured_plan(plan), json.dumps(spec.config, sort_keys=True, default=str))
 
 
 #: Per-layer lists in a transformers config that hold block indices (membership marks a block's kind).
@@ -131,8 +134,8 @@ _INDEX_RULES = {
         "sliding_window_pattern", "_sliding_window_pattern", "expert_layer_period", "attn_layer_period")},
 }
 #: Config keys about layers that do not make blocks differ.
-_NOT_PER_LAYER = frozenset({"num_hidden_layers", "layer_norm_eps", "layer_norm_epsilon", "num_nextn_predict_layers",
-                            "mtp_layers_block_type", "expert_layer_offset", "attn_layer_offset"})
+_NOT_PER_LAYER = frozenset({"layer_norm_eps", "layer_norm_epsilon", "num_nextn_predict_layers",
+                            "mtp_layers_block_type", "expert_layer_offset", "attn_layer_offset"}) | set(LAYER_KEYS)
 _LAYER_KEY = re.compile(r"layer|pattern|interval|step_?$|freq|period|idxs|indices|first_k")
 
 
@@ -203,7 +206,7 @@ def _bytes_of(doc: dict) -> BlockBytes:
 
 
 @lru_cache(maxsize=512)
-def _cached(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
+def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     path = cache_dir() / f"{_key(spec, plan)}.json"
     try:
         doc = json.loads(path.read_text())

@@ -21,7 +21,6 @@ by that expert's transient; no fake replay can know the data.
 
 from __future__ import annotations
 
-import weakref
 from contextlib import nullcontext
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -52,7 +51,9 @@ def _mode_cls():
             super().__init__()
             self.experts, self.top_k = experts, top_k
             self.calls = 0
-            self.real: dict[int, weakref.ref] = {}  # id -> the tensor, dropped with it (no bytes kept alive)
+            from torch.utils.weak import WeakIdKeyDictionary
+
+            self.real = WeakIdKeyDictionary()  # the real index tensors, by identity, dropped with them
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             import torch
@@ -61,7 +62,7 @@ def _mode_cls():
 
             kwargs = kwargs or {}
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            if tensors and all(self._is_real(t) for t in tensors):
+            if tensors and all(t in self.real for t in tensors):
                 with unset_fake_temporarily():
                     out = func(*args, **kwargs)
                 tree_map_only(torch.Tensor, self._keep, out)
@@ -71,12 +72,7 @@ def _mode_cls():
             return func(*args, **kwargs)
 
         def _keep(self, t) -> None:
-            key = id(t)
-            self.real[key] = weakref.ref(t, lambda _ref: self.real.pop(key, None))
-
-        def _is_real(self, t) -> bool:
-            ref = self.real.get(id(t))
-            return ref is not None and ref() is t
+            self.real[t] = True
 
         def _nonzero(self, x):
             import torch

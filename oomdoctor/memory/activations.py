@@ -289,8 +289,7 @@ class BlockSaves:
 @dataclass(frozen=True)
 class LayerActs:
     saved: int
-    """Bytes one block saves for backward (its own norm inputs included; its output is counted by the next norm);
-    the widest block's when blocks differ."""
+    """Bytes one block saves for backward (its own norm inputs included; its output is counted by the next norm)."""
     stack: int
     """Bytes all blocks save for backward without gradient checkpointing."""
     bottom: int
@@ -639,7 +638,6 @@ def measured_layer_activations(c: Ctx, measured: BlockSaves) -> LayerActs:
     la = layer_activations(c)
     m = measured.at(c)
     per = m.per_block
-    widest = max(per[1:] or per)
     # a block's backward starts with the gradient of its output alive (made by the block above or the head): the
     # measurement's baseline, not its transient
     fwd, bwd = m.forward_transient, m.backward_transient + c.rb * c.T * c.spec.hidden_size
@@ -647,7 +645,7 @@ def measured_layer_activations(c: Ctx, measured: BlockSaves) -> LayerActs:
         # the backward transient of a checkpointed block includes its recompute: nothing else is recomputed
         return replace(la, saved=0, stack=sum(per), bottom=0, gc_alias=0, fwd_transient=fwd, bwd_extra=bwd,
                        gc_recompute=0)
-    return replace(la, saved=widest, stack=sum(per), bottom=per[0], fwd_transient=fwd, bwd_extra=bwd, gc_recompute=0)
+    return replace(la, stack=sum(per), bottom=per[0], fwd_transient=fwd, bwd_extra=bwd, gc_recompute=0)
 
 
 def sliding_fraction(c: Ctx) -> float:

@@ -27,7 +27,7 @@ Estimator = Callable[[ModelSpec, Plan], MemoryBreakdown]
 
 
 def analytic_estimator(spec: ModelSpec, plan: Plan) -> MemoryBreakdown:
-    """The default estimator: the analytic memory model (instant, no torch)."""
+    """The default estimator: the analytic memory model (formulas; measured blocks come from their cache)."""
     from oomdoctor.engines import estimate
 
     return estimate(spec, plan, "analytic")
