@@ -47,6 +47,7 @@ from oomdoctor.execute.shard import mesh_shape
 from oomdoctor.execute.step import PHASES
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 from oomdoctor.memory.sharding import LOAD
+from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -70,7 +71,7 @@ def extrapolate_from(plan: "Plan") -> tuple[int, int]:
 
 def not_simulated(plan: "Plan") -> str | None:
     """Why the simulated engine cannot run ``plan`` (None: it can)."""
-    if plan.strategy in ("zero2", "zero3"):
+    if plan.strategy in DEEPSPEED:
         return f"DeepSpeed ZeRO ({plan.strategy}) is not simulated (a fake-tensor zero.Init was never validated)"
     if plan.offload_params:
         return ("parameter offload is not simulated (CPU-offloaded shards and device buffers share one fake CPU "

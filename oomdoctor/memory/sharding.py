@@ -51,6 +51,7 @@ from oomdoctor.memory.runtime import NCCL_BUFFER_BYTES
 from oomdoctor.memory.gradients import gradient_bytes, param_bytes_per_trainable, trainable_numel
 from oomdoctor.memory.optimizer import optimizer_memory
 from oomdoctor.memory.parameters import parameter_bytes
+from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
 from oomdoctor.units import format_bytes
 
@@ -369,8 +370,8 @@ def notes(c: Ctx) -> list[str]:
                    f"{zero_bucket_elems(c):,} elements (bucket_size; Hugging Face 'auto' = hidden^2)")
     if p.offload_params or p.offload_optimizer:
         out.append("host RAM per node assumes every rank on one node"
-                   + (" and includes DeepSpeed's 1.5 buffer factor" if p.strategy in ("zero2", "zero3") else ""))
-    if c.mixed and p.strategy in ("zero2", "zero3"):
+                   + (" and includes DeepSpeed's 1.5 buffer factor" if p.strategy in DEEPSPEED else ""))
+    if c.mixed and p.strategy in DEEPSPEED:
         out.append("activations priced as the autocast step (an upper bound: DeepSpeed's bf16 model makes the "
                    "residual stream bf16)")
     if c.device == "cuda" and p.world_size > 1:

@@ -32,6 +32,8 @@ OPTIMIZER_IMPLS: tuple[str, ...] = choices("optimizer_impl")
 STRATEGIES: tuple[str, ...] = choices("strategy")
 #: Strategies that shard model states across the ranks.
 SHARDED: tuple[str, ...] = ("fsdp", "zero2", "zero3")
+#: Strategies DeepSpeed runs.
+DEEPSPEED: tuple[str, ...] = ("zero2", "zero3")
 LOSSES: tuple[str, ...] = choices("loss")
 ADAPTER_DTYPES: tuple[str, ...] = choices("adapter_dtype")
 
@@ -243,7 +245,7 @@ def _check_topology(plan: Plan, problems: list[str], changes: dict) -> None:
     if not plan.reshard_after_forward and strategy != "fsdp":
         problems.append(f"reshard_after_forward applies to strategy fsdp, not {strategy}")
     if plan.bucket_size is not None:
-        if strategy not in ("zero2", "zero3"):
+        if strategy not in DEEPSPEED:
             problems.append(f"bucket_size applies to zero2 and zero3, DeepSpeed's buckets (strategy {strategy} has no "
                             "buckets to size: train sums DDP gradients once per step, FSDP has none)")
         elif not isinstance(plan.bucket_size, int) or isinstance(plan.bucket_size, bool) or plan.bucket_size < 1:

@@ -35,7 +35,7 @@ from oomdoctor.gpu import detect_gpu
 from oomdoctor.noise import quiet_third_party
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, choose_micro_batch, max_fitting
-from oomdoctor.plan.plan import SHARDED
+from oomdoctor.plan.plan import DEEPSPEED, SHARDED
 from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.train.config import TrainConfig
@@ -321,7 +321,7 @@ class Run:
     @property
     def zero(self) -> bool:
         """DeepSpeed ZeRO-2/3: ``step.model`` is the engine, ``oomdoctor.execute.zero``."""
-        return self.plan.strategy in ("zero2", "zero3")
+        return self.plan.strategy in DEEPSPEED
 
     @property
     def averages_grads(self) -> bool:
@@ -388,7 +388,7 @@ def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
                        "or remove world_size to follow the launcher")
     cfg = replace(cfg, world_size=world_size)
     plan = cfg.to_plan(micro_batch=cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1)
-    if plan.strategy in ("zero2", "zero3"):
+    if plan.strategy in DEEPSPEED:
         from oomdoctor.execute.zero import require_deepspeed
 
         require_deepspeed()
@@ -468,7 +468,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
 
     # the process group only now: the prediction may run the simulate engine, which makes a fake group of its own
     sharded = plan.strategy == "fsdp"
-    zero = plan.strategy in ("zero2", "zero3")
+    zero = plan.strategy in DEEPSPEED
     dist.init(info, device.type, one_rank_group=plan.strategy in SHARDED, shared_dir=cfg.output_dir)
     torch.manual_seed(cfg.seed)
     args = OptimizerArgs(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,

@@ -38,6 +38,7 @@ from oomdoctor.errors import BadInput
 from oomdoctor.files import write_text_atomic
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
+from oomdoctor.plan.plan import DEEPSPEED, SHARDED
 from oomdoctor.plan.techniques import ALL_LINEAR, HF_ATTN_NAMES, HF_OPTIM_NAMES
 from oomdoctor.train.config import TrainConfig
 from oomdoctor.tune.tuner import TuneResult
@@ -222,7 +223,7 @@ def _trainer_topology(req: EmitRequest, tool: str) -> tuple[dict[str, Any], list
         if p.shard_group:
             notes.append(f"shard_group {p.shard_group} (HSDP): not expressible in {tool}'s fsdp_config; use "
                          "`--emit accelerate` (parallelism_config dp_replicate/dp_shard)")
-    elif p.strategy in ("zero2", "zero3"):
+    elif p.strategy in DEEPSPEED:
         doc["deepspeed"] = deepspeed_config(p, req.spec)
         notes.append("deepspeed: `pip install deepspeed`; the offload knobs are in its zero_optimization")
     return doc, notes
@@ -259,7 +260,7 @@ def _common_notes(req: EmitRequest, tool: str) -> list[str]:
     if not req.model_has_weights:
         notes.append(f"{req.model} is a config without weights: point the model at real weights")
     p = req.plan
-    sharded_offload = p.strategy in ("fsdp", "zero2", "zero3")  # written in fsdp_config / the deepspeed dict
+    sharded_offload = p.strategy in SHARDED  # written in fsdp_config / the deepspeed dict
     if p.offload_optimizer and not sharded_offload:
         notes.append(f"offload_optimizer: not expressible in {tool} (DeepSpeed ZeRO-Offload does it: "
                      "`--emit accelerate` writes that launch config)")
@@ -477,7 +478,7 @@ def _accelerate_strategy(req: EmitRequest) -> tuple[dict[str, Any], list[str]]:
                          "(gradient_checkpointing_kwargs={'use_reentrant': False}) in train.py), not "
                          "fsdp_activation_checkpointing")
         return doc, notes
-    if p.strategy in ("zero2", "zero3"):
+    if p.strategy in DEEPSPEED:
         b = p.bucket_elems(req.spec.hidden_size)
         doc = {"distributed_type": "DEEPSPEED", "deepspeed_config": {
             "gradient_accumulation_steps": p.grad_accum,

@@ -24,14 +24,13 @@ from dataclasses import dataclass
 
 from oomdoctor.errors import BadInput
 from oomdoctor.plan import Plan
+from oomdoctor.plan.plan import DEEPSPEED  # tried only when pinned
 from oomdoctor.plan.budget import Budget
 from oomdoctor.tune.ranking import Candidate
 from oomdoctor.units import format_bytes
 
 #: torch strategies tune climbs on its own, cheapest communication first.
 TORCH_LADDER: tuple[str, ...] = ("ddp", "fsdp")
-#: DeepSpeed strategies, tried only when pinned.
-DEEPSPEED: tuple[str, ...] = ("zero2", "zero3")
 #: Topology knobs: pinned by the user, set by the ladder, never spanned by the technique matrix.
 TOPOLOGY_FIELDS: tuple[str, ...] = ("world_size", "strategy", "shard_group", "reshard_after_forward", "bucket_size")
 

@@ -34,6 +34,7 @@ from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, choose_micro_batch, divisors
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_bundled
+from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.plan.techniques import TECHNIQUES
 from oomdoctor.tune.batch_search import SEQ_STEP, Estimator, analytic_estimator, longest_seq_len, verify_and_refine
 from oomdoctor.tune.ranking import Candidate, fidelity_key
@@ -325,7 +326,7 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
     found = [(longest_seq_len(spec, p, budget, estimator, micro_batch=micro), p) for p in plans]
     found = [(s, p.with_(seq_len=s, micro_batch=micro, grad_accum=1)) for s, p in found if s > 0]
     if host_ram is not None:  # an offload plan is out when its host share does not fit this machine's RAM
-        found = [(s, p) for s, p in found if estimator(spec, p).cpu_offloaded <= host_ram]
+        found = [(s, p) for s, p in found if node_host_bytes(estimator(spec, p).host_per_node, p) <= host_ram]
     if not found:
         raise DoesNotFit(f"no plan fits {budget.describe()} even at {SEQ_STEP} tokens per sequence",
                          f"see `oomdoctor diagnose {spec.name} --seq-len {SEQ_STEP}` for what is missing")
@@ -352,7 +353,6 @@ def tune(
     gpu: GpuInfo | None | bool = True,
     micro_limit: int = DEFAULT_MICRO_LIMIT,
     gpus_per_node: int | None = None,
-    context_retries: int = 2,
     host_mem: int | None = None,
 ) -> TuneResult:
     """Find the plan for ``model`` (see the module docstring). ``pins["world_size"]`` (``--gpus``) plans for that
@@ -438,7 +438,7 @@ def tune(
         return pred_cache[key]
 
     mode = verify_mode
-    if mode == "auto" and result.best.plan.strategy in ("zero2", "zero3"):
+    if mode == "auto" and result.best.plan.strategy in DEEPSPEED:
         mode = "none"
         notes.append(f"{result.best.plan.strategy}: DeepSpeed is priced by its formulas only (the simulated engine "
                      "replays FSDP ranks and DDP, not DeepSpeed): the plan is unverified")
@@ -469,16 +469,16 @@ def tune(
             notes.append(f"verification by {mode} could not run ({trials[-1].message}); the plan is the memory "
                          "model's prediction, unverified")
             verification = f"{mode} (failed to run)"
-        elif seq_max and context_retries > 0 and any(t.measured_peak_bytes for t in trials) and (
+        elif seq_max and any(t.measured_peak_bytes for t in trials) and (
                 shorter := calibrated_context(spec, plan, budget, estimator, trials, seq_len)):
             # the memory model's longest context did not verify: calibrated by the verified overshoot, a shorter
-            # context is planned and verified again (at most ``context_retries`` times)
+            # context is planned and verified again (once: that plan's sequence length is a number)
             # the techniques of the longest-context plan stay pinned, as they were for the search at max
             again = tune(spec, gpu_mem=gpu_mem, seq_len=shorter, global_batch=global_batch, method=None,
                          prefer=prefer, margin=margin, pins={**all_pins, **topo_pins}, verify_mode=verify_mode,
                          estimator=estimator, probe_steps=probe_steps, max_trials=max_trials,
                          gpu=gpu_info if gpu_info else False, micro_limit=micro_limit, gpus_per_node=gpus_per_node,
-                         context_retries=context_retries - 1, host_mem=host_mem)
+                         host_mem=host_mem)
             again.notes.insert(0, f"--seq-len max: the memory model's longest sequence, {seq_len:,} tokens, failed "
                                   f"verification by {mode}; {shorter:,} tokens (calibrated by the verified peak) is "
                                   "the plan")
