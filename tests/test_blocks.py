@@ -184,7 +184,7 @@ def test_weight_sized_bytes_do_not_scale_with_the_tokens(micro_batch, seq_len):
                             name="olmoe")
     plan = validate(Plan(method="lora", precision="bf16", seq_len=seq_len, micro_batch=micro_batch))
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
-    assert abs(a.peak_allocated - s.peak_allocated) <= 0.01 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
+    assert abs(a.peak_allocated - s.peak_allocated) <= 0.003 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
 
 
 @pytest.mark.slow
@@ -201,7 +201,15 @@ def test_bf16_adapters_are_priced_from_a_measurement(tiny_config, method, precis
     assert blocks.measures_blocks(spec, plan) and not blocks.measures_blocks(spec, plan.with_(adapter_dtype="fp32"))
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert a.adapters == 2 * make_ctx(spec, plan).lora_numel <= s.adapters  # the replay rounds to 512-byte blocks
-    assert abs(a.peak_allocated - s.peak_allocated) <= 0.02 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
+    assert abs(a.peak_allocated - s.peak_allocated) <= 0.015 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
+
+
+def test_bf16_adapters_replay_equals_the_real_cpu_step(tiny_config):
+    from oomdoctor.engines.simulate import real_cpu_run, simulate_run
+
+    spec = spec_from_config(dict(tiny_config), name="tiny-llama")
+    plan = validate(Plan(method="lora", precision="bf16", seq_len=64, micro_batch=2, adapter_dtype="bf16"))
+    assert simulate_run(spec, plan, round_to=1).peak == real_cpu_run(spec, plan, round_to=1).peak
 
 
 @pytest.mark.slow

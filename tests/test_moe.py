@@ -155,7 +155,7 @@ def test_analytic_within_2_percent_of_simulate_for_moe_lora(cfg, gc, wide):
     plan = validate(Plan(method="lora", precision="bf16", seq_len=512 if wide else 1024, gradient_checkpointing=gc))
     sim = estimate(spec, plan, "simulate").peak_allocated
     ana = estimate(spec, plan, "analytic").peak_allocated
-    assert abs(ana - sim) / sim <= 0.02, (ana, sim)
+    assert abs(ana - sim) / sim <= 0.01, (ana, sim)  # README: within 1 % with wide experts
 
 
 @pytest.mark.slow
