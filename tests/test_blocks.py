@@ -229,3 +229,13 @@ def test_a_wide_block_low_in_the_stack_peaks_with_fewer_saves_alive():
     assert blocks.forward_over_saves((10, 20, 20), (100, 5, 5)) == 60  # block 0: 10 + 100 - 50
     assert blocks.forward_over_saves((10, 20, 20), (1, 5, 7)) == 7  # the last block: every save + its transient
     assert blocks.forward_over_saves((10, 20, 20), (0, 0, 0)) == 0
+
+
+@pytest.mark.slow
+def test_int8_inputs_kept_on_the_autograd_context_are_measured():
+    """bitsandbytes' int8 matmul keeps its input as ``ctx`` state, not through save_for_backward, so saved-tensor
+    hooks miss it (Seed-OSS int8 QLoRA without GC: -14.9 % before)."""
+    spec = spec_from_config(tiny("seed_oss", layers=4), name="seed_oss")
+    plan = validate(Plan(method="qlora", quant="int8", precision="bf16-mixed", seq_len=256, micro_batch=2))
+    a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
+    assert abs(a.peak_allocated - s.peak_allocated) <= 0.01 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)

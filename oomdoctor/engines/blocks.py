@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 12
+VERSION = 13
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
@@ -270,6 +270,7 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
                                           cuda_autocast_answers, hf_data_paths)
     from oomdoctor.engines.routing import balanced_routing
     from oomdoctor.engines.simulate import _fake_gaps, _meta_model, _retie
+    from oomdoctor.execute.bnb_standin import CONTEXT_HELD
     from oomdoctor.execute.build import make_batch
     from oomdoctor.execute.step import TrainStep
     from oomdoctor.execute.tracking import LiveBytes
@@ -308,6 +309,9 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
                     seen.add(sid)
                     per_block[current[0]] += lb.counted_bytes(t)
             return t
+
+        def held(t):  # an int8 matmul's input, kept on its autograd context (execute/bnb_standin.CONTEXT_HELD)
+            pack(t)
 
         def enter(i: int):
             def hook(_m, args, kwargs):
@@ -354,14 +358,21 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
             stack.enter_context(cuda_autocast_answers())
             stack.enter_context(policy_cls())
             stack.enter_context(lb)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                step = TrainStep(model, None, plan, hooks=TrackingHooks(lb, plan, head=None, target="cuda"))
-                try:
-                    step.forward_backward(batch)
-                except _StackDone:
-                    pass
-                else:
-                    raise RuntimeError(f"{spec.name}: the forward never reached its output head")
+            # under checkpointing the kept block inputs (and bnb's context-held int8 inputs) are formulas
+            observers = [] if plan.gradient_checkpointing else [held]
+            CONTEXT_HELD.extend(observers)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    step = TrainStep(model, None, plan, hooks=TrackingHooks(lb, plan, head=None, target="cuda"))
+                    try:
+                        step.forward_backward(batch)
+                    except _StackDone:
+                        pass
+                    else:
+                        raise RuntimeError(f"{spec.name}: the forward never reached its output head")
+            finally:
+                for observe in observers:
+                    CONTEXT_HELD.remove(observe)
             out = stack_out[0]
             with lb.phase("backward"), warnings.catch_warnings():
                 # block 0's input needs no gradient under LoRA: torch says its hooks fire on the output gradients

@@ -56,6 +56,12 @@ def quant_bytes_int8(out_features: int, in_features: int) -> dict[str, int]:
     return {"weight": out_features * in_features, "SCB": out_features * 4}
 
 
+#: Callbacks told of every tensor an int8 matmul keeps on its autograd context instead of ``save_for_backward`` (as
+#: bnb does: ``ctx.tensors``), which ``saved_tensors_hooks`` never see: the block measurement
+#: (``engines/blocks.py``) counts them as what the block keeps for backward.
+CONTEXT_HELD: list = []
+
+
 def _bnb():
     import bitsandbytes as bnb
 
@@ -180,6 +186,8 @@ def _make_classes():
             out = torch.ops.bitsandbytes.int8_scaled_mm.default(CA, CB, SCA, SCB, bias=bias, dtype=A2.dtype)
             del CA, SCA
             ctx.A = A2  # bnb keeps ctx.tensors = (CAt, subA, A)
+            for observe in CONTEXT_HELD:
+                observe(A2)
             ctx.CB, ctx.SCB = CB, SCB
             ctx.grad_shape = input_shape
             ctx.dtype_A = A2.dtype
