@@ -155,14 +155,14 @@ def test_analytic_within_2_percent_of_simulate_for_moe_lora(cfg, gc, wide):
     plan = validate(Plan(method="lora", precision="bf16", seq_len=512 if wide else 1024, gradient_checkpointing=gc))
     sim = estimate(spec, plan, "simulate").peak_allocated
     ana = estimate(spec, plan, "analytic").peak_allocated
-    assert abs(ana - sim) / sim <= 0.01, (ana, sim)  # README: within 1 % with wide experts
+    assert abs(ana - sim) / sim <= 0.02, (ana, sim)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [QWEN3_MOE_LORA, MIXTRAL], ids=lambda c: c["model_type"])
 @pytest.mark.parametrize("method, precision, gc", [("lora", "fp32", True), ("qlora", "bf16-mixed", False),
                                                    ("full", "bf16-mixed", True), ("full", "fp32", False)])
-def test_analytic_within_2_percent_of_simulate_for_eager_experts(cfg, method, precision, gc):
+def test_analytic_within_1_percent_of_simulate_for_wide_eager_experts(cfg, method, precision, gc):
     """Plans that run the eager experts (fp32 weights, autocast, QLoRA), with weight-dominated experts as released
     MoE models have them (32 experts of 256 here): the per-expert loop's index-backward gradient sums, per-slice
     autocast casts and ``index_add_`` source are priced by the formulas."""
@@ -175,4 +175,4 @@ def test_analytic_within_2_percent_of_simulate_for_eager_experts(cfg, method, pr
                          gradient_checkpointing=gc))
     sim = estimate(spec, plan, "simulate").peak_allocated
     ana = estimate(spec, plan, "analytic").peak_allocated
-    assert abs(ana - sim) / sim <= 0.02, (ana, sim)
+    assert abs(ana - sim) / sim <= 0.01, (ana, sim)  # README: within 1 % with wide experts
