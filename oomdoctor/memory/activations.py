@@ -683,7 +683,8 @@ def shared_forward_bytes(c: Ctx) -> int:
 
 def final_saved(c: Ctx, measured: BlockSaves | None = None) -> int:
     """Final norm (measured with the blocks when given) + what the head saves of its input (full: the normed hidden
-    states; LoRA on the head: the adapter's input copies). Encoder classifiers read the first token only."""
+    states; LoRA on the head: the adapter's input copies; the chunked loss: the normed hidden states, which its
+    checkpointed chunks keep). Encoder classifiers read the first token only."""
     spec = c.spec
     h = spec.hidden_size
     tokens = c.T if spec.arch_kind != "encoder" else c.B
@@ -694,7 +695,12 @@ def final_saved(c: Ctx, measured: BlockSaves | None = None) -> int:
     else:
         total = 0
     head = [(g.name, g.in_features, g.out_features, 1.0) for g in spec.groups if g.name in HEAD_NAMES]
-    if head:
+    if c.plan.loss == "chunked" and spec.arch_kind == "decoder":
+        # oomdoctor.execute.loss: each checkpointed chunk keeps its slice of the final hidden states (a view) as
+        # its input, so the whole tensor lives until the last chunk's backward (on the host under
+        # offload_activations, which packs the checkpoints' inputs too); the head saves nothing itself
+        total += 0 if c.plan.offload_activations else c.rb * c.T * h
+    elif head:
         total += consumers_saved(c, tokens, c.rb, head)
     elif spec.tie_word_embeddings and c.full:
         total += consumers_saved(c, tokens, c.rb, [("lm_head", h, spec.vocab_size, 1.0)])

@@ -52,13 +52,15 @@ class LogitsMemory:
     """Bytes kept from the end of forward into backward."""
     backward_peak: int
     """Peak logits/loss bytes at the start of backward."""
+    head_output: int
+    """Bytes of the head's output (the logits in the compute dtype; one chunk's under the chunked loss)."""
 
 
 def logits_memory(c: Ctx) -> LogitsMemory:
     spec = c.spec
     if spec.arch_kind == "encoder":
         n = max(spec.num_labels, 2) * c.B * 4
-        return LogitsMemory(3 * n, n, 3 * n)
+        return LogitsMemory(3 * n, n, 3 * n, n)
     T, V = c.T, spec.vocab_size
     if c.plan.loss == "chunked" and spec.arch_kind == "decoder":
         # oomdoctor.execute.loss: the same tensors for one chunk of C tokens at a time; nothing is kept from the
@@ -81,9 +83,14 @@ def logits_memory(c: Ctx) -> LogitsMemory:
         fwd += lb * T * V
         saved += lb * T * V
         bwd += lb * T * V
+    if c.plan.loss == "chunked" and spec.arch_kind == "decoder":
+        # each chunk's input is a slice of the final hidden states: its backward (``slice_backward``) makes a
+        # zero-filled gradient of the whole hidden states, which autograd sums chunk by chunk into one buffer
+        # (traced with the simulated engine: alive through the chunks' loss backward)
+        bwd += c.rb * c.T * spec.hidden_size
     if c.plan.loss == "chunked" and spec.arch_kind == "decoder" and c.full:
         # the head's weight gradient arrives chunk by chunk: autograd sums the partials, so next to the running sum
         # one partial of vocab x hidden is alive; measured with the simulated engine (CPU) as one fp32-sized buffer
         # in fp32 and in bf16 (the bf16 matmul's fp32 output) — on CUDA a bf16 partial is half of that
         bwd += 4 * V * spec.hidden_size
-    return LogitsMemory(fwd, saved, bwd)
+    return LogitsMemory(fwd, saved, bwd, lb * T * V)
