@@ -298,8 +298,9 @@ def test_seq_len_max_finds_the_longest_context_and_the_yaml_passes_the_dry_run(m
     from oomdoctor.model.load import load_spec
     from oomdoctor.plan.budget import resolve_budget as rb
 
+    # --no-tiled-mlp: the formulas alone (tiled plans replay blocks: test_seq_len_max_tiles_the_mlp_past_the_longest)
     res = _cli(["tune", "meta-llama/Llama-3.1-8B", "--gpu-mem", "80GB", "--seq-len", "max", "--verify", "none",
-                "--json"], monkeypatch, tmp_path)
+                "--no-tiled-mlp", "--json"], monkeypatch, tmp_path)
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     s, plan = d["plan"]["seq_len"], d["plan"]
@@ -323,7 +324,7 @@ def test_host_mem_lets_offload_plans_reach_longer_contexts(monkeypatch, tmp_path
     block input of a long sequence; with it the longest context grows."""
     monkeypatch.setattr("oomdoctor.tune.tuner.host_ram_bytes", lambda: 16 * 2**30)
     args = ["tune", "meta-llama/Llama-3.1-8B", "--gpu-mem", "80GB", "--method", "qlora", "--seq-len", "max",
-            "--verify", "none", "--json"]
+            "--verify", "none", "--no-tiled-mlp", "--json"]
     here = _cli(args, monkeypatch, tmp_path)
     big = _cli(args + ["--host-mem", "512GB", "--output", str(tmp_path / "big.yaml")], monkeypatch, tmp_path)
     assert here.exit_code == 0 and big.exit_code == 0, (here.output, big.output)
@@ -331,6 +332,22 @@ def test_host_mem_lets_offload_plans_reach_longer_contexts(monkeypatch, tmp_path
     assert not small["offload_activations"] and large["offload_activations"]
     assert large["seq_len"] > 1.5 * small["seq_len"]
     assert isinstance(_cli(args + ["--host-mem", "512"], monkeypatch, tmp_path).exception, BadInput)  # no unit
+
+
+def test_seq_len_max_tiles_the_mlp_past_the_longest_untiled_context(monkeypatch, tmp_path):
+    """The longest plans are bisected again with tiled MLPs (their blocks replayed): on Llama-3.2-1B QLoRA with a
+    24 GB card the tiled plan reaches further than any untiled one, within the host RAM its offload needs; the
+    emitted YAML runs the tiled MLP (train --dry-run accepts it)."""
+    monkeypatch.setattr("oomdoctor.tune.tuner.host_ram_bytes", lambda: 64 * 2**30)
+    args = ["tune", "meta-llama/Llama-3.2-1B", "--gpu-mem", "24GB", "--method", "qlora", "--seq-len", "max",
+            "--verify", "none", "--json"]
+    plain = _cli(args + ["--no-tiled-mlp", "--output", str(tmp_path / "plain.yaml")], monkeypatch, tmp_path)
+    tiled = _cli(args, monkeypatch, tmp_path)
+    assert plain.exit_code == 0 and tiled.exit_code == 0, (plain.output, tiled.output)
+    a, b = json.loads(plain.stdout)["plan"], json.loads(tiled.stdout)["plan"]
+    assert not a["tiled_mlp"] and b["tiled_mlp"] and b["seq_len"] > 1.3 * a["seq_len"]
+    dry = _cli(["train", str(tmp_path / "oomdoctor-plan.yaml"), "--dry-run"], monkeypatch, tmp_path)
+    assert dry.exit_code == 0, dry.output
 
 
 def test_a_longest_context_that_fails_verification_is_calibrated_down():

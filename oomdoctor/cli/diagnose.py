@@ -39,6 +39,7 @@ def diagnose(
     gradient_checkpointing: Optional[bool] = plan_option("gradient_checkpointing"),
     loss: Optional[str] = plan_option("loss"),
     optimizer_in_backward: Optional[bool] = plan_option("optimizer_in_backward"),
+    tiled_mlp: Optional[bool] = plan_option("tiled_mlp"),
     lora_r: Optional[int] = plan_option("lora_r"),
     lora_targets: Optional[str] = plan_option("lora_targets"),
     lora_on_head: Optional[bool] = plan_option("lora_on_head"),
@@ -70,7 +71,7 @@ def diagnose(
     pins = pins_from(
         method=method, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
         gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
-        optimizer_in_backward=optimizer_in_backward, lora_targets=lora_targets,
+        optimizer_in_backward=optimizer_in_backward, tiled_mlp=tiled_mlp, lora_targets=lora_targets,
         lora_on_head=lora_on_head, adapter_dtype=adapter_dtype, quant=quant, double_quant=double_quant,
         offload=offload,
         micro_batch=micro_batch, seq_len=seq_len, world_size=world_size, strategy=strategy, shard_group=shard_group,

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 13
+VERSION = 14
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
@@ -54,7 +54,8 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     """Whether the analytic engine prices ``spec``'s blocks from a measurement: decoder types without a hand builder
     (``model/architectures.BUILDERS``, whose blocks the formulas were written for) and not in :data:`FORMULA_TYPES`
     (transformers' eager experts included, up to :data:`EAGER_REPLAY_MAX_EXPERTS`: a balanced router sizes their
-    tokens in the replay, ``engines/routing``), and every plan with bf16 adapters (the formulas follow peft's fp32 ones). The measured plan runs on one device
+    tokens in the replay, ``engines/routing``), and every plan with bf16 adapters (the formulas follow peft's fp32 ones)
+    or a tiled MLP (``execute/tiled``: the formulas price whole-sequence MLPs). The measured plan runs on one device
     without offload (:func:`measured_plan`), so every topology and plan is measurable."""
     from oomdoctor.execute.build import runs_eager_experts
     from oomdoctor.model.architectures import BUILDERS
@@ -64,19 +65,19 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     if spec.num_experts > EAGER_REPLAY_MAX_EXPERTS and runs_eager_experts(spec, plan):
         return False
     formulas = spec.model_type in BUILDERS or spec.model_type in FORMULA_TYPES
-    return not formulas or (plan.uses_lora and plan.adapter_dtype == "bf16")
+    return not formulas or (plan.uses_lora and plan.adapter_dtype == "bf16") or plan.tiled_mlp
 
 
 def measured_plan(plan: "Plan") -> "Plan":
     """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision,
-    attention, checkpointing, sequence length rounded up to a power of two, LoRA targets/head/rank/dropout/dtype
+    attention, checkpointing, tiled MLP, sequence length rounded up to a power of two, LoRA targets/head/rank/dropout/dtype
     (with ``lora_on_head`` peft gets explicit names, which changes its MoE conversion in the blocks), int8 or
     4-bit): micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation,
     topology, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks
     and take their defaults (one cache entry for them all)."""
     from oomdoctor.plan.techniques import DEFAULTS
 
-    keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant")
+    keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant", "tiled_mlp")
     if plan.uses_lora:
         keep += ("lora_r", "lora_dropout", "lora_targets", "lora_on_head", "adapter_dtype")
     canonical = {k: v for k, v in DEFAULTS.items() if k not in keep and k in Plan.__dataclass_fields__}

@@ -187,7 +187,8 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
     * LoRA: peft ``get_peft_model`` with the plan's rank, alpha, dropout and ``lora_targets`` (peft's default
       ``autocast_adapter_dtype=True`` keeps the adapters in fp32 under every precision); ``adapter_dtype: bf16``
       then casts every trainable parameter to bf16, as TRL's SFTTrainer does for a quantized model (the QLoRA
-      paper's recipe; peft's ``autocast_adapter_dtype=False`` does not reach adapters on a quantized base).
+      paper's recipe; peft's ``autocast_adapter_dtype=False`` does not reach adapters on a quantized base);
+    * ``tiled_mlp``: every block's dense MLP runs over token tiles (``oomdoctor.execute.tiled``).
 
     Returns the (possibly peft-wrapped) model in train mode."""
     if plan.quant is not None:
@@ -211,6 +212,10 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
             for p in model.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
+    if plan.tiled_mlp:
+        from oomdoctor.execute.tiled import tile_mlps
+
+        tile_mlps(find_layers(model))
     model.train()
     return model
 

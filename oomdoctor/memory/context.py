@@ -213,11 +213,16 @@ def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
 
 
 def check_plan_for_model(spec: ModelSpec, plan: Plan) -> None:
-    """Refuse what cannot run on this model: the chunked loss on a model that is not a decoder-only causal LM, and
-    LoRA targets that adapt nothing (peft raises on them too)."""
+    """Refuse what cannot run on this model: the chunked loss on a model that is not a decoder-only causal LM, the
+    tiled MLP where there is no dense decoder MLP, and LoRA targets that adapt nothing (peft raises on them too)."""
     if plan.loss == "chunked" and spec.arch_kind != "decoder":
         raise BadInput(f"loss chunked: {spec.name} is not a decoder-only causal LM ({spec.arch_kind})",
                        "use the standard loss")
+    if plan.tiled_mlp and (spec.arch_kind != "decoder" or spec.num_experts):
+        kind = "a mixture of experts (its router balances load over the whole batch)" if spec.num_experts \
+            else f"not a decoder-only causal LM ({spec.arch_kind})"
+        raise BadInput(f"tiled_mlp: {spec.name} is {kind}; tiling applies to dense decoder MLPs",
+                       "drop tiled_mlp (--no-tiled-mlp / tiled_mlp: false)")
     check_lora_targets(spec, plan)
     check_param_wrapper(spec, plan)
 

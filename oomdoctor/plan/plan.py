@@ -65,6 +65,8 @@ class Plan:
     """See ``TECHNIQUES``: recompute activations in backward."""
     loss: Loss = DEFAULTS["loss"]
     """See ``TECHNIQUES``: standard | chunked cross-entropy."""
+    tiled_mlp: bool = DEFAULTS["tiled_mlp"]
+    """See ``TECHNIQUES``: MLP over token tiles, each recomputed in backward."""
     lora_r: int = DEFAULTS["lora_r"]
     """See ``TECHNIQUES``: LoRA rank."""
     lora_alpha: int = DEFAULTS["lora_alpha"]
@@ -171,6 +173,8 @@ class Plan:
             parts.append("opt-in-bwd")
         if self.loss == "chunked":
             parts.append("chunked-CE")
+        if self.tiled_mlp:
+            parts.append("tiled-MLP")
         offl = [n for n, on in (("opt", self.offload_optimizer), ("act", self.offload_activations), ("params", self.offload_params)) if on]
         if offl:
             parts.append("offload:" + "+".join(offl))
@@ -315,6 +319,13 @@ def validate(plan: Plan) -> Plan:
         if changes.get("strategy", plan.strategy) != "single":
             problems.append("optimizer_in_backward steps each parameter before its gradient is reduced across "
                             "ranks: one GPU only (strategy single)")
+    if plan.tiled_mlp:
+        if changes.get("strategy", plan.strategy) != "single":
+            problems.append("tiled_mlp accumulates each MLP gradient tile by tile, while DDP/FSDP/ZeRO reduce a "
+                            "gradient once: one GPU only (strategy single)")
+        if plan.optimizer_in_backward:
+            problems.append("tiled_mlp and optimizer_in_backward: the optimizer would step on the first tile's share "
+                            "of a gradient; choose one")
     if plan.offload_params and plan.method != "full" and quant is not None:
         problems.append("offload_params with a bitsandbytes-quantized base is not supported by bitsandbytes")
     if problems:

@@ -173,6 +173,15 @@ TECHNIQUES: tuple[Technique, ...] = (
         choices=("standard", "chunked"),
     ),
     Technique(
+        "tiled_mlp", "bool", False, "transformers runs each MLP over the whole sequence (axolotl tiled_mlp: false)",
+        "run each decoder block's MLP over tiles of about hidden_size tokens, recomputing each tile in backward "
+        "(Arctic Long Sequence Training's TiledMLP, as DeepSpeed, axolotl and unsloth ship it): for contexts of "
+        "tens of thousands of tokens; one GPU, dense MLPs",
+        "the MLP's intermediates (gate, up, product: several x tokens x intermediate) shrink to one tile of "
+        "~hidden_size tokens; costs one more MLP forward per step (~15 % more compute under GC)",
+        flag="--tiled-mlp/--no-tiled-mlp",
+    ),
+    Technique(
         "lora_r", "int>=1", 8, _PEFT,
         "LoRA rank r", "r x (in+out) trainable params per adapted linear (grads + optimizer state on those only)",
         yaml_key="r",

@@ -147,18 +147,27 @@ MAX_SEQ_LEN = 1 << 21
 
 
 def longest_seq_len(spec: ModelSpec, plan: Plan, budget: Budget, estimator: Estimator, *, micro_batch: int = 1,
-                    limit: int = MAX_SEQ_LEN, overshoot: float = 1.0) -> int:
+                    limit: int = MAX_SEQ_LEN, overshoot: float = 1.0, start: int = SEQ_STEP,
+                    accept: Callable[[Plan, MemoryBreakdown], bool] | None = None) -> int:
     """The longest sequence (a multiple of :data:`SEQ_STEP`, at most ``limit``) at which ``plan`` with
     ``micro_batch`` fits ``budget`` — its estimate times ``overshoot`` (a verified calibration), when given; 0 when
-    not even one step does. Bisection: memory grows with the sequence."""
+    not even one step does. Bisection: memory grows with the sequence. ``start``: a length known to be near or
+    below the answer (the search begins there, or at one step when it does not fit). ``accept(plan, memory)``: a
+    further condition that fails from some length on (the host RAM an offload plan needs)."""
 
     def fits(s: int) -> bool:
-        return budget.fits(estimator(spec, plan.with_(seq_len=s, micro_batch=micro_batch, grad_accum=1)), overshoot)
+        p = plan.with_(seq_len=s, micro_batch=micro_batch, grad_accum=1)
+        mem = estimator(spec, p)
+        return budget.fits(mem, overshoot) and (accept is None or accept(p, mem))
 
     lo, hi = 0, limit // SEQ_STEP  # fits(lo * STEP) holds (vacuously for 0); find the largest such lo
-    if not fits(SEQ_STEP):
+    first = max(1, min(start // SEQ_STEP, hi))
+    if first > 1 and fits(first * SEQ_STEP):
+        lo = first
+    elif not fits(SEQ_STEP):
         return 0
-    lo = 1
+    else:
+        lo = 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if fits(mid * SEQ_STEP):

@@ -267,6 +267,9 @@ def _common_notes(req: EmitRequest, tool: str) -> list[str]:
     if p.offload_params and not sharded_offload:
         notes.append(f"offload_params: not expressible in {tool} (DeepSpeed ZeRO-3 parameter offload: "
                      "`--emit accelerate`)")
+    if p.tiled_mlp:
+        notes.append(f"tiled_mlp: not expressible in {tool} (axolotl's tiled_mlp: true, `--emit axolotl`; or "
+                     "patch the MLP forward with DeepSpeed's TiledMLP)")
     return notes
 
 
@@ -441,6 +444,8 @@ def emit_axolotl(req: EmitRequest) -> Emitted:
     else:
         doc["activation_offloading"] = p.offload_activations
     doc["attn_implementation"] = HF_ATTN_NAMES[p.attn]
+    if p.tiled_mlp:
+        doc["tiled_mlp"] = True  # axolotl's ALST tiled MLP
     doc.update(seed=s["seed"], logging_steps=s["logging_steps"], save_steps=s["save_steps"],
                save_total_limit=s["save_total_limit"])
     if p.strategy != "single":
@@ -555,6 +560,8 @@ def emit_accelerate(req: EmitRequest) -> Emitted:
                       f"{p.double_quant}, bnb_4bit_compute_dtype={p.compute_dtype}") + ")")
     if p.offload_activations:
         script.append("offload_activations: run the step under torch.autograd.graph.save_on_cpu(pin_memory=True)")
+    if p.tiled_mlp:
+        script.append("tiled_mlp: patch each block's MLP forward with DeepSpeed's TiledMLP")
     notes.append("the training knobs are train.py's (a launch config does not carry them): " + "; ".join(script))
     notes += list(opt.notes)
     run = run_command("accelerate", "THIS.yaml")

@@ -50,15 +50,27 @@ class SearchResult:
         return min(self.candidates, key=lambda c: self.budget.needed(c.memory))
 
 
+#: ``tune`` searches tiled-MLP plans when a sequence holds at least this many times the hidden size in tokens
+#: (below, a tile is most of the sequence: the recompute costs more than the tiles save).
+TILED_MIN_TOKENS_PER_HIDDEN = 8
+
+
+def tiling_applies(spec: ModelSpec, seq_len: int, world_size: int = 1) -> bool:
+    """Whether tune adds tiled-MLP variants (``execute/tiled``): a dense decoder on one GPU, a long sequence."""
+    return (spec.arch_kind == "decoder" and not spec.num_experts and world_size == 1
+            and seq_len >= TILED_MIN_TOKENS_PER_HIDDEN * spec.hidden_size)
+
+
 def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_supported: bool = True,
-                         chunked_loss: bool = True) -> list[Plan]:
+                         chunked_loss: bool = True, tiled_mlp: bool = False) -> list[Plan]:
     """Plans tune considers: the technique matrix (``oomdoctor.diagnose.matrix``) for the pins, minus optimizer swaps
     (Adafactor/Lion/SGD) unless the optimizer is pinned; on GPUs without bf16 the bf16 plans become fp16-mixed;
     then, unless pinned, full fine-tuning with paged 8-bit AdamW and with the optimizer in backward (torchtune's
     low-memory recipes; diagnose's matrix leaves them out to stay readable), every checkpointed plan with its
     activations offloaded too (unsloth's offloaded gradient checkpointing; ranked after every on-device plan of its
-    tier, and only within the host RAM: ``price``), and every plan with the chunked loss (``chunked_loss``: the
-    model is a decoder)."""
+    tier, and only within the host RAM: ``price``), every plan with the chunked loss (``chunked_loss``: the
+    model is a decoder), and with ``tiled_mlp`` (:func:`tiling_applies`) every checkpointed plan with its MLPs
+    tiled too (each such plan's blocks are measured by a replay: seconds per distinct plan, cached)."""
     from oomdoctor.diagnose.matrix import enumerate_plans
 
     pins = dict(pins or {})
@@ -88,6 +100,9 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
                   if p.gradient_checkpointing and not p.offload_activations]
     if "loss" not in pins and chunked_loss:  # changes no numbers: searched next to every plan
         plans += [p.with_(loss="chunked") for p in plans if p.loss != "chunked"]
+    if "tiled_mlp" not in pins and tiled_mlp:
+        plans += [p.with_(tiled_mlp=True) for p in plans
+                  if p.gradient_checkpointing and not p.tiled_mlp and not p.optimizer_in_backward]
     return plans
 
 
@@ -163,4 +178,4 @@ def search(
     return rank(cands, budget, prefer, len(trace.evaluations))
 
 
-__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "price", "rank", "search"]
+__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "price", "rank", "search", "tiling_applies"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from oomdoctor.memory.activations import layer_roles
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.memory.context import adapter_numel, lora_groups_of
 from oomdoctor.model.spec import ModelSpec
@@ -117,7 +118,8 @@ def estimate_throughput(spec: ModelSpec, plan: Plan, profile: HardwareProfile,
     ``F = 2 * N_matmul + 4 * L * s * d_attn`` FLOPs per token (weights that multiply, plus QK^T and AV);
     full fine-tuning's backward costs ``2F`` (activation and weight gradients), LoRA's about ``F`` (no weight
     gradients for the frozen base; adapters are negligible); gradient checkpointing adds one more forward ``F``
-    (so +1/3 for full fine-tuning). Time = FLOPs / (peak * MFU); fp32 plans use the fp32 peak.
+    (so +1/3 for full fine-tuning), a tiled MLP one more forward of the MLPs, the chunked loss one more of the LM
+    head. Time = FLOPs / (peak * MFU); fp32 plans use the fp32 peak.
     QLoRA dequantizes every quantized weight in each forward/backward (read 0.5 or 1 byte, write and re-read
     2 bytes per weight) at HBM bandwidth. The optimizer step reads/writes weights, gradients and states once.
     Offload (no overlap with compute assumed: an upper bound of its cost): optimizer offload copies gradients
@@ -142,6 +144,8 @@ def estimate_throughput(spec: ModelSpec, plan: Plan, profile: HardwareProfile,
         passes += 1
     if plan.loss == "chunked" and spec.arch_kind == "decoder":
         per_token += 2 * spec.hidden_size * spec.vocab_size  # each chunk's LM head runs again in backward
+    if plan.tiled_mlp:
+        per_token += 2 * _mlp_numel(spec)  # each MLP tile runs again in backward
     peak = profile.fp32_flops if plan.precision == "fp32" else profile.bf16_flops
     tokens_micro = plan.micro_batch * s
     compute_micro = tokens_micro * per_token / (peak * profile.mfu)
@@ -179,6 +183,12 @@ def estimate_throughput(spec: ModelSpec, plan: Plan, profile: HardwareProfile,
     step = compute_s + memory_s + transfer_s + comm_s
     tokens = ga * tokens_micro
     return Throughput(tokens / step if step > 0 else 0.0, step, compute_s, memory_s, transfer_s, profile.name, comm_s)
+
+
+def _mlp_numel(spec: ModelSpec) -> int:
+    """Weights of every block's MLP (the matmuls a tiled MLP's backward runs again), per token visited."""
+    roles = layer_roles(spec)
+    return int(max(spec.num_layers, 1) * sum(i * o * m for _n, i, o, m in roles.mlp_in + roles.mlp_out))
 
 
 def communication_bytes(spec: ModelSpec, plan: Plan) -> float:

@@ -36,10 +36,11 @@ from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_bundled
 from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.plan.techniques import TECHNIQUES
-from oomdoctor.tune.batch_search import SEQ_STEP, Estimator, analytic_estimator, longest_seq_len, verify_and_refine
+from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, analytic_estimator, longest_seq_len,
+                                        verify_and_refine)
 from oomdoctor.tune.ranking import Candidate, fidelity_key
 from oomdoctor.memory.sharding import node_host_bytes
-from oomdoctor.tune.search import SearchResult, enumerate_candidates, price, rank, search
+from oomdoctor.tune.search import SearchResult, enumerate_candidates, price, rank, search, tiling_applies
 from oomdoctor.tune.strategies import TOPOLOGY_FIELDS, StrategyTrial, Topology, ladder, topology, trials
 from oomdoctor.tune.throughput import HardwareProfile, Throughput, estimate_throughput, profile_for
 from oomdoctor.units import format_bytes
@@ -310,29 +311,56 @@ def verify(
 # ---------------------------------------------------------------------------------------------- tune
 
 
+#: ``--seq-len max`` with tiled MLPs looks up to this many times a plan's longest untiled sequence.
+TILED_REACH = 4
 #: Knobs ``--seq-len max`` leaves to the regular search once the sequence is known.
 NOT_PINNED_BY_MAX = ("micro_batch", "grad_accum", "seq_len")
 
 
 def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estimator: Estimator,
-                    profile: HardwareProfile, prefer: str, host_ram: int | None) -> tuple[Plan, int]:
+                    profile: HardwareProfile, prefer: str, host_ram: int | None,
+                    world_size: int = 1) -> tuple[Plan, int]:
     """The plan that fits the longest sequence (micro-batch ``pins["micro_batch"]`` or 1) and that length: every
     candidate plan's longest sequence by bisection (:func:`longest_seq_len`; offload plans only within ``host_ram``
-    bytes of CPU RAM, None: unchecked), the longest wins, ties broken by the quality tier. DoesNotFit when no plan
-    fits even one step of tokens."""
+    bytes of CPU RAM, None: unchecked), the longest wins, ties broken by the quality tier, then by the untiled MLP.
+    Tiled MLPs (unless pinned off): the longest plan on the device and the longest offloaded one are bisected again
+    with their MLPs tiled (each power of two a block replay, seconds: not every candidate) when the longest sequence
+    is long enough for tiles to pay (``search.tiling_applies``); pinned on, only tiled plans count. DoesNotFit when no plan fits even
+    one step of tokens."""
     micro = int(pins.get("micro_batch", 1))
-    plans = enumerate_candidates({k: v for k, v in pins.items() if k != "micro_batch"}, Plan(seq_len=SEQ_STEP),
-                                 bf16_supported=profile.bf16, chunked_loss=spec.arch_kind == "decoder")
-    found = [(longest_seq_len(spec, p, budget, estimator, micro_batch=micro), p) for p in plans]
-    found = [(s, p.with_(seq_len=s, micro_batch=micro, grad_accum=1)) for s, p in found if s > 0]
-    if host_ram is not None:  # an offload plan is out when its host share does not fit this machine's RAM
-        found = [(s, p) for s, p in found if node_host_bytes(estimator(spec, p).host_per_node, p) <= host_ram]
+    tiled_pin = pins.get("tiled_mlp")
+    plans = enumerate_candidates({k: v for k, v in pins.items() if k not in ("micro_batch", "tiled_mlp")},
+                                 Plan(seq_len=SEQ_STEP), bf16_supported=profile.bf16,
+                                 chunked_loss=spec.arch_kind == "decoder")
+
+    def host_fits(p: Plan, mem) -> bool:  # an offload plan's host share must fit this machine's RAM
+        return host_ram is None or node_host_bytes(mem.host_per_node, p) <= host_ram
+
+    def longest_of(plans: list[Plan], start: int = SEQ_STEP, limit: int = MAX_SEQ_LEN) -> list[tuple[int, Plan]]:
+        found = [(longest_seq_len(spec, p, budget, estimator, micro_batch=micro, start=start, limit=limit,
+                                  accept=host_fits), p) for p in plans]
+        return [(s, p.with_(seq_len=s, micro_batch=micro, grad_accum=1)) for s, p in found if s > 0]
+
+    found = longest_of(plans)
+    longest = max((s for s, _ in found), default=0)
+    if tiled_pin or (tiled_pin is None and tiling_applies(spec, longest, world_size)):
+        # the longest plan on the device and the longest offloaded one, each with its MLPs tiled
+        finalists: dict[bool, tuple[int, Plan]] = {}
+        for s, p in found:
+            if not p.optimizer_in_backward and s > finalists.get(p.offload_activations, (0, p))[0]:
+                finalists[p.offload_activations] = (s, p)
+        # tiles shrink the MLP's share of the activations, never grow them: from the untiled length up to
+        # TILED_REACH times it (a few block replays per plan instead of one per power of two up to MAX_SEQ_LEN)
+        tiled = [hit for s, p in finalists.values()
+                 for hit in longest_of([p.with_(tiled_mlp=True)], start=s,
+                                       limit=min(MAX_SEQ_LEN, max(s, SEQ_STEP) * TILED_REACH))]
+        found = tiled if tiled_pin else found + tiled
     if not found:
         raise DoesNotFit(f"no plan fits {budget.describe()} even at {SEQ_STEP} tokens per sequence",
                          f"see `oomdoctor diagnose {spec.name} --seq-len {SEQ_STEP}` for what is missing")
     longest = max(s for s, _ in found)
     ties = [Candidate(p, estimator(spec, p), None) for s, p in found if s == longest]
-    best = min(ties, key=lambda c: fidelity_key(c.plan) if prefer == "quality" else (0,))
+    best = min(ties, key=lambda c: (fidelity_key(c.plan) if prefer == "quality" else (0,), c.plan.tiled_mlp))
     return best.plan, longest
 
 
@@ -389,7 +417,8 @@ def tune(
     profile = profile_for(gpu_info.name if gpu_info else None)
     seq_max = seq_len == "max"
     if seq_max:
-        best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer, host_ram)
+        best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer, host_ram,
+                                        topo.world_size)
         all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES
                          if t.name not in NOT_PINNED_BY_MAX + TOPOLOGY_FIELDS})
         notes.append(f"--seq-len max: {seq_len:,} tokens at micro-batch {best.micro_batch} is the longest sequence "
@@ -401,14 +430,15 @@ def tune(
     if seq_len is None:
         seq_len = min(Plan().seq_len, spec.max_position_embeddings or Plan().seq_len)
         notes.append(f"no --seq-len: planning for {seq_len} tokens per sequence (the longest batch sets the peak)")
-    elif spec.context_note(seq_len, "--seq-len"):
+    elif not seq_max and spec.context_note(seq_len, "--seq-len"):
         notes.append(spec.context_note(seq_len, "--seq-len"))
     if global_batch is None:
         notes.append("no --global-batch: the effective batch is the largest micro-batch that fits (accumulation 1); "
                      "pass --global-batch to keep it fixed")
 
     plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16,
-                                 chunked_loss=spec.arch_kind == "decoder")
+                                 chunked_loss=spec.arch_kind == "decoder",
+                                 tiled_mlp=tiling_applies(spec, seq_len, topo.world_size))
     if topo.world_size == 1 and not topo_pins:
         result = search(spec, plans, budget, global_batch=rank_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
                         profile=profile, micro_limit=micro_limit, host_ram=host_ram)

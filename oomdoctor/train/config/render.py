@@ -62,6 +62,7 @@ def config_from_plan(model: str, plan: Plan, **extra: Any) -> TrainConfig:
         bnb_4bit_use_double_quant=plan.double_quant,
         optimizer_in_backward=plan.optimizer_in_backward,
         max_grad_norm=None if plan.optimizer_in_backward else default("max_grad_norm"),
+        tiled_mlp=plan.tiled_mlp,
         offload_optimizer=plan.offload_optimizer,
         offload_activations=plan.offload_activations,
         offload_params=plan.offload_params,

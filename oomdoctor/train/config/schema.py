@@ -61,7 +61,7 @@ _GROUPS = {
     "method": "memory: method and precision", "precision": "memory: method and precision",
     "micro_batch": "memory: batch shape", "grad_accum": "memory: batch shape", "seq_len": "memory: batch shape",
     "gradient_checkpointing": "memory: activations", "offload_activations": "memory: activations",
-    "loss": "memory: activations",
+    "loss": "memory: activations", "tiled_mlp": "memory: activations",
     "optimizer": "memory: optimizer", "optimizer_impl": "memory: optimizer", "offload_optimizer": "memory: optimizer",
     "optimizer_in_backward": "memory: optimizer",
     "sgd_momentum": "memory: optimizer",

@@ -144,6 +144,8 @@ class TrainConfig:
     """4-bit compute dtype."""
     optimizer_in_backward: bool = default("optimizer_in_backward")
     """Plan ``optimizer_in_backward``."""
+    tiled_mlp: bool = default("tiled_mlp")
+    """Plan ``tiled_mlp``."""
     offload_optimizer: bool = default("offload_optimizer")
     """Plan ``offload_optimizer``."""
     offload_activations: bool = default("offload_activations")
@@ -272,6 +274,7 @@ def to_plan(cfg: TrainConfig, micro_batch: int | None = None) -> Plan:
             seq_len=cfg.seq_len,
             grad_accum=ga,
             optimizer_in_backward=cfg.optimizer_in_backward,
+            tiled_mlp=cfg.tiled_mlp,
             offload_optimizer=cfg.offload_optimizer,
             offload_activations=cfg.offload_activations,
             offload_params=cfg.offload_params,
