@@ -154,7 +154,8 @@ def test_tiled_mlp_is_refused_where_it_cannot_run():
 
 def test_tune_adds_tiled_plans_only_for_long_sequences():
     from oomdoctor.model.load import load_spec
-    from oomdoctor.tune.search import enumerate_candidates, tiling_applies
+    from oomdoctor.memory.context import tiling_applies
+    from oomdoctor.tune.search import enumerate_candidates
 
     spec = load_spec("meta-llama/Llama-3.1-8B")
     assert not tiling_applies(spec, 8192) and tiling_applies(spec, 32768)

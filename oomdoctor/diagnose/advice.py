@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from oomdoctor.memory import MemoryBreakdown
+from oomdoctor.memory.context import tiling_applies
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget
@@ -137,6 +138,15 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
             "free each layer's gathered weights after its forward and gather them again in backward",
             1,
             dict(reshard_after_forward=True),
+        ))
+    if not plan.tiled_mlp and not plan.optimizer_in_backward \
+            and tiling_applies(spec, plan.tokens_per_micro_batch, plan.world_size):
+        c.append((
+            "tiled-mlp",
+            "tiled MLP: each block's MLP runs over tiles of ~hidden_size tokens, each recomputed in backward, so "
+            "its intermediates exist for one tile (one more MLP forward per step; one GPU)",
+            1,
+            dict(tiled_mlp=True),
         ))
     if not plan.offload_activations:
         c.append((

@@ -212,6 +212,18 @@ def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
     return tuple(out)
 
 
+#: A tiled MLP is searched (tune) and advised (diagnose) when a micro-batch holds at least this many times the hidden
+#: size in tokens: below, a tile is most of the sequence, and the recompute costs more than the tiles save.
+TILED_MIN_TOKENS_PER_HIDDEN = 8
+
+
+def tiling_applies(spec: ModelSpec, tokens: int, world_size: int = 1) -> bool:
+    """Whether a tiled MLP (``execute/tiled``) is worth offering: a dense decoder on one GPU, ``tokens`` per
+    micro-batch at least :data:`TILED_MIN_TOKENS_PER_HIDDEN` x the hidden size."""
+    return (spec.arch_kind == "decoder" and not spec.num_experts and world_size == 1
+            and tokens >= TILED_MIN_TOKENS_PER_HIDDEN * spec.hidden_size)
+
+
 def check_plan_for_model(spec: ModelSpec, plan: Plan) -> None:
     """Refuse what cannot run on this model: the chunked loss on a model that is not a decoder-only causal LM, the
     tiled MLP where there is no dense decoder MLP, and LoRA targets that adapt nothing (peft raises on them too)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from oomdoctor.errors import BadInput
+from oomdoctor.memory.context import tiling_applies
 from oomdoctor.memory.sharding import node_host_bytes
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
@@ -50,17 +51,6 @@ class SearchResult:
         return min(self.candidates, key=lambda c: self.budget.needed(c.memory))
 
 
-#: ``tune`` searches tiled-MLP plans when a sequence holds at least this many times the hidden size in tokens
-#: (below, a tile is most of the sequence: the recompute costs more than the tiles save).
-TILED_MIN_TOKENS_PER_HIDDEN = 8
-
-
-def tiling_applies(spec: ModelSpec, seq_len: int, world_size: int = 1) -> bool:
-    """Whether tune adds tiled-MLP variants (``execute/tiled``): a dense decoder on one GPU, a long sequence."""
-    return (spec.arch_kind == "decoder" and not spec.num_experts and world_size == 1
-            and seq_len >= TILED_MIN_TOKENS_PER_HIDDEN * spec.hidden_size)
-
-
 def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_supported: bool = True,
                          chunked_loss: bool = True, tiled_mlp: bool = False) -> list[Plan]:
     """Plans tune considers: the technique matrix (``oomdoctor.diagnose.matrix``) for the pins, minus optimizer swaps
@@ -69,7 +59,7 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     low-memory recipes; diagnose's matrix leaves them out to stay readable), every checkpointed plan with its
     activations offloaded too (unsloth's offloaded gradient checkpointing; ranked after every on-device plan of its
     tier, and only within the host RAM: ``price``), every plan with the chunked loss (``chunked_loss``: the
-    model is a decoder), and with ``tiled_mlp`` (:func:`tiling_applies`) every checkpointed plan with its MLPs
+    model is a decoder), and with ``tiled_mlp`` (``memory.context.tiling_applies``) every checkpointed plan with its MLPs
     tiled too (each such plan's blocks are measured by a replay: seconds per distinct plan, cached)."""
     from oomdoctor.diagnose.matrix import enumerate_plans
 
@@ -178,4 +168,4 @@ def search(
     return rank(cands, budget, prefer, len(trace.evaluations))
 
 
-__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "price", "rank", "search", "tiling_applies"]
+__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "price", "rank", "search"]

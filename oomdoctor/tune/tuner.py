@@ -40,7 +40,8 @@ from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, analy
                                         verify_and_refine)
 from oomdoctor.tune.ranking import Candidate, fidelity_key
 from oomdoctor.memory.sharding import node_host_bytes
-from oomdoctor.tune.search import SearchResult, enumerate_candidates, price, rank, search, tiling_applies
+from oomdoctor.memory.context import tiling_applies
+from oomdoctor.tune.search import SearchResult, enumerate_candidates, price, rank, search
 from oomdoctor.tune.strategies import TOPOLOGY_FIELDS, StrategyTrial, Topology, ladder, topology, trials
 from oomdoctor.tune.throughput import HardwareProfile, Throughput, estimate_throughput, profile_for
 from oomdoctor.units import format_bytes
@@ -325,7 +326,7 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
     bytes of CPU RAM, None: unchecked), the longest wins, ties broken by the quality tier, then by the untiled MLP.
     Tiled MLPs (unless pinned off): the longest plan on the device and the longest offloaded one are bisected again
     with their MLPs tiled (each power of two a block replay, seconds: not every candidate) when the longest sequence
-    is long enough for tiles to pay (``search.tiling_applies``); pinned on, only tiled plans count. DoesNotFit when no plan fits even
+    is long enough for tiles to pay (``memory.context.tiling_applies``); pinned on, only tiled plans count. DoesNotFit when no plan fits even
     one step of tokens."""
     micro = int(pins.get("micro_batch", 1))
     tiled_pin = pins.get("tiled_mlp")
