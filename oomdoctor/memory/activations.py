@@ -217,8 +217,10 @@ def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_save
             total += t * i * (d_bytes + c.mask_b)
         elif c.gathered_in_compute_dtype:
             shared_x = True  # bf16 adapters read the bf16 input as it is
-        elif c.mixed:
+        elif c.mixed and x_bytes == 4:
             total += 2 * t * i  # per-module cast of the (fp32) input to bf16
+        elif c.mixed:
+            shared_x = True  # a 16-bit input is not cast by autocast: lora_A saves X itself
         elif x_bytes == 4:
             shared_x = True  # lora_A saves X itself (Identity dropout, no cast)
         else:
@@ -555,7 +557,7 @@ def layer_activations(c: Ctx) -> LayerActs:
     # backward extras: MLP grads (3 intermediate-sized grads at the product's backward) and the residual grad
     # flow (2 x hidden); SDPA/flash: dq/dk/dv + fp32 dq accumulator; eager: grad of probs + fp32 softmax grad.
     flow = 2 * rb * T * h
-    mlp_b = ((3 if gated else 2) * ab * T * I * ktok) - down
+    mlp_b = ((3 if gated else 2) * mab_global(c, roles) * T * I * ktok) - down
     if not gated and c.mixed and mab_global(c, roles) == 2 and activation_name(spec) in POW_ACTS:
         # autocast gelu_new: the backward of 0.5·x (bf16) times the fp32 tanh branch holds the incoming bf16
         # gradient, its fp32 cast, both fp32 products and the bf16 cast of one: 16 bytes per element (traced op by
@@ -595,7 +597,8 @@ def layer_activations(c: Ctx) -> LayerActs:
         # peft LoRA backward of one adapted module (in -> out), at the dropout backward where it peaks (measured on
         # CPU): the output grad's fp32 cast (pure bf16) and its scaled copy (4·T·out each), the grad of lora_A's
         # input (4·T·in) and one more fp32 hidden-sized grad; the module's saved tensors are still alive.
-        fused_up = gated and len(roles.mlp_in) == 1 and not spec.num_experts
+        dense_gated = gated and not spec.num_experts
+        up_width = sum(o * m for _n, _i, o, m in roles.mlp_in)  # gate + up outputs (one fused 2I or two I)
         for _n, i, o, m in roles.attn_in + roles.attn_out + roles.mlp_in + roles.mlp_out:
             if c.is_adapted(_n):
                 t = T * (m if m > 1 else 1)
@@ -608,11 +611,12 @@ def layer_activations(c: Ctx) -> LayerActs:
                 b = t * (out_b * o + 4 * i) + 4 * T * h
                 if (_n, i, o, m) in roles.attn_in + roles.attn_out:
                     b -= moe_saved  # the fused experts' backward (after the attention's forward) freed their saves
-                if fused_up and (_n, i, o, m) in roles.mlp_in:
-                    # fused gate_up (Phi-3): its backward runs after the product's and the activation's, whose saved
-                    # tensors (and down's) are freed by then; its output gradient (the two halves) is alive.
-                    # Measured with the simulated engine on a Phi-3-shaped model (tests/test_simulate_vs_analytic.py).
-                    b += ab * t * o - mlp_after
+                if dense_gated and (_n, i, o, m) in roles.mlp_in:
+                    # gate/up (or fused gate_up, Phi-3): their backward runs after the product's and the
+                    # activation's, whose saved tensors (and down's) are freed by then; the gradients of both
+                    # outputs (the two halves) are alive. Measured with the simulated engine on Phi-3 and Llama
+                    # shapes (tests/test_simulate_vs_analytic.py).
+                    b += ab * T * up_width - mlp_after
                 lora_b = max(lora_b, b)
     bwd_extra = int(flow + max(mlp_b, att_b, lora_b))
     alias = 0
