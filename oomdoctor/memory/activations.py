@@ -217,10 +217,12 @@ def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_save
             total += t * i * (d_bytes + c.mask_b)
         elif c.gathered_in_compute_dtype:
             shared_x = True  # bf16 adapters read the bf16 input as it is
-        elif c.mixed and x_bytes == 4:
-            total += 2 * t * i  # per-module cast of the (fp32) input to bf16
+        elif c.mixed and (x_bytes == 4 or not _bnb_skips_input_cast(c, name)):
+            # per-module bf16 cast of the input that lora_A saves: autocast's cast of an fp32 input, or of peft's
+            # fp32 copy of a 16-bit one (``_cast_input_dtype`` to the fp32 adapter's dtype)
+            total += 2 * t * i
         elif c.mixed:
-            shared_x = True  # a 16-bit input is not cast by autocast: lora_A saves X itself
+            shared_x = True  # a bitsandbytes LoRA layer under CUDA autocast saves a 16-bit input as it is
         elif x_bytes == 4:
             shared_x = True  # lora_A saves X itself (Identity dropout, no cast)
         else:
@@ -229,6 +231,13 @@ def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_save
     if shared_x and not already_saved:
         total += x_bytes * tokens * max(m_tok(c, m) * i for _n, i, _o, m in consumers)
     return total
+
+
+def _bnb_skips_input_cast(c: Ctx, name: str) -> bool:
+    """peft's bitsandbytes LoRA layers copy their input to the adapter's dtype only when
+    ``torch.is_autocast_enabled()`` is false — a CUDA question, so under CUDA autocast they skip the copy (under CPU
+    autocast they make it, as every non-bitsandbytes LoRA layer does: ``tuners/lora/bnb.py``)."""
+    return c.quant is not None and _quantized(c.spec, name) and c.device == "cuda"
 
 
 def m_tok(c: Ctx, m: float) -> float:
