@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from oomdoctor.errors import BadInput
-from oomdoctor.execute.tiled import num_tiles
+from oomdoctor.memory.context import num_tiles
 from oomdoctor.plan import Plan, validate
 
 from train_util import tiny_cfg
@@ -52,6 +52,30 @@ def test_tiled_mlp_gives_the_same_loss_and_gradients(method, precision, gc):
     tol = 1e-5 if precision == "fp32" else 1e-2
     for n in g0:
         assert torch.allclose(g1[n], g0[n], rtol=tol, atol=tol * g0[n].abs().max().item()), n
+
+
+def test_eval_runs_the_tiles_too_and_is_priced_so():
+    """Without autograd (eval) the MLP still runs tile by tile: the same logits, and the eval forward's MLP stage is
+    priced at one tile's intermediates (memory/evaluation.py), far below the whole sequence's."""
+    import torch
+
+    from oomdoctor.execute.build import build_model, make_batch
+    from oomdoctor.memory.context import make_ctx
+    from oomdoctor.memory.evaluation import block_forward_peak
+    from oomdoctor.model.architectures import build_spec
+    from oomdoctor.model.load import load_spec
+
+    spec = build_spec(TINY, "tiny")
+    plan = validate(Plan(seq_len=200, micro_batch=2))
+    outs = []
+    for p in (plan, plan.with_(tiled_mlp=True)):
+        model = build_model(spec, p, device="cpu", seed=0).model.eval()
+        with torch.no_grad():
+            outs.append(model(**make_batch(spec, p, "cpu")).logits)
+    assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    big = load_spec("meta-llama/Llama-3.1-8B")
+    long = validate(Plan(method="lora", precision="bf16", seq_len=131072))
+    assert block_forward_peak(make_ctx(big, long.with_(tiled_mlp=True))) < 0.4 * block_forward_peak(make_ctx(big, long))
 
 
 def test_tiled_mlp_replays_each_tiles_dropout_in_backward(monkeypatch):

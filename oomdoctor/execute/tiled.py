@@ -10,7 +10,7 @@ it at once (its weight gradients accumulate into ``.grad``, its input gradient l
 ``x_grad`` through the tile's ``.grad``), and frees it before the next. Tiles: ``ceil(tokens / hidden_size)``
 (DeepSpeed's and ALST's rule), so a tile's intermediates are about the size of one MLP weight.
 
-Cost: one more MLP forward per step (the backward's recompute); under gradient checkpointing the MLP runs three
+Evaluation (no autograd) runs the same tiles into one output buffer. Cost: one more MLP forward per step (the backward's recompute); under gradient checkpointing the MLP runs three
 times per step. Exact: the same loss and gradients up to float summation order (``tests/test_tiled_mlp.py``).
 
 Limits: one process only (``Plan`` validation): DDP, FSDP and ZeRO reduce a gradient once, when it is complete,
@@ -23,15 +23,10 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from oomdoctor.errors import BadInput
+from oomdoctor.memory.context import num_tiles
 
 #: Attribute names under which transformers' decoder blocks hold their MLP.
 MLP_NAMES: tuple[str, ...] = ("mlp", "feed_forward", "ffn")
-
-
-def num_tiles(tokens: int, hidden: int) -> int:
-    """Tiles of one MLP call over ``tokens`` tokens (batch x sequence): ``ceil(tokens / hidden)``, at least 1 —
-    DeepSpeed's ``TiledMLP`` rule (a tile's intermediates about the size of one MLP weight)."""
-    return max(1, math.ceil(tokens / max(hidden, 1)))
 
 
 @lru_cache(maxsize=1)
@@ -49,20 +44,9 @@ def _function_cls():
             ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
             ctx.rng = [] if rng else None
             ctx.save_for_backward(x)
-            flat = x.reshape(-1, x.shape[-1])
-            parts = _tiles(flat, tiles)
-            out = None
+            record = (lambda: ctx.rng.append(_rng_state(dev))) if ctx.rng is not None else None
             with torch.no_grad():
-                for k, tile in _replayed(parts, x):
-                    if ctx.rng is not None:
-                        ctx.rng.append(_rng_state(dev))
-                    y = mlp_forward(tile)
-                    if out is None:  # one output buffer, filled tile by tile (no list of outputs, no cat)
-                        out = y.new_empty((flat.shape[0], y.shape[-1]))
-                    start = k * len(parts[0])
-                    out[start:start + len(y)].copy_(y)
-                    del y
-            return out.view(*x.shape[:-1], out.shape[-1])
+                return _no_grad_tiles(mlp_forward, x, tiles, record)
 
         @staticmethod
         def backward(ctx, grad):
@@ -107,6 +91,24 @@ def _replayed(items: list, x) -> list:
     return pairs[:REPLAYED_TILES] if is_fake(x) else pairs
 
 
+def _no_grad_tiles(mlp_forward, x, tiles: int, before_tile=None):
+    """``mlp_forward`` over the token tiles of ``x`` into one output buffer (no list of outputs, no cat), calling
+    ``before_tile()`` before each tile."""
+    flat = x.reshape(-1, x.shape[-1])
+    parts = _tiles(flat, tiles)
+    out = None
+    for k, tile in _replayed(parts, x):
+        if before_tile is not None:
+            before_tile()
+        y = mlp_forward(tile)
+        if out is None:
+            out = y.new_empty((flat.shape[0], y.shape[-1]))
+        start = k * len(parts[0])
+        out[start:start + len(y)].copy_(y)
+        del y
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def _tiles(t, n: int) -> list:
     """``n`` row slices (views) of a 2-D ``t``: ``ceil(rows / n)`` rows each, the last one shorter."""
     step = max(1, math.ceil(t.shape[0] / n))
@@ -148,9 +150,11 @@ def _tiled_forward(mlp):
     def forward(x, *args, **kwargs):
         import torch
 
-        if args or kwargs or not torch.is_grad_enabled() or x.dim() < 2:
-            return plain(mlp, x, *args, **kwargs)  # evaluation, or a call this wrapper does not know
+        if args or kwargs or x.dim() < 2:
+            return plain(mlp, x, *args, **kwargs)  # a call this wrapper does not know
         tiles = num_tiles(x.numel() // x.shape[-1], x.shape[-1])
+        if not torch.is_grad_enabled():  # evaluation: the same tiles, nothing to recompute
+            return _no_grad_tiles(lambda t: plain(mlp, t), x, tiles)
         rng = mlp.training and _has_dropout(mlp)
         return fn.apply(lambda t: plain(mlp, t), x, tiles, rng)
 
@@ -179,4 +183,4 @@ def _is_moe(module) -> bool:
     return any(hasattr(module, a) for a in ("experts", "router")) or "moe" in type(module).__name__.lower()
 
 
-__all__ = ["MLP_NAMES", "num_tiles", "tile_mlps"]
+__all__ = ["MLP_NAMES", "tile_mlps"]

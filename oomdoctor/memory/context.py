@@ -212,6 +212,13 @@ def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
     return tuple(out)
 
 
+def num_tiles(tokens: int, hidden: int) -> int:
+    """Tiles of one tiled-MLP call over ``tokens`` tokens (batch x sequence): ``ceil(tokens / hidden)``, at least
+    1 — DeepSpeed's ``TiledMLP`` rule (a tile's intermediates about the size of one MLP weight). What
+    ``execute/tiled`` runs and the memory model prices."""
+    return max(1, -(-tokens // max(hidden, 1)))
+
+
 #: A tiled MLP is searched (tune) and advised (diagnose) when a micro-batch holds at least this many times the hidden
 #: size in tokens: below, a tile is most of the sequence, and the recompute costs more than the tiles save.
 TILED_MIN_TOKENS_PER_HIDDEN = 8

@@ -26,7 +26,7 @@ from oomdoctor.memory import activations as act
 from oomdoctor.memory import logits as lgt
 from oomdoctor.memory import parameters as prm
 from oomdoctor.memory.breakdown import MemoryBreakdown
-from oomdoctor.memory.context import make_ctx
+from oomdoctor.memory.context import make_ctx, num_tiles
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 
@@ -100,7 +100,13 @@ def block_forward_peak(c) -> int:
     attn = c.ab * T * (2 * qd + 2 * kvd)
     if act.effective_attn(spec, c.plan.attn) == "eager":
         attn += (4 + c.ab) * c.B * spec.num_heads * c.S * c.S
-    mlp = c.ab * T * (h + (3 if spec.mlp_kind == "gated" else 2) * I * roles.mlp_tokens)
+    width = (3 if spec.mlp_kind == "gated" else 2) * I * roles.mlp_tokens
+    if c.plan.tiled_mlp:
+        # execute/tiled runs eval's MLP tile by tile too: its input and output, one tile's intermediates
+        tile = -(-T // num_tiles(T, h))
+        mlp = c.ab * (2 * T * h + tile * width)
+    else:
+        mlp = c.ab * T * (h + width)
     return int(2 * c.rb * T * h + max(attn, mlp))
 
 
