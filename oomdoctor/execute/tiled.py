@@ -10,8 +10,9 @@ it at once (its weight gradients accumulate into ``.grad``, its input gradient l
 ``x_grad`` through the tile's ``.grad``), and frees it before the next. Tiles: ``ceil(tokens / hidden_size)``
 (DeepSpeed's and ALST's rule), so a tile's intermediates are about the size of one MLP weight.
 
-Evaluation (no autograd) runs the same tiles into one output buffer. Cost: one more MLP forward per step (the backward's recompute); under gradient checkpointing the MLP runs three
-times per step. Exact: the same loss and gradients up to float summation order (``tests/test_tiled_mlp.py``).
+Evaluation (no autograd) runs the same tiles into one output buffer. Cost: one more MLP forward per step (the
+backward's recompute); under gradient checkpointing the MLP runs three times per step. Exact: the same loss and
+gradients up to float summation order (``tests/test_tiled_mlp.py``).
 
 Limits: one process only (``Plan`` validation): DDP, FSDP and ZeRO reduce a gradient once, when it is complete,
 and an optimizer stepped in backward would step after the first tile's share. Dense MLPs only: a mixture of experts

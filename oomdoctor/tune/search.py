@@ -59,8 +59,8 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     low-memory recipes; diagnose's matrix leaves them out to stay readable), every checkpointed plan with its
     activations offloaded too (unsloth's offloaded gradient checkpointing; ranked after every on-device plan of its
     tier, and only within the host RAM: ``price``), every plan with the chunked loss (``chunked_loss``: the
-    model is a decoder), and with ``tiled_mlp`` (``memory.context.tiling_applies``) every checkpointed plan with its MLPs
-    tiled too (each such plan's blocks are measured by a replay: seconds per distinct plan, cached)."""
+    model is a decoder), and with ``tiled_mlp`` (``memory.context.tiling_applies``) every checkpointed plan with
+    its MLPs tiled too (each such plan's blocks are measured by a replay: seconds per distinct plan, cached)."""
     from oomdoctor.diagnose.matrix import enumerate_plans
 
     pins = dict(pins or {})

@@ -326,8 +326,8 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
     bytes of CPU RAM, None: unchecked), the longest wins, ties broken by the quality tier, then by the untiled MLP.
     Tiled MLPs (unless pinned off): the longest plan on the device and the longest offloaded one are bisected again
     with their MLPs tiled (each power of two a block replay, seconds: not every candidate) when the longest sequence
-    is long enough for tiles to pay (``memory.context.tiling_applies``); pinned on, only tiled plans count. DoesNotFit when no plan fits even
-    one step of tokens."""
+    is long enough for tiles to pay (``memory.context.tiling_applies``); pinned on, only tiled plans count.
+    DoesNotFit when no plan fits even one step of tokens."""
     micro = int(pins.get("micro_batch", 1))
     tiled_pin = pins.get("tiled_mlp")
     plans = enumerate_candidates({k: v for k, v in pins.items() if k not in ("micro_batch", "tiled_mlp")},
