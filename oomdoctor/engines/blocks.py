@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 14
+VERSION = 16
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
@@ -261,7 +261,6 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
     Transients: the peak of a block's forward above what it leaves, and the peak of its backward above the bytes
     alive when it starts — its weights' gradients included: the analytic engine's top-block moment holds the
     head's gradients only (full fine-tuning of hybrid MoE blocks + GC: -2.2 % with them excluded, 0.0 % included)."""
-    import warnings
     from contextlib import ExitStack
 
     import torch
@@ -293,6 +292,7 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
         # a storage is (address, birth): an address freed during the forward is reused by a later storage
         seen: set[tuple[int, int]] = set()
         current, start, stack_out = [-1], [0], []
+        backward, bwd_block = [False], [-1]  # in the measured backward; the block whose backward runs
 
         # what a block saves: activations, and without autocast the casts of its parameters too (peft's bf16 copies
         # of fp32 expert adapters, ``ParamWrapper``); under autocast weight casts are AMP copies, priced as such
@@ -316,39 +316,50 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
 
         def enter(i: int):
             def hook(_m, args, kwargs):
+                if backward[0]:
+                    return  # a checkpointed block's recompute
+                x = args[0] if args else kwargs.get("hidden_states")
                 if i == 0:  # what exists before the blocks (rotary tables, masks) is priced as shared, not here
-                    x = args[0] if args else kwargs.get("hidden_states")
                     seen.update((key, rec.birth) for key, rec in lb.records.items())
                     seen.discard(storage_id(x) if isinstance(x, torch.Tensor) else None)
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    x.register_hook(lambda _g: bwd_leave(i))  # the block's input gradient: its backward is done
                 current[0] = i
                 lb.reset_peak()
             return hook
 
         def leave(i: int):
-            def hook(_m, _a, _o):
+            def hook(_m, _a, out):
+                if backward[0]:
+                    return
                 fwd_t[i] = lb.peak - lb.current
                 current[0] = n if i == n - 1 else current[0]
+                y = out[0] if isinstance(out, (tuple, list)) else out
+                if isinstance(y, torch.Tensor) and y.requires_grad:
+                    y.register_hook(lambda _g: bwd_enter(i))  # the block's output gradient: its backward starts
             return hook
 
         def head_reached(_m, args):
             stack_out.append(args[0])
             raise _StackDone
 
-        def bwd_enter(_m, _g):
-            start[0] = lb.current
+        # tensor hooks, not module backward hooks: those hold the block's output gradient until its backward ends
+        # (and so turn autograd's in-place gradient accumulation into a copy), which the real step does not
+        def bwd_enter(i: int):
+            if bwd_block[0] >= 0:  # block i's output is block i+1's input: its gradient ends block i+1's backward
+                bwd_leave(bwd_block[0])
+            bwd_block[0], start[0] = i, lb.current
             lb.reset_peak()
 
         def bwd_leave(i: int):
-            def hook(_m, _gi, _go):
-                bwd_t[i] = max(0, lb.peak - start[0])
-            return hook
+            if bwd_block[0] == i:
+                bwd_t[i] = max(bwd_t[i], lb.peak - start[0])
+                bwd_block[0] = -1
 
         hooks = []
         for i, layer in enumerate(layers):
             hooks += [layer.register_forward_pre_hook(enter(i), with_kwargs=True),
-                      layer.register_forward_hook(leave(i)),
-                      layer.register_full_backward_pre_hook(bwd_enter),
-                      layer.register_full_backward_hook(bwd_leave(i))]
+                      layer.register_forward_hook(leave(i))]
         hooks.append(built.head_module.register_forward_pre_hook(head_reached))
         policy_cls = _cuda_policy_mode_cls()
         # the recompute in backward runs under the CUDA policy again (torch-function modes are off in backward)
@@ -375,10 +386,11 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
                 for observe in observers:
                     CONTEXT_HELD.remove(observe)
             out = stack_out[0]
-            with lb.phase("backward"), warnings.catch_warnings():
-                # block 0's input needs no gradient under LoRA: torch says its hooks fire on the output gradients
-                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            backward[0] = True
+            with lb.phase("backward"):
                 out.backward(torch.ones_like(out))
+            if bwd_block[0] >= 0:  # block 0's input needs no gradient (LoRA without checkpointing): ends here
+                bwd_leave(bwd_block[0])
         for h in hooks:
             h.remove()
         for mod, fn in restore:
