@@ -131,14 +131,24 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     else:
         layers_saved = la.stack
         recompute = 0
-    cpu_act = 0
+    cpu_act = unpack_top = unpack_bottom = 0
     if plan.offload_activations:
         # save_on_cpu: packed tensors go to pinned host memory; one block's tensors are on the device while it
         # runs (forward) or is back-propagated (unpacked copies).
         # The device holds what the running node unpacks, not a whole block: price the block's backward transients.
-        cpu_act = layers_saved
-        layers_saved = 0
+        # Under checkpointing a frozen embedding's output is made to require grad (transformers'
+        # enable_input_require_grads): a leaf, which its AccumulateGrad node keeps on the device all step (block 0's
+        # input; traced with the simulated engine).
+        kept = la.gc_saved if gc and not c.full else 0
+        cpu_act = layers_saved - kept
+        layers_saved = kept
         recompute = 0
+        if gc and blocks is not None and blocks.checkpointed:
+            # a measured block's backward starts with its input alive (the measurement does not offload): offloaded,
+            # the input comes back from the host for the recompute, next to the embedding output kept above (LoRA);
+            # in a full fine-tune block 0's unpacked input is the bottom moment's kept input itself
+            unpack_top = la.gc_saved
+            unpack_bottom = la.gc_saved if not c.full else 0
     A_end = layers_saved + fin + shared
 
     # ---- gradients along backward
@@ -199,7 +209,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
                           activations=A_end, logits=lg.backward_peak)
     top_acts = layers_saved + shared + (recompute if (gc or plan.offload_activations) else 0)
     at_top = _components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
-                         activations=top_acts, temporaries=la.bwd_extra + unpack_tmp)
+                         activations=top_acts, temporaries=la.bwd_extra + unpack_tmp + unpack_top)
     if gc:
         # block 0 recomputed: its first norm's save is either the kept input (full) or absent (LoRA discount)
         bottom_acts = la.gc_saved + la.gc_extra + la.bottom - (la.gc_alias if c.full else 0) + shared
@@ -208,7 +218,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     else:
         bottom_acts = la.bottom + shared
     cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom, optimizer_states=O,
-                             activations=bottom_acts, temporaries=la.bwd_extra + unpack_tmp))
+                             activations=bottom_acts, temporaries=la.bwd_extra + unpack_tmp + unpack_bottom))
     if gc and la.gc_recompute and not plan.offload_activations:
         # (c') block 0's recompute at its widest MLP-input adapter (see LayerActs.gc_recompute)
         cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom,
