@@ -143,10 +143,12 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         cpu_act = layers_saved - kept
         layers_saved = kept
         recompute = 0
-        if gc and blocks is not None and blocks.checkpointed:
+        if gc and blocks is not None and blocks.checkpointed and (spec.norm_kind != "rms" or c.rb == 4):
             # a measured block's backward starts with its input alive (the measurement does not offload): offloaded,
-            # the input comes back from the host for the recompute, next to the embedding output kept above (LoRA);
-            # in a full fine-tune block 0's unpacked input is the bottom moment's kept input itself
+            # the input comes back from the host for the recompute and stays through the block's backward when its
+            # first norm saves that tensor itself (an fp32 RMSNorm input, a LayerNorm; a 16-bit RMSNorm saves an
+            # fp32 copy), next to the embedding output kept above (LoRA); in a full fine-tune block 0's unpacked
+            # input is the bottom moment's kept input itself
             unpack_top = la.gc_saved
             unpack_bottom = la.gc_saved if not c.full else 0
     A_end = layers_saved + fin + shared
