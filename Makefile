@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:  `make demo` (main job)  and  `make test` (test suite).
-# `make test-fast` skips the tests marked slow (under a minute on 2 cores; every module still covered).
+# `make test-fast` skips the tests marked slow (about 2.5 minutes on 2 cores; every module still covered).
 PYTHON ?= python3
 STAMP := .venv-stamp
 
