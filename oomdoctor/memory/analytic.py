@@ -189,11 +189,13 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     fwd_extra_logits, M_at_loss = lg.forward_peak, M_fwd
     if plan.loss == "chunked" and spec.arch_kind == "decoder" and c.mixed and not c.full:
         # the frozen head's cast is neither cached by autocast nor saved by a checkpointed chunk: it lives through
-        # one chunk's matmul, in forward and in each chunk's recompute (traced with the simulated engine)
-        if not plan.offload_activations:
-            M_at_loss = max(0, M_fwd - M_head)
+        # one chunk's matmul, in forward and in each chunk's recompute, which runs on the device even when the
+        # saved activations are offloaded (traced with the simulated engine)
         fwd_extra_logits = max(lg.forward_peak, M_head + lg.head_output)
-        M_loss = M_head
+        if plan.offload_activations:
+            M_loss = M_head
+        else:
+            M_at_loss = max(0, M_fwd - M_head)
     fwd_tmp = la.fwd_transient
     fwd_at_loss = _components(parameters=P, master_weights=M_at_loss, gradients=G_pre, optimizer_states=O,
                               activations=A_end, logits=fwd_extra_logits)
