@@ -139,8 +139,7 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
             1,
             dict(reshard_after_forward=True),
         ))
-    if not plan.tiled_mlp and not plan.optimizer_in_backward \
-            and tiling_applies(spec, plan.tokens_per_micro_batch, plan.world_size):
+    if not plan.tiled_mlp and tiling_applies(spec, plan.tokens_per_micro_batch):  # validate refuses the rest
         c.append((
             "tiled-mlp",
             "tiled MLP: each block's MLP runs over tiles of ~hidden_size tokens, each recomputed in backward, so "

@@ -69,12 +69,12 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
 
 
 def measured_plan(plan: "Plan") -> "Plan":
-    """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision,
-    attention, checkpointing, tiled MLP, sequence length rounded up to a power of two, LoRA
-    targets/head/rank/dropout/dtype (with ``lora_on_head`` peft gets explicit names, which changes its MoE conversion in the blocks), int8 or
+    """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision, attention,
+    checkpointing, tiled MLP, sequence length rounded up to a power of two, LoRA targets/head/rank/dropout/dtype
+    (with ``lora_on_head`` peft gets explicit names, which changes its MoE conversion in the blocks), int8 or
     4-bit): micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation,
-    topology, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks
-    and take their defaults (one cache entry for them all)."""
+    topology, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks and take their
+    defaults (one cache entry for them all)."""
     from oomdoctor.plan.techniques import DEFAULTS
 
     keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant", "tiled_mlp")

@@ -147,6 +147,7 @@ def _tiled_forward(mlp):
     """A replacement ``forward`` for the MLP module ``mlp`` (its class's forward, run tile by tile)."""
     plain = type(mlp).forward
     fn = _function_cls()
+    dropout = _has_dropout(mlp)  # the modules do not change after the patch; training mode does
 
     def forward(x, *args, **kwargs):
         import torch
@@ -156,8 +157,7 @@ def _tiled_forward(mlp):
         tiles = num_tiles(x.numel() // x.shape[-1], x.shape[-1])
         if not torch.is_grad_enabled():  # evaluation: the same tiles, nothing to recompute
             return _no_grad_tiles(lambda t: plain(mlp, t), x, tiles)
-        rng = mlp.training and _has_dropout(mlp)
-        return fn.apply(lambda t: plain(mlp, t), x, tiles, rng)
+        return fn.apply(lambda t: plain(mlp, t), x, tiles, mlp.training and dropout)
 
     return forward
 

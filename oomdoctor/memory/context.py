@@ -224,11 +224,20 @@ def num_tiles(tokens: int, hidden: int) -> int:
 TILED_MIN_TOKENS_PER_HIDDEN = 8
 
 
-def tiling_applies(spec: ModelSpec, tokens: int, world_size: int = 1) -> bool:
-    """Whether a tiled MLP (``execute/tiled``) is worth offering: a dense decoder on one GPU, ``tokens`` per
-    micro-batch at least :data:`TILED_MIN_TOKENS_PER_HIDDEN` x the hidden size."""
-    return (spec.arch_kind == "decoder" and not spec.num_experts and world_size == 1
-            and tokens >= TILED_MIN_TOKENS_PER_HIDDEN * spec.hidden_size)
+def tiled_mlp_refusal(spec: ModelSpec) -> str | None:
+    """Why ``spec`` cannot run a tiled MLP (None: it can): tiling applies to dense decoder MLPs."""
+    if spec.num_experts:
+        return "a mixture of experts (its router balances load over the whole batch)"
+    if spec.arch_kind != "decoder":
+        return f"not a decoder-only causal LM ({spec.arch_kind})"
+    return None
+
+
+def tiling_applies(spec: ModelSpec, tokens: int) -> bool:
+    """Whether a tiled MLP (``execute/tiled``) is worth offering: a model that runs one (:func:`tiled_mlp_refusal`)
+    and ``tokens`` per micro-batch at least :data:`TILED_MIN_TOKENS_PER_HIDDEN` x the hidden size. What else a plan
+    must be for it (one GPU, no optimizer in backward) is ``plan.validate``'s."""
+    return tiled_mlp_refusal(spec) is None and tokens >= TILED_MIN_TOKENS_PER_HIDDEN * spec.hidden_size
 
 
 def check_plan_for_model(spec: ModelSpec, plan: Plan) -> None:
@@ -237,10 +246,9 @@ def check_plan_for_model(spec: ModelSpec, plan: Plan) -> None:
     if plan.loss == "chunked" and spec.arch_kind != "decoder":
         raise BadInput(f"loss chunked: {spec.name} is not a decoder-only causal LM ({spec.arch_kind})",
                        "use the standard loss")
-    if plan.tiled_mlp and (spec.arch_kind != "decoder" or spec.num_experts):
-        kind = "a mixture of experts (its router balances load over the whole batch)" if spec.num_experts \
-            else f"not a decoder-only causal LM ({spec.arch_kind})"
-        raise BadInput(f"tiled_mlp: {spec.name} is {kind}; tiling applies to dense decoder MLPs",
+    why = tiled_mlp_refusal(spec) if plan.tiled_mlp else None
+    if why:
+        raise BadInput(f"tiled_mlp: {spec.name} is {why}; tiling applies to dense decoder MLPs",
                        "drop tiled_mlp (--no-tiled-mlp / tiled_mlp: false)")
     check_lora_targets(spec, plan)
     check_param_wrapper(spec, plan)

@@ -88,9 +88,10 @@ def logits_memory(c: Ctx) -> LogitsMemory:
         # zero-filled gradient of the whole hidden states, which autograd sums chunk by chunk into one buffer
         # (traced with the simulated engine: alive through the chunks' loss backward)
         bwd += c.rb * c.T * spec.hidden_size
-    if c.plan.loss == "chunked" and spec.arch_kind == "decoder" and c.full:
-        # the head's weight gradient arrives chunk by chunk: autograd sums the partials, so next to the running sum
-        # one partial of vocab x hidden is alive; measured with the simulated engine (CPU) as one fp32-sized buffer
-        # in fp32 and in bf16 (the bf16 matmul's fp32 output) — on CUDA a bf16 partial is half of that
-        bwd += 4 * V * spec.hidden_size
+        if c.full:
+            # the head's weight gradient arrives chunk by chunk: autograd sums the partials, so next to the running
+            # sum one partial of vocab x hidden is alive; measured with the simulated engine (CPU) as one
+            # fp32-sized buffer in fp32 and in bf16 (the bf16 matmul's fp32 output) — on CUDA a bf16 partial is
+            # half of that
+            bwd += 4 * V * spec.hidden_size
     return LogitsMemory(fwd, saved, bwd, lb * T * V)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.context import tiling_applies
 from oomdoctor.memory.sharding import node_host_bytes
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan

@@ -344,7 +344,7 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
 
     found = longest_of(plans)
     longest = max((s for s, _ in found), default=0)
-    if tiled_pin or (tiled_pin is None and tiling_applies(spec, longest, world_size)):
+    if tiled_pin or (tiled_pin is None and world_size == 1 and tiling_applies(spec, longest)):
         # the longest plan on the device and the longest offloaded one, each with its MLPs tiled
         finalists: dict[bool, tuple[int, Plan]] = {}
         for s, p in found:
@@ -439,7 +439,7 @@ def tune(
 
     plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16,
                                  chunked_loss=spec.arch_kind == "decoder",
-                                 tiled_mlp=tiling_applies(spec, seq_len, topo.world_size))
+                                 tiled_mlp=topo.world_size == 1 and tiling_applies(spec, seq_len))
     if topo.world_size == 1 and not topo_pins:
         result = search(spec, plans, budget, global_batch=rank_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
                         profile=profile, micro_limit=micro_limit, host_ram=host_ram)
