@@ -20,19 +20,30 @@ def test_tiles_are_deepspeeds_rule():
     assert num_tiles(0, 64) == 1
 
 
+def mlp_token_counts(model) -> list[int]:
+    """Tokens each call of a block's MLP down projection sees (filled as the model runs): the tile sizes."""
+    seen: list[int] = []
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.down_proj"):
+            mod.register_forward_pre_hook(lambda _m, args: seen.append(args[0].numel() // args[0].shape[-1]))
+    return seen
+
+
 def _loss_and_grads(spec, plan, seed=0):
+    """Loss and gradients of one real CPU step, and the tokens each MLP call saw."""
     import torch
 
     from oomdoctor.execute.build import build_model, make_batch
 
     model = build_model(spec, plan, device="cpu", seed=seed).model
+    tokens = mlp_token_counts(model)
     torch.manual_seed(1)
     batch = make_batch(spec, plan, "cpu")
     torch.manual_seed(2)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=plan.is_mixed):
         loss = model(**batch).loss
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, tokens
 
 
 @pytest.mark.parametrize("method,precision,gc", [("full", "fp32", False), ("full", "fp32", True),
@@ -46,8 +57,9 @@ def test_tiled_mlp_gives_the_same_loss_and_gradients(method, precision, gc):
 
     spec = build_spec(TINY, "tiny")
     plain = validate(Plan(method=method, precision=precision, gradient_checkpointing=gc, seq_len=200, micro_batch=2))
-    l0, g0 = _loss_and_grads(spec, plain)
-    l1, g1 = _loss_and_grads(spec, plain.with_(tiled_mlp=True))
+    l0, g0, t0 = _loss_and_grads(spec, plain)
+    l1, g1, t1 = _loss_and_grads(spec, plain.with_(tiled_mlp=True))
+    assert max(t0) == 400 and max(t1) == 58 and sum(t1) > sum(t0)  # 7 tiles of 58 tokens, recomputed in backward
     assert l1 == pytest.approx(l0, rel=1e-6)
     tol = 1e-5 if precision == "fp32" else 1e-2
     for n in g0:
@@ -67,11 +79,13 @@ def test_eval_runs_the_tiles_too_and_is_priced_so():
 
     spec = build_spec(TINY, "tiny")
     plan = validate(Plan(seq_len=200, micro_batch=2))
-    outs = []
+    outs, tokens = [], []
     for p in (plan, plan.with_(tiled_mlp=True)):
         model = build_model(spec, p, device="cpu", seed=0).model.eval()
+        tokens.append(mlp_token_counts(model))
         with torch.no_grad():
             outs.append(model(**make_batch(spec, p, "cpu")).logits)
+    assert max(tokens[0]) == 400 and max(tokens[1]) == 58
     assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
     big = load_spec("meta-llama/Llama-3.1-8B")
     long = validate(Plan(method="lora", precision="bf16", seq_len=131072))
@@ -109,9 +123,9 @@ def test_tiled_mlp_replays_each_tiles_dropout_in_backward(monkeypatch):
         return built
 
     monkeypatch.setattr(build_mod, "build_model", build)
-    l1, g1 = _loss_and_grads(spec, plan)
+    l1, g1, _ = _loss_and_grads(spec, plan)
     monkeypatch.setattr(tiled, "_function_cls", lambda: PlainTiles)
-    l_ref, g_ref = _loss_and_grads(spec, plan)
+    l_ref, g_ref, _ = _loss_and_grads(spec, plan)
     assert l1 == pytest.approx(l_ref, rel=1e-6)
     for n in g_ref:
         assert torch.allclose(g1[n], g_ref[n], rtol=1e-5, atol=1e-6 * g_ref[n].abs().max().item()), n
@@ -183,7 +197,6 @@ def test_tune_adds_tiled_plans_only_for_long_sequences():
 
     spec = load_spec("meta-llama/Llama-3.1-8B")
     assert not tiling_applies(spec, 8192) and tiling_applies(spec, 32768)
-    assert not tiling_applies(spec, 32768, world_size=2)
     assert not tiling_applies(load_spec("mistralai/Mixtral-8x7B-v0.1"), 131072)
     plans = enumerate_candidates({"method": "qlora"}, Plan(seq_len=32768), tiled_mlp=True)
     tiled = [p for p in plans if p.tiled_mlp]
@@ -192,10 +205,16 @@ def test_tune_adds_tiled_plans_only_for_long_sequences():
 
 
 @pytest.mark.slow
-def test_train_runs_the_tiled_mlp_with_the_same_losses(tmp_path):
+def test_train_runs_the_tiled_mlp_with_the_same_losses(tmp_path, monkeypatch):
+    from oomdoctor.execute import tiled
     from oomdoctor.train.loop import train
 
+    patched: list[int] = []
+    real = tiled.tile_mlps
+    monkeypatch.setattr(tiled, "tile_mlps", lambda layers: patched.append(real(layers)) or patched[-1])
     a = train(tiny_cfg(tmp_path / "a", max_steps=2))
+    assert not patched
     b = train(tiny_cfg(tmp_path / "b", max_steps=2, tiled_mlp=True))
-    assert "tiled-MLP" in b.plan
+    # the trained model and the replays that price it (engines/blocks) all run both blocks tiled
+    assert "tiled-MLP" in b.plan and patched and set(patched) == {2}
     assert a.losses == pytest.approx(b.losses, rel=1e-5)
