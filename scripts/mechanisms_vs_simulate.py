@@ -1,8 +1,10 @@
-"""Analytic vs simulate on the plans where one mechanism sets the peak (the README's "found op by op" list).
+"""Analytic vs simulate on the plans where one mechanism sets the peak (the README's "found op by op" list and its
+long-context accuracy).
 
     python scripts/mechanisms_vs_simulate.py
 
-One row per case: a bundled model (or a model type: transformers' default config cut to 8 blocks), the plan, peak allocated by each engine and the analytic error. The tied-head
+One row per case: a bundled model (``MODEL@N``: cut to N blocks, all replayed; or a model type: transformers' default
+config cut to 8 blocks), the plan, peak allocated by each engine and the analytic error. The tied-head
 case also replays every block (``layers="full"``): the simulated engine extrapolates from 2 and 3 blocks otherwise.
 Takes a few minutes on 2 cores (the 32k-token Mistral case most).
 """
@@ -19,6 +21,26 @@ CASES = [
                                                        gradient_checkpointing=True)),
     ("gelu_new under autocast", "microsoft/phi-2", dict(method="full", precision="bf16-mixed", seq_len=2048)),
     ("attention dropout (SDPA)", "seed_oss", dict(method="lora", precision="bf16", seq_len=1024)),
+] + [  # long contexts, chunked loss + GC: the blocks set the peak (the README's long-context accuracy)
+    (f"long context, {name}", "meta-llama/Llama-3.1-8B",
+     dict(seq_len=32768, loss="chunked", gradient_checkpointing=True, **kw))
+    for name, kw in (("LoRA bf16", dict(method="lora", precision="bf16")),
+                     ("QLoRA", dict(method="qlora", precision="bf16-mixed")),
+                     ("QLoRA offloaded", dict(method="qlora", precision="bf16-mixed", offload_activations=True)),
+                     ("QLoRA tiled MLP", dict(method="qlora", precision="bf16-mixed", tiled_mlp=True)))
+] + [  # 100k+ tokens on 2 blocks (MODEL@N: a bundled model cut to N blocks, every block replayed)
+    (f"{tokens // 1024}k, {name}", "meta-llama/Llama-3.1-8B@2",
+     dict(seq_len=tokens, loss="chunked", gradient_checkpointing=True, **kw))
+    for tokens, name, kw in (
+        (65536, "tiled QLoRA", dict(method="qlora", precision="bf16-mixed", tiled_mlp=True)),
+        (131072, "tiled QLoRA", dict(method="qlora", precision="bf16-mixed", tiled_mlp=True)),
+        (262144, "tiled QLoRA offloaded", dict(method="qlora", precision="bf16-mixed", tiled_mlp=True,
+                                               offload_activations=True)),
+        (131072, "tiled LoRA offloaded", dict(method="lora", precision="bf16", tiled_mlp=True,
+                                              offload_activations=True)),
+        (131072, "full offloaded", dict(method="full", precision="bf16", offload_activations=True)),
+        (131072, "tiled full offloaded", dict(method="full", precision="bf16", tiled_mlp=True,
+                                              offload_activations=True)))
 ]
 
 
@@ -39,10 +61,17 @@ def main() -> None:
 
     print(f"{'mechanism':28} {'model':34} {'analytic GiB':>12} {'simulate GiB':>12} {'error':>8}")
     for name, model, kw in CASES:
-        spec = load_spec(model) if "/" in model else _default_spec(model)
+        repo, _, cut = model.partition("@")
+        if cut:
+            from blocks_vs_simulate import shrink
+            from oomdoctor.model.architectures import build_spec
+
+            spec = build_spec(shrink(dict(load_spec(repo).config), int(cut)), model)
+        else:
+            spec = load_spec(model) if "/" in model else _default_spec(model)
         plan = validate(Plan(**kw))
         a = estimate(spec, plan, "analytic").peak_allocated
-        s = estimate(spec, plan, "simulate").peak_allocated
+        s = (simulate_plan(spec, plan, layers="full").breakdown if cut else estimate(spec, plan, "simulate")).peak_allocated
         print(f"{name:28} {model:34} {a / 2**30:12.3f} {s / 2**30:12.3f} {100 * (a - s) / s:+7.2f}%", flush=True)
         if name.startswith("tied"):
             full = simulate_plan(spec, plan, layers="full").breakdown.peak_allocated

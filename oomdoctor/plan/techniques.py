@@ -178,7 +178,7 @@ TECHNIQUES: tuple[Technique, ...] = (
         "(Arctic Long Sequence Training's TiledMLP, as DeepSpeed, axolotl and unsloth ship it): for contexts of "
         "tens of thousands of tokens; one GPU, dense MLPs",
         "the MLP's intermediates (gate, up, product: several x tokens x intermediate) shrink to one tile of "
-        "~hidden_size tokens; costs one more MLP forward per step (~15 % more compute under GC)",
+        "~hidden_size tokens; costs one more MLP forward per step",
         flag="--tiled-mlp/--no-tiled-mlp",
     ),
     Technique(
