@@ -3,8 +3,8 @@ long-context accuracy).
 
     python scripts/mechanisms_vs_simulate.py
 
-One row per case: a bundled model (``MODEL@N``: cut to N blocks, all replayed; or a model type: transformers' default
-config cut to 8 blocks), the plan, peak allocated by each engine and the analytic error. The tied-head
+One row per case: a bundled model or a model type (``MODEL@N``: cut to N blocks, all replayed; a model type alone:
+transformers' default config cut to 8 blocks), the plan, peak allocated by each engine and the analytic error. The tied-head
 case also replays every block (``layers="full"``): the simulated engine extrapolates from 2 and 3 blocks otherwise.
 Takes a few minutes on 2 cores (the 32k-token Mistral case most).
 """
@@ -21,6 +21,17 @@ CASES = [
                                                        gradient_checkpointing=True)),
     ("gelu_new under autocast", "microsoft/phi-2", dict(method="full", precision="bf16-mixed", seq_len=2048)),
     ("attention dropout (SDPA)", "seed_oss", dict(method="lora", precision="bf16", seq_len=1024)),
+] + [  # vision-language models fine-tuned on text: towers frozen, never run (the README's vision-language section)
+    (f"VLM, {name}", "Qwen/Qwen2.5-VL-7B-Instruct@2", dict(seq_len=4096, **kw))
+    for name, kw in (("full bf16", dict(method="full", precision="bf16")),
+                     ("full bf16 + GC", dict(method="full", precision="bf16", gradient_checkpointing=True)),
+                     ("LoRA bf16", dict(method="lora", precision="bf16")),
+                     ("LoRA mixed + GC", dict(method="lora", precision="bf16-mixed", gradient_checkpointing=True)),
+                     ("QLoRA + GC", dict(method="qlora", precision="bf16-mixed", gradient_checkpointing=True)),
+                     ("QLoRA chunked", dict(method="qlora", precision="bf16-mixed", gradient_checkpointing=True,
+                                            loss="chunked")))
+] + [
+    ("vision adapter, full bf16", "mllama@40", dict(method="full", precision="bf16", seq_len=1024)),
 ] + [  # long contexts, chunked loss + GC: the blocks set the peak (the README's long-context accuracy)
     (f"long context, {name}", "meta-llama/Llama-3.1-8B",
      dict(seq_len=32768, loss="chunked", gradient_checkpointing=True, **kw))
@@ -54,6 +65,8 @@ def _default_spec(model_type: str):
 
 
 def main() -> None:
+    from transformers import AutoConfig
+
     from oomdoctor.engines import estimate
     from oomdoctor.engines.simulate import simulate_plan
     from oomdoctor.model.load import load_spec
@@ -66,7 +79,8 @@ def main() -> None:
             from blocks_vs_simulate import shrink
             from oomdoctor.model.architectures import build_spec
 
-            spec = build_spec(shrink(dict(load_spec(repo).config), int(cut)), model)
+            cfg = load_spec(repo).config if "/" in repo else AutoConfig.for_model(repo).to_dict()
+            spec = build_spec(shrink(dict(cfg), int(cut)), model)
         else:
             spec = load_spec(model) if "/" in model else _default_spec(model)
         plan = validate(Plan(**kw))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from oomdoctor.engines import blocks, estimate
+from oomdoctor.engines import blocks, estimate, kinds
 from oomdoctor.errors import BadInput
 from oomdoctor.memory.activations import layer_activations, norm_saved
 from oomdoctor.memory.context import make_ctx
@@ -116,13 +116,13 @@ def test_how_blocks_repeat_is_read_from_transformers_config():
     bf16 = validate(Plan(method="lora", precision="bf16"))
     jamba = spec_from_config(tiny("jamba", layers=16, attn_layer_period=8, attn_layer_offset=4,
                                   expert_layer_period=2, expert_layer_offset=1, num_experts=4), name="jamba")
-    assert blocks.replay_depth(jamba, bf16) == (0, 8)
+    assert kinds.replay_depth(jamba, bf16) == (0, 8)
     deepseek = spec_from_config(tiny("deepseek_v3", layers=8, first_k_dense_replace=3, n_routed_experts=4,
                                      num_experts_per_tok=2, moe_intermediate_size=32), name="deepseek_v3")
-    assert blocks.replay_depth(deepseek, bf16) == (2, 1)  # three dense blocks, then MoE blocks
+    assert kinds.replay_depth(deepseek, bf16) == (2, 1)  # three dense blocks, then MoE blocks
     cohere = spec_from_config(tiny("cohere2", layers=8, sliding_window_pattern=4), name="cohere2")
-    assert blocks.replay_depth(cohere, bf16) == (0, 4)
-    assert blocks.replay_plan([("a",), ("b",), ("c",)]) == (3, 0)  # nothing repeats: every block
+    assert kinds.replay_depth(cohere, bf16) == (0, 4)
+    assert kinds.replay_plan([("a",), ("b",), ("c",)]) == (3, 0)  # nothing repeats: every block
     assert blocks.extend((1, 2, 3), 0, 2, 6) == (1, 2, 3, 2, 3, 2)
     assert blocks.extend((1, 1, 1, 5), 2, 1, 6) == (1, 1, 1, 5, 5, 5)
 
@@ -147,20 +147,6 @@ def test_mamba_all_linear_leaves_out_what_peft_refuses():
     _all_linear_leaves_out(spec, plan, "out_proj")
     with pytest.raises(BadInput, match="out_proj"):
         estimate(spec, plan.with_(lora_targets=("in_proj", "out_proj")))
-
-
-def test_a_model_the_executor_cannot_build_is_priced_by_the_formulas():
-    """Vision-language classes: transformers builds their text side only inside the multimodal model, which is not
-    a causal LM the executor can train; the analytic engine falls back to its formulas, with their note."""
-    from transformers import AutoConfig
-
-    from oomdoctor.model.architectures import build_spec
-
-    spec = build_spec(AutoConfig.for_model("qwen2_5_vl").to_dict(), "qwen2_5_vl")
-    plan = validate(Plan(method="qlora", precision="bf16", seq_len=512, gradient_checkpointing=True))
-    assert blocks.measures_blocks(spec, plan) and blocks.block_saves(spec, plan) is None
-    mem = estimate(spec, plan)
-    assert mem.peak_device > 0 and any("generic transformer-block formulas" in n for n in mem.notes)
 
 
 def test_llama4_all_linear_leaves_out_its_tuple_returning_router():

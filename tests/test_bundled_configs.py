@@ -37,7 +37,9 @@ def build_meta(cfg: dict):
             return transformers.BertForSequenceClassification(hf_cfg)
         if cfg["model_type"] == "t5":
             return transformers.T5ForConditionalGeneration(hf_cfg)
-        return transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        if type(hf_cfg) in transformers.AutoModelForCausalLM._model_mapping:
+            return transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        return transformers.AutoModelForImageTextToText.from_config(hf_cfg)  # vision-language: no causal-LM class
 
 
 _FIRST_INDEX = re.compile(r"\.\d+(?=\.|$)")

@@ -42,13 +42,14 @@ def test_new_model_types_are_priced_from_their_transformers_defaults(model_type,
     assert any("generic transformer-block formulas" in n for n in mem.notes)  # eager experts: > 64, formulas
 
 
-def test_a_vision_language_model_prices_its_vision_tower_as_frozen_other_parameters():
+def test_a_vision_language_model_prices_its_vision_tower_as_frozen_parameters():
     from transformers import AutoConfig
 
     config = AutoConfig.for_model("qwen2_5_vl")
     spec = build_spec(config.to_dict(), "qwen2_5_vl")
     vision = [g for g in spec.groups if "visual" in g.path]
     assert vision and not any(g.per_layer for g in vision)
+    assert {g.path for g in spec.groups if g.tower} == {g.path for g in vision}
     assert spec.num_layers == config.get_text_config().num_hidden_layers
     assert sum(g.count for g in spec.groups if g.per_layer and g.name == "q_proj") == spec.num_layers
 

@@ -252,7 +252,8 @@ def test_timeline_for_plots(tiny_spec):
 @pytest.mark.slow
 def test_periodic_blocks_extrapolate_by_period():
     """Gemma 2 alternates sliding-window and global attention: extrapolate in whole periods (2 blocks)."""
-    from oomdoctor.engines.simulate import layer_period, simulate_plan
+    from oomdoctor.engines.kinds import layer_period
+    from oomdoctor.engines.simulate import simulate_plan
 
     cfg = {
         "model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 10,
@@ -260,8 +261,8 @@ def test_periodic_blocks_extrapolate_by_period():
         "max_position_embeddings": 256, "sliding_window": 16, "query_pre_attn_scalar": 16,
     }
     spec = spec_from_config(cfg, name="tiny-gemma2")
-    assert layer_period(spec) == 2
     plan = validate(Plan(method="lora", seq_len=SEQ))
+    assert layer_period(spec, plan) == 2
     ex = simulate_plan(spec, plan)
     full = simulate_plan(spec, plan, layers="full")
     assert ex.layers_simulated == (4, 6) and full.layers_simulated == (10,)

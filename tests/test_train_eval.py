@@ -100,17 +100,21 @@ def test_missing_report_library_is_refused_before_training(tmp_path):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("method,precision,tol", [("lora", "fp32", 1e-5), ("qlora", "bf16-mixed", 0.1)])
-def test_save_merged_gives_a_plain_model_with_the_adapted_outputs(tmp_path, method, precision, tol):
+@pytest.mark.parametrize("method,precision,tol,targets", [
+    ("lora", "fp32", 1e-5, ["all-linear"]), ("qlora", "bf16-mixed", 0.1, ["all-linear"]),
+    ("qlora", "bf16-mixed", 0.1, ["q_proj", "v_proj"])])
+def test_save_merged_gives_a_plain_model_with_the_adapted_outputs(tmp_path, method, precision, tol, targets):
     """``merge_adapter``: the merged model computes what base + adapter computed (QLoRA: on the dequantized base,
-    up to bf16 rounding: before the fix for bitsandbytes' CPU repacking the error was 100 %)."""
+    up to bf16 rounding: before the fix for bitsandbytes' CPU repacking the error was 100 %). Quantized layers no
+    adapter adapts are dequantized too (before, a QLoRA merge on q_proj/v_proj left 4-bit k_proj... in a "plain"
+    model that did not load)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from oomdoctor.execute.build import save_merged
     from oomdoctor.execute.load import ModelSource, load_model, load_tokenizer
 
-    cfg = tiny_cfg(tmp_path, method=method, precision=precision)
+    cfg = tiny_cfg(tmp_path, method=method, precision=precision, target_modules=targets)
     src = ModelSource(path=None, config=cfg.model.config, init="random", tokenizer=cfg.model.tokenizer)
     tok = load_tokenizer(src)
     loaded = load_model(src, cfg.to_plan(), torch.device("cpu"), vocab_size=len(tok), seed=0)

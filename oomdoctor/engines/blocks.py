@@ -11,8 +11,8 @@ activation bytes autograd saves for backward in each block and after the last on
 stops at the output head: the head and the loss are priced by their own formulas.
 
 Block 0, the blocks before the repetition and one repeating unit are replayed when transformers' config says how
-blocks differ (``layer_kinds``), every block otherwise; at micro-batch 1 and 2 (what grows with the batch is the
-difference, the rest is weight-sized: gradients, peft's merged expert weights), at the plan's sequence length
+blocks differ (``engines/kinds.layer_kinds``), every block otherwise; at micro-batch 1 and 2 (what grows with the
+batch is the difference, the rest is weight-sized: gradients, peft's merged expert weights), at the plan's sequence length
 rounded up to a power of two (the token share scaled back linearly), with the plan's gradient checkpointing (a
 checkpointed block keeps its input, a formula, and recomputes the rest inside its measured backward). Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
 ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config, the plan's settings at
@@ -24,13 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from oomdoctor.execute.build import LAYER_KEYS
+from oomdoctor.engines.kinds import extend, replay_depth
 from oomdoctor.memory.activations import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 
@@ -120,82 +119,6 @@ def block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
     return _cached(spec, measured_plan(plan), json.dumps(spec.config, sort_keys=True, default=str))
 
 
-#: Per-layer lists in a transformers config that hold block indices (membership marks a block's kind).
-INDEX_LIST_KEYS = frozenset({"mlp_only_layers", "moe_layers", "full_attn_idxs", "attn_layer_indices",
-                             "cross_attention_layers", "hybrid_layer_ids"})
-#: Config keys that vary blocks with their index: ``key: (value, i) -> kind of block i`` (Jamba's periods: the kind
-#: is ``i mod period``, which its offset only shifts).
-_INDEX_RULES = {
-    "first_k_dense_replace": lambda v, i: i < v,
-    "max_window_layers": lambda v, i: i >= v,
-    "moe_layer_start_index": lambda v, i: i >= v,
-    "moe_layer_end_index": lambda v, i: i <= v,
-    **{k: (lambda v, i: i % v if v else 0) for k in (
-        "moe_layer_interval", "decoder_sparse_step", "interleave_moe_layer_step", "no_rope_layer_interval",
-        "sliding_window_pattern", "_sliding_window_pattern", "expert_layer_period", "attn_layer_period")},
-}
-#: Config keys about layers that do not make blocks differ.
-_NOT_PER_LAYER = frozenset({"layer_norm_eps", "layer_norm_epsilon", "num_nextn_predict_layers",
-                            "mtp_layers_block_type", "expert_layer_offset", "attn_layer_offset"}) | set(LAYER_KEYS)
-_LAYER_KEY = re.compile(r"layer|pattern|interval|step_?$|freq|period|idxs|indices|first_k")
-
-
-def layer_kinds(spec: "ModelSpec", plan: "Plan") -> list | None:
-    """What makes each block differ from the others, per block, as transformers' config says (its per-layer lists,
-    index lists and index rules, read after the config class filled them in): None when the config has a
-    layer-related key this does not understand (the replay then runs every block)."""
-    from oomdoctor.execute.build import hf_config
-
-    d = hf_config(spec, plan).get_text_config().to_dict()
-    L = spec.num_layers
-    kinds: list[list] = [[] for _ in range(L)]
-    for key, v in d.items():
-        if not _LAYER_KEY.search(key) or key in _NOT_PER_LAYER or v is None or key.startswith("time_step"):
-            continue
-        if key in INDEX_LIST_KEYS and isinstance(v, list):
-            for i in range(L):
-                kinds[i].append(i in v)
-        elif isinstance(v, (list, str)) and len(v) == L:
-            for i in range(L):
-                kinds[i].append(v[i])
-        elif key in _INDEX_RULES and isinstance(v, int):
-            for i in range(L):
-                kinds[i].append(_INDEX_RULES[key](v, i))
-        else:
-            return None
-    return [tuple(k) for k in kinds]
-
-
-def replay_plan(kinds: list) -> tuple[int, int]:
-    """(q, p) for the fewest blocks to replay: blocks after ``q + 1`` repeat with period ``p`` (``kinds[i] ==
-    kinds[i - p]``), so blocks ``0 .. q + p`` are replayed; block 0 is always its own (under LoRA its input needs
-    no gradient)."""
-    L = len(kinds)
-    best = (L, 0)
-    for q in range(L):
-        for p in range(1, L - q):
-            if q + p + 1 >= L or q + p >= sum(best):
-                break
-            if all(kinds[i] == kinds[i - p] for i in range(q + 1 + p, L)):
-                best = (q, p)
-                break
-    return best
-
-
-def replay_depth(spec: "ModelSpec", plan: "Plan") -> tuple[int, int]:
-    """(q, p) of :func:`replay_plan` for the model, or (L, 0) to replay every block."""
-    kinds = layer_kinds(spec, plan)
-    return replay_plan(kinds) if kinds else (spec.num_layers, 0)
-
-
-def extend(measured: tuple[int, ...], q: int, p: int, num_layers: int) -> tuple[int, ...]:
-    """Per-block bytes of all ``num_layers`` blocks from a replay of blocks ``0 .. q + p`` (block ``i > q + p`` is
-    of the kind of replayed block ``q + 1 + ((i - q - 1) mod p)``)."""
-    if p == 0:
-        return measured
-    return tuple(measured[i] if i < len(measured) else measured[q + 1 + (i - q - 1) % p] for i in range(num_layers))
-
-
 def _bytes_doc(b: BlockBytes) -> dict:
     return {"per_block": list(b.per_block), "final": b.final, "forward_transient": b.forward_transient,
             "backward_transient": b.backward_transient}
@@ -231,19 +154,6 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     return saves
 
 
-def _blocks_of(model) -> list:
-    """The decoder's blocks: its ``layers`` list when it has one (not a longer list elsewhere, such as a vision
-    tower's blocks or per-expert modules), else the model's biggest ``ModuleList``."""
-    import torch
-
-    from oomdoctor.execute.build import find_layers
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    return list(layers) if isinstance(layers, torch.nn.ModuleList) and len(layers) else find_layers(base)
-
-
 class _StackDone(Exception):
     """Raised by the output head's forward pre-hook: the head and the loss are priced by their formulas."""
 
@@ -271,7 +181,7 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
     from oomdoctor.engines.routing import balanced_routing
     from oomdoctor.engines.simulate import _fake_gaps, _meta_model, _retie
     from oomdoctor.execute.bnb_standin import CONTEXT_HELD
-    from oomdoctor.execute.build import make_batch
+    from oomdoctor.execute.build import find_layers, make_batch
     from oomdoctor.execute.step import TrainStep
     from oomdoctor.execute.tracking import LiveBytes
 
@@ -285,7 +195,7 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
         batch = make_batch(spec, plan, "cpu")
         lb = LiveBytes(round_to=512, param_copy_category="master_weights")
         lb.track_module(model)
-        layers = _blocks_of(model)
+        layers = find_layers(model)
         n = len(layers)
         per_block = [0] * (n + 1)  # the blocks, then the final norm
         fwd_t, bwd_t = [0] * n, [0] * n

@@ -41,6 +41,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from oomdoctor.engines.kinds import layer_period
 from oomdoctor.engines.replay import RunStats, run_steps
 from oomdoctor.errors import BadInput
 from oomdoctor.execute.shard import mesh_shape
@@ -166,24 +167,6 @@ class SimulationResult:
 
 
 # ============================================================================ simulate
-
-
-def layer_period(spec: "ModelSpec") -> int | None:
-    """Blocks per repeating unit: 1 when every block is built the same way, p when the blocks repeat with period p
-    (Gemma 2 alternates sliding-window and global attention: p = 2; explicit ``layer_types`` lists), None when
-    memory is not periodic in the block count (MoE: data-dependent routing; partial sliding windows)."""
-    cfg = spec.config
-    if spec.num_experts or spec.arch_kind != "decoder":
-        return None
-    if cfg.get("use_sliding_window") and cfg.get("max_window_layers") not in (None, 0, cfg.get("num_hidden_layers")):
-        return None
-    lt = cfg.get("layer_types")
-    if isinstance(lt, list) and lt:
-        for p in range(1, len(lt) + 1):
-            if len(lt) % p == 0 and all(lt[i] == lt[i % p] for i in range(len(lt))):
-                return p
-        return None
-    return {"gemma2": 2, "gemma3": 6, "cohere2": 4}.get(spec.model_type, 1)
 
 
 def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, *, timeline: bool = False,
@@ -314,7 +297,7 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
                               timeline_layers=timeline_layers)
     t0 = time.perf_counter()
     n = spec.num_layers
-    period = layer_period(spec) if layers == "auto" else None
+    period = layer_period(spec, plan) if layers == "auto" else None
     extrap = period is not None and n % period == 0 and n > (extrapolate_from(plan)[1] + 1) * period
     try:
         return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1, timeline_layers)
@@ -532,5 +515,5 @@ def estimate_simulated(spec: "ModelSpec", plan: "Plan") -> MemoryBreakdown:
     return simulate_plan(spec, plan).breakdown
 
 
-__all__ = ["simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run", "real_cpu_run", "random_sharded_model", "layer_period",
+__all__ = ["simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run", "real_cpu_run", "random_sharded_model",
            "fake_process_group", "extrapolate_from", "not_simulated"]

@@ -59,9 +59,12 @@ class BuiltModel:
 
 def config_with_layers(cfg: dict, num_layers: int | None) -> dict:
     """A copy of ``cfg`` with ``num_layers`` transformer blocks (per-layer lists such as ``layer_types`` cut/extended
-    periodically). ``None`` keeps the original."""
+    periodically); a multimodal config's blocks are its ``text_config``'s. ``None`` keeps the original."""
     out = dict(cfg)
     if num_layers is None:
+        return out
+    if isinstance(out.get("text_config"), dict) and not any(k in out for k in LAYER_KEYS):
+        out["text_config"] = config_with_layers(out["text_config"], num_layers)
         return out
     found = False
     for k in LAYER_KEYS:
@@ -87,7 +90,7 @@ def hf_config(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None):
         cfg.pop(k, None)
     try:
         config = AutoConfig.for_model(mt, **cfg)
-    except (ValueError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - ValueError, KeyError, huggingface_hub's StrictDataclassError...
         raise BadInput(
             f"{spec.name}: transformers cannot build model_type {mt!r}: {exc}",
             "use --engine analytic for this model",
@@ -188,9 +191,15 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
       ``autocast_adapter_dtype=True`` keeps the adapters in fp32 under every precision); ``adapter_dtype: bf16``
       then casts every trainable parameter to bf16, as TRL's SFTTrainer does for a quantized model (the QLoRA
       paper's recipe; peft's ``autocast_adapter_dtype=False`` does not reach adapters on a quantized base);
-    * ``tiled_mlp``: every block's dense MLP runs over token tiles (``oomdoctor.execute.tiled``).
+    * ``tiled_mlp``: every block's dense MLP runs over token tiles (``oomdoctor.execute.tiled``);
+    * a multimodal model's towers (``model/inventory.tower_prefixes``: vision/audio encoders, projectors) are frozen
+      and kept out of LoRA (peft ``exclude_modules``): text-only training never runs them (and DDP would refuse
+      trainable parameters that get no gradient).
 
     Returns the (possibly peft-wrapped) model in train mode."""
+    from oomdoctor.model.inventory import in_tower, tower_prefixes, towers_pattern
+
+    towers = tower_prefixes(model)
     if plan.quant is not None:
         from peft import prepare_model_for_kbit_training
 
@@ -198,13 +207,17 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
     elif plan.uses_lora:
         for p in model.parameters():
             p.requires_grad_(False)
+    for name, p in model.named_parameters():
+        if in_tower(name, towers):
+            p.requires_grad_(False)
     if plan.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if plan.uses_lora:
         from peft import LoraConfig, get_peft_model
 
         lcfg = LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
-                          target_modules=lora_targets, bias="none", task_type="CAUSAL_LM")
+                          target_modules=lora_targets, exclude_modules=towers_pattern(towers), bias="none",
+                          task_type="CAUSAL_LM")
         model = get_peft_model(model, lcfg)
         if plan.adapter_dtype == "bf16":
             import torch
@@ -220,44 +233,60 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
     return model
 
 
+def _is_bnb(mod) -> bool:
+    return type(mod).__module__.split(".")[0] == "bitsandbytes"
+
+
+def _dense_of_bnb(base, dtype=None, deltas=()):
+    """A plain ``nn.Linear`` holding the dequantized weight of bitsandbytes layer ``base`` (in ``dtype``; default the
+    dtype bnb dequantizes to, the one it was quantized from) plus ``deltas``."""
+    import torch
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    state = getattr(base.weight, "quant_state", None)
+    if state is None:
+        state = getattr(base, "state", None)  # LLM.int8()
+    elif getattr(state, "packing_format_for_cpu", False):
+        # bitsandbytes repacks 4-bit weights for its CPU kernel at the first forward: undo it to dequantize
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        base.weight.data, state = _convert_weight_packed_for_cpu_inverse(base.weight.data, state)
+        base.weight.quant_state = state
+    with torch.no_grad():
+        w = dequantize_bnb_weight(base.weight, state=state)
+        w = w.to(dtype or w.dtype)
+        for d in deltas:
+            w += d.to(w.dtype)
+        dense = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device=w.device,
+                                dtype=w.dtype)
+        dense.weight.copy_(w)
+        if base.bias is not None:
+            dense.bias.copy_(base.bias.to(w.dtype))
+    return dense
+
+
 def save_merged(model, path) -> None:
     """Save a trained peft model with its LoRA adapters merged into the base as a plain transformers model in
     ``path``. A bitsandbytes 4-/8-bit layer is dequantized and gets its delta ``B @ A * scaling`` added in the
     adapter's dtype (an exact merge that loads without bitsandbytes, as axolotl's / TRL's QLoRA merge recipes do by
-    reloading the base in 16 bits; peft's own 4-bit merge requantizes, with rounding); other layers go through
+    reloading the base in 16 bits; peft's own 4-bit merge requantizes, with rounding); a bitsandbytes layer no
+    adapter adapts (targets other than all-linear, a multimodal tower) is dequantized alone; other layers go through
     peft's ``merge_and_unload``. Consumes ``model``."""
     import torch
     from peft.tuners.lora import LoraLayer
-    from peft.utils.integrations import dequantize_bnb_weight
+
+    def replace(name: str, module) -> None:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, module)
 
     for name, mod in list(model.named_modules()):
-        if not isinstance(mod, LoraLayer):
-            continue
-        base = mod.get_base_layer()
-        if type(base).__module__.split(".")[0] != "bitsandbytes":
-            continue
-        adapters = [a for a in mod.active_adapters if a in mod.lora_A]
-        dtype = mod.lora_A[adapters[0]].weight.dtype if adapters else torch.float32
-        state = getattr(base.weight, "quant_state", None)
-        if state is None:
-            state = getattr(base, "state", None)  # LLM.int8()
-        elif getattr(state, "packing_format_for_cpu", False):
-            # bitsandbytes repacks 4-bit weights for its CPU kernel at the first forward: undo it to dequantize
-            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
-
-            base.weight.data, state = _convert_weight_packed_for_cpu_inverse(base.weight.data, state)
-            base.weight.quant_state = state
-        with torch.no_grad():
-            w = dequantize_bnb_weight(base.weight, state=state).to(dtype)
-            for a in adapters:
-                w += mod.get_delta_weight(a).to(dtype)
-            dense = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
-                                    device=w.device, dtype=dtype)
-            dense.weight.copy_(w)
-            if base.bias is not None:
-                dense.bias.copy_(base.bias.to(dtype))
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, dense)
+        if isinstance(mod, LoraLayer) and _is_bnb(mod.get_base_layer()):
+            adapters = [a for a in mod.active_adapters if a in mod.lora_A]
+            dtype = mod.lora_A[adapters[0]].weight.dtype if adapters else torch.float32
+            replace(name, _dense_of_bnb(mod.get_base_layer(), dtype, [mod.get_delta_weight(a) for a in adapters]))
+    for name, mod in list(model.named_modules()):
+        if _is_bnb(mod) and hasattr(mod, "in_features"):
+            replace(name, _dense_of_bnb(mod))
     merged = model.merge_and_unload()
     for attr in ("is_loaded_in_4bit", "is_loaded_in_8bit", "is_quantized"):
         if getattr(merged, attr, False):
@@ -290,9 +319,9 @@ def build_model(
     dequantize temporary is then inside the op, not counted).
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     from oomdoctor.execute.dtypes import torch_dtype, weight_dtype
+    from oomdoctor.model.inventory import auto_model_class
 
     if spec.arch_kind != "decoder":
         raise BadInput(
@@ -306,19 +335,18 @@ def build_model(
         torch.manual_seed(seed)
     prev_default = torch.get_default_dtype()
     attn = attn_implementation(plan)
+    auto = auto_model_class(config)
     try:
         try:
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
-                                                         **experts_kwargs(plan, config))
+                model = auto.from_config(config, dtype=dtype, attn_implementation=attn, **experts_kwargs(plan, config))
         except ValueError as exc:
             if attn == "eager" or "attention implementation" not in str(exc):
                 raise
             # the architecture has no SDPA path (e.g. Gemma 2 with soft-capping): transformers uses eager
             attn = "eager"
             with torch.device(device):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
-                                                         **experts_kwargs(plan, config))
+                model = auto.from_config(config, dtype=dtype, attn_implementation=attn, **experts_kwargs(plan, config))
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for unsupported configs
         raise BadInput(
             f"{spec.name}: transformers could not build the model ({type(exc).__name__}: {exc})",
@@ -385,9 +413,15 @@ def materialize_meta(model, device: str, std: float = 0.02) -> None:
 
 
 def find_layers(model) -> list:
-    """The transformer blocks (the biggest ``ModuleList`` of the model)."""
+    """The decoder's transformer blocks: its ``layers`` list when it has one (not a longer list elsewhere, such as a
+    vision tower's blocks or per-expert modules), else the model's biggest ``ModuleList``."""
     import torch
 
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList) and len(layers):
+        return list(layers)
     best: list = []
     for mod in model.modules():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) > len(best):

@@ -10,6 +10,9 @@ Efficient init (Lightning Fabric ``init_module`` / HF ``from_pretrained`` semant
   runs) the random model is built in the compute dtype on the CPU, saved to a temporary directory and loaded back
   through ``from_pretrained(quantization_config=...)`` — the path real QLoRA runs take (known cost: one CPU copy
   in the compute dtype; only for random-init smoke runs).
+- A vision-language model transformers has no causal-LM class for (Qwen2.5-VL, LLaVA...) is loaded the same way
+  through ``AutoModelForImageTextToText`` (``model/inventory.auto_model_class``) and trained on text: its towers
+  frozen, never run.
 
 Then the plan's techniques exactly as the simulated build applies them
 (:func:`oomdoctor.execute.build.apply_plan_techniques`: k-bit preparation, gradient checkpointing, LoRA).
@@ -144,46 +147,50 @@ class LoadedModel:
 
 
 def _from_pretrained(path: str, plan: "Plan", device: "torch.device", qconf):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from oomdoctor.execute.dtypes import weight_dtype
+    from oomdoctor.model.inventory import auto_model_class
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=weight_dtype(plan), device_map={"": str(device)},
-                                                quantization_config=qconf, attn_implementation=hf_attn_implementation(plan),
-                                                **experts_kwargs(plan, AutoConfig.from_pretrained(path)))
+    hcfg = AutoConfig.from_pretrained(path)
+    return auto_model_class(hcfg).from_pretrained(path, dtype=weight_dtype(plan), device_map={"": str(device)},
+                                                  quantization_config=qconf,
+                                                  attn_implementation=hf_attn_implementation(plan),
+                                                  **experts_kwargs(plan, hcfg))
 
 
 def _from_config(hcfg, plan: "Plan", device: "torch.device | str"):
     """The plan's transformers model from a config on ``device`` (``meta``: no memory) in the plan's weight dtype,
     attention and MoE experts kernels: the one ``from_config`` of real loads (random init, the sharded build)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from oomdoctor.execute.dtypes import weight_dtype
+    from oomdoctor.model.inventory import auto_model_class
 
     with torch.device(device):
-        return AutoModelForCausalLM.from_config(hcfg, dtype=weight_dtype(plan),
-                                                attn_implementation=hf_attn_implementation(plan),
-                                                **experts_kwargs(plan, hcfg))
+        return auto_model_class(hcfg).from_config(hcfg, dtype=weight_dtype(plan),
+                                                  attn_implementation=hf_attn_implementation(plan),
+                                                  **experts_kwargs(plan, hcfg))
 
 
 def _random_model(source: ModelSource, plan: "Plan", device: "torch.device", qconf, vocab_size: int, seed: int,
                   compute_dtype: str | None):
     import torch
-    from transformers import AutoModelForCausalLM
 
     from oomdoctor.execute.dtypes import torch_dtype
+    from oomdoctor.model.inventory import auto_model_class
 
     hcfg = hf_config(source)
-    if vocab_size > hcfg.vocab_size:
+    model_vocab = hcfg.get_text_config().vocab_size
+    if vocab_size > model_vocab:
         raise BadInput(f"the tokenizer has {vocab_size} tokens but the model config's vocab_size is "
-                       f"{hcfg.vocab_size}", "use the model's own tokenizer or a config with a larger vocab")
+                       f"{model_vocab}", "use the model's own tokenizer or a config with a larger vocab")
     hcfg.use_cache = False
     torch.manual_seed(seed)
     if qconf is None:
         return _from_config(hcfg, plan, device)
     with torch.device("cpu"):
-        tmp_model = AutoModelForCausalLM.from_config(hcfg, dtype=torch_dtype(compute_dtype or plan.compute_dtype))
+        tmp_model = auto_model_class(hcfg).from_config(hcfg, dtype=torch_dtype(compute_dtype or plan.compute_dtype))
     tmp = tempfile.mkdtemp(prefix="oomdoctor-init-")
     try:
         tmp_model.save_pretrained(tmp)

@@ -47,7 +47,7 @@ def _persistent_tensors(c: Ctx, opt: optm.OptimizerMemory) -> list[tuple[int, in
         w = g.weight_numel * c.wb
         if c.quant is not None and prm.is_quantized(g):
             w = prm.nf4_weight_bytes(g.weight_numel) if c.quant != "int8" else g.weight_numel
-        k = g.count * ((1 + 1 + n_states) if c.full else 1)
+        k = g.count * ((1 + 1 + n_states) if c.full and not g.tower else 1)
         out.append((w, k))
         if g.bias_numel:
             out.append((g.bias_numel * c.wb, k))

@@ -54,11 +54,13 @@ class SpecSums:
     """Norms over the hidden size in one block (2 for Llama, 4 for Gemma2, 1 for parallel blocks)."""
     head_dim_norms_per_layer: int
     """Per-head q/k norms in one block (Qwen3)."""
+    tower_numel: int
+    """Parameters of a multimodal model's towers (:attr:`ParamGroup.tower`): held, never trained."""
 
 
 @lru_cache(maxsize=256)
 def spec_sums(spec: ModelSpec) -> SpecSums:
-    lin = head = emb = other = per_layer = 0
+    lin = head = emb = other = per_layer = tower = 0
     max_t = 0
     n_t = 0
     hidden_norms = head_norms = 0
@@ -84,6 +86,7 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
                 else:
                     head_norms += per
         max_t = max(max_t, g.weight_numel)
+        tower += g.total_numel if g.tower else 0
         if g.per_layer:
             per_layer += g.total_numel
     per_layer_numel = per_layer // L
@@ -97,6 +100,7 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
         n_tensors=n_t,
         hidden_norms_per_layer=max(int(round(hidden_norms)), 0),
         head_dim_norms_per_layer=int(round(head_norms)),
+        tower_numel=tower,
     )
 
 
@@ -151,16 +155,23 @@ def all_linear_string(plan: Plan, model_type: str) -> bool:
     return plan.lora_targets == ("all-linear",) and not plan.lora_on_head and not lora_refused_names(model_type)
 
 
+def all_linear_names(spec: ModelSpec) -> set[str]:
+    """Leaf names of the linears peft's ``all-linear`` adapts on ``spec`` as the executor runs it: every linear but
+    the head, the towers' (frozen, kept out by ``exclude_modules``) and those peft refuses."""
+    refused = lora_refused_names(spec.model_type)
+    return {g.name for g in spec.groups
+            if g.kind == "linear" and not g.tower and g.name not in HEAD_NAMES and g.name not in refused}
+
+
 def executor_targets(spec: ModelSpec, plan: Plan) -> set[str] | None:
     """The target names the executor hands peft (``execute/build.lora_targets_of_model``; ``tune --emit`` writes the
     same): None for the string ``all-linear`` (:func:`all_linear_string`), else the explicit leaf names
     (all-linear expanded to every non-head linear peft adapts, the head added with ``lora_on_head``)."""
-    refused = lora_refused_names(spec.model_type)
     if all_linear_string(plan, spec.model_type):
         return None
     names = {t for t in plan.lora_targets if t != "all-linear"}
     if "all-linear" in plan.lora_targets:
-        names |= {g.name for g in spec.groups if g.kind == "linear" and g.name not in HEAD_NAMES and g.name not in refused}
+        names |= all_linear_names(spec)
     if plan.lora_on_head:
         names |= {g.name for g in spec.groups if g.kind == "linear" and g.name in HEAD_NAMES} or {"lm_head"}
     return names
@@ -186,13 +197,13 @@ def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
     names = executor_targets(spec, plan)
     conv = PEFT_MOE_TARGETS.get(spec.peft_moe_conversion, {})
     if names is None:
-        names = {g.name for g in spec.groups if g.kind == "linear" and g.name not in HEAD_NAMES}
+        names = all_linear_names(spec)
         if conv:
             names |= set(conv)
     params = {conv[n] for n in names if n in conv}
     modules = names - set(conv)
-    out = [g for g in spec.groups
-           if g.kind == "linear" and g.name in modules and (plan.lora_on_head or g.name not in HEAD_NAMES)]
+    out = [g for g in spec.groups if g.kind == "linear" and not g.tower and g.name in modules
+           and (plan.lora_on_head or g.name not in HEAD_NAMES)]
     E, h = max(spec.num_experts, 1), spec.hidden_size
     for g in spec.groups:
         if g.kind == "linear" or not params:

@@ -18,7 +18,7 @@ from oomdoctor.memory.context import Ctx, adapter_numel
 def trainable_numel(c: Ctx) -> int:
     if c.full:
         s = c.sums
-        return s.linear_numel + s.head_numel + s.embed_numel + s.other_numel
+        return s.linear_numel + s.head_numel + s.embed_numel + s.other_numel - s.tower_numel
     return c.lora_numel
 
 

@@ -47,6 +47,8 @@ def trainable_tensors(c: Ctx) -> list[tuple[int, int, int]]:
     out: list[tuple[int, int, int]] = []
     if c.full:
         for g in c.spec.groups:
+            if g.tower:
+                continue
             if g.kind in ("linear", "embedding"):
                 rows = g.out_features if g.kind == "linear" else g.in_features
                 out.append((g.weight_numel, rows, g.count))

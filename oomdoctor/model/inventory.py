@@ -4,7 +4,7 @@ itself builds on the meta device (no weights, no memory), for model types withou
 ``architectures.py`` describes 15 families by hand (with their quirks cited). Every other ``model_type`` that
 transformers knows — Qwen3-MoE, Gemma 3, gpt-oss, DeepSeek-V3, Cohere2, SmolLM3, GLM-4, GPT-NeoX, and the text side
 of vision-language models with their vision tower — is read from ``AutoModelForCausalLM.from_config`` (or
-``AutoModelForImageTextToText``) under ``torch.device("meta")``:
+``AutoModelForImageTextToText``: :func:`auto_model_class`) under ``torch.device("meta")``:
 
 * every ``nn.Linear`` (and transformers' ``Conv1D``) becomes a ``linear`` group, grouped over the decoder layers by
   its path with the layer index replaced by ``{i}`` (so ``count`` = layers holding it: hybrid models that mix layer
@@ -12,13 +12,16 @@ of vision-language models with their vision tower — is read from ``AutoModelFo
 * ``nn.Embedding`` -> ``embedding``; modules whose class name ends in ``Norm`` -> ``norm``; every other parameter
   (fused 3D expert weights, routers, convolutions, SSM parameters, the vision tower's patch embedding...) ->
   ``other`` (not a LoRA ``all-linear`` target, not quantized);
+* a multimodal model's towers (:func:`tower_prefixes`: every module outside the text decoder and the head, and
+  Llama-3.2-Vision's image cross-attention layers) are ``tower`` groups: text-only training holds their weights but
+  neither runs nor trains them;
 * the head (``get_output_embeddings``) is ``lm_head``; tied embeddings are counted once, as torch does.
 
 Shapes the activation formulas need come from the text config (``get_text_config``): hidden size, layers, heads,
 KV heads, head dim, intermediate size (``moe_intermediate_size`` for MoE experts), experts and experts per token.
 Known limits: activations are priced with the generic transformer block formulas (``memory/activations.py``), which
 do not model state-space (Mamba) or linear-attention layers; multi-head latent attention (DeepSeek) is priced from
-its projection shapes; the vision tower's activations are not priced (its parameters are).
+its projection shapes; images are not priced (text-only training: the towers' weights are, frozen).
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from oomdoctor.model.spec import ModelSpec, ParamGroup
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k")
 _LAYER_RE = re.compile(r"\.(layers|h|blocks|layer)\.(\d+)\.")
-_TOWER_RE = re.compile(r"vision|visual|image|audio|vit|patch")
 
 
 def _config(cfg: dict, name: str):
@@ -45,31 +47,76 @@ def _config(cfg: dict, name: str):
     kw = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(mt, **kw)
-    except (ValueError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - ValueError, KeyError, huggingface_hub's StrictDataclassError...
         raise BadInput(f"{name}: model_type {mt!r}: transformers cannot build this config ({exc})",
                        "check model_type, or upgrade transformers if the model is newer than it") from None
 
 
+def auto_model_class(config):
+    """The transformers auto class that builds ``config``: ``AutoModelForCausalLM`` when it maps the config's class,
+    else ``AutoModelForImageTextToText`` (vision-language models whose text side transformers builds only inside the
+    multimodal model: Qwen2.5-VL, Qwen3-VL, LLaVA, Mistral 3...), else ``AutoModelForCausalLM`` (whose error then
+    says why). One rule for the inventory, the executor and real loads."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping:
+            return auto
+    return AutoModelForCausalLM
+
+
 def _meta_model(config, name: str):
     import torch
-    from transformers import AutoModelForCausalLM
 
+    auto = auto_model_class(config)
+    if type(config) not in auto._model_mapping:
+        raise BadInput(f"{name}: {config.model_type!r} is neither a causal LM nor an image-text-to-text model in "
+                       "transformers", "oomdoctor prices causal LMs (and the text side of vision-language models)")
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    except ValueError:
-        pass
+            return auto.from_config(config)
     except Exception as exc:  # noqa: BLE001 - transformers' own refusal of this config
         raise BadInput(f"{name}: transformers cannot build {config.model_type!r} ({type(exc).__name__}: {exc})",
                        "fix the config.json") from None
-    from transformers import AutoModelForImageTextToText
 
-    try:
-        with torch.device("meta"):
-            return AutoModelForImageTextToText.from_config(config)
-    except Exception as exc:  # noqa: BLE001
-        raise BadInput(f"{name}: {config.model_type!r} is neither a causal LM nor an image-text-to-text model in "
-                       f"transformers ({type(exc).__name__}: {exc})", "oomdoctor prices causal LMs") from None
+
+def tower_prefixes(model) -> tuple[str, ...]:
+    """Module paths of a multimodal model's towers — what a text-only step never runs: the top-most modules with
+    parameters that hold neither the text decoder (``get_decoder()``) nor the output head (vision/audio encoders,
+    projectors, connectors; none for a model whose config is its own text config), and the image cross-attention
+    layers of Llama-3.2-Vision's decoder (``cross_attention_layers``: Meta's "vision adapter", skipped by
+    ``MllamaTextModel`` without image states). The executor freezes them and keeps LoRA off them; the memory model
+    prices their weights alone (:attr:`ParamGroup.tower`)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return ()
+    out: list[str] = []
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if config.get_text_config() is not config and decoder is not None and decoder is not model:
+        keep = {id(m) for m in (decoder, model.get_output_embeddings()) if m is not None}
+
+        def walk(mod, prefix: str) -> None:
+            for name, child in mod.named_children():
+                if id(child) in keep:
+                    continue
+                if any(id(m) in keep for m in child.modules()):
+                    walk(child, f"{prefix}{name}.")
+                elif next(child.parameters(), None) is not None:
+                    out.append(f"{prefix}{name}")
+
+        walk(model, "")
+    text = config.get_text_config()
+    adapter = getattr(text, "cross_attention_layers", None) or ()
+    blocks = next((n for n, m in model.named_modules() if n.endswith("layers") and type(m).__name__ == "ModuleList"
+                   and len(m) == text.num_hidden_layers), None) if adapter else None
+    if blocks is not None:
+        out += [f"{blocks}.{i}" for i in sorted(adapter) if i < text.num_hidden_layers]
+    return tuple(out)
+
+
+def in_tower(path: str, prefixes: tuple[str, ...]) -> bool:
+    """True when the module or parameter at ``path`` is inside one of the towers ``prefixes``."""
+    return any(path == t or path.startswith(t + ".") for t in prefixes)
 
 
 def _kind(module: Any) -> str:
@@ -83,7 +130,20 @@ def _kind(module: Any) -> str:
     return "other"
 
 
-def _groups(model, head_module) -> tuple[tuple[ParamGroup, ...], int]:
+def towers_pattern(towers: tuple[str, ...]) -> str | None:
+    """A regex ``re.fullmatch``-ing the module paths inside ``towers`` (peft ``exclude_modules``); None for none."""
+    return f"({'|'.join(re.escape(t) for t in towers)})(\\..*)?" if towers else None
+
+
+def text_side_targets(names: set[str], towers: tuple[str, ...]) -> str:
+    """A peft ``target_modules`` regex (``re.fullmatch``) adapting the modules named ``names`` outside ``towers``:
+    what ``all-linear`` with ``exclude_modules`` adapts, spelled for tools that have no ``exclude_modules`` (TRL's
+    ``lora_target_modules``, axolotl's)."""
+    outside = "|".join(re.escape(t) for t in towers)
+    return rf"(?!(?:{outside})\.).*\.(?:{'|'.join(re.escape(n) for n in sorted(names))})"
+
+
+def _groups(model, head_module, towers: tuple[str, ...]) -> tuple[tuple[ParamGroup, ...], int]:
     """The parameter groups of ``model`` (module docstring) and the number of decoder layers seen."""
     seen: set[int] = set()  # parameters counted (tied weights once)
     agg: OrderedDict[tuple, dict] = OrderedDict()
@@ -95,7 +155,8 @@ def _groups(model, head_module) -> tuple[tuple[ParamGroup, ...], int]:
         for _n, p in own:
             seen.add(id(p))
         m = _LAYER_RE.search("." + path + ".")
-        per_layer = m is not None and not _TOWER_RE.search(path)  # a vision/audio tower's blocks are not decoder layers
+        tower = in_tower(path, towers)
+        per_layer = m is not None and not tower  # a vision/audio tower's blocks are not decoder layers
         if per_layer:
             layers.add(m.group(2))
         tmpl = _LAYER_RE.sub(lambda mm: f".{mm.group(1)}.{{i}}.", "." + path + ".").strip(".")
@@ -104,46 +165,47 @@ def _groups(model, head_module) -> tuple[tuple[ParamGroup, ...], int]:
         if kind == "linear" and hasattr(mod, "weight") and mod.weight is not None and mod.weight.dim() == 2:
             w = mod.weight
             out_f, in_f = (w.shape[1], w.shape[0]) if type(mod).__name__ == "Conv1D" else (w.shape[0], w.shape[1])
-            key = ("linear", tmpl, int(in_f), int(out_f), getattr(mod, "bias", None) is not None)
+            key = ("linear", tmpl, int(in_f), int(out_f), getattr(mod, "bias", None) is not None, tower)
             name = "lm_head" if mod is head_module else leaf
             g = agg.setdefault(key, dict(name=name, kind="linear", in_features=int(in_f), out_features=int(out_f),
                                          bias=key[4], count=0, per_layer=per_layer and mod is not head_module,
-                                         path=tmpl, module=type(mod).__name__, quantizable=True))
+                                         path=tmpl, module=type(mod).__name__, quantizable=True, tower=tower))
             g["count"] += 1
             extra = [p for n, p in own if n not in ("weight", "bias")]
             if extra:
-                _add_other(agg, f"{tmpl}.extra", leaf, sum(p.numel() for p in extra), per_layer)
+                _add_other(agg, f"{tmpl}.extra", leaf, sum(p.numel() for p in extra), per_layer, tower=tower)
             continue
         if kind == "embedding":
             w = mod.weight
-            key = ("embedding", tmpl, int(w.shape[0]), int(w.shape[1]))
+            key = ("embedding", tmpl, int(w.shape[0]), int(w.shape[1]), tower)
             g = agg.setdefault(key, dict(name=leaf, kind="embedding", in_features=int(w.shape[0]),
                                          out_features=int(w.shape[1]), count=0, per_layer=per_layer, path=tmpl,
-                                         module=type(mod).__name__))
+                                         module=type(mod).__name__, tower=tower))
             g["count"] += 1
             continue
         direct = [(n, p) for n, p in own if n not in ("weight", "bias")]
         if kind != "norm" and direct:  # raw Parameters (fused MoE experts, routers): each at its own path (spec.py)
             for n, p in direct:
-                _add_other(agg, f"{tmpl}.{n}", n, p.numel(), per_layer)
+                _add_other(agg, f"{tmpl}.{n}", n, p.numel(), per_layer, tower=tower)
             own = [(n, p) for n, p in own if n in ("weight", "bias")]
             if not own:
                 continue
         numel = sum(p.numel() for _n, p in own)
         if kind == "norm":
-            key = ("norm", tmpl, numel)
+            key = ("norm", tmpl, numel, tower)
             g = agg.setdefault(key, dict(name=leaf, kind="norm", numel_each=numel, count=0, per_layer=per_layer,
-                                         path=tmpl, module=type(mod).__name__))
+                                         path=tmpl, module=type(mod).__name__, tower=tower))
             g["count"] += 1
         else:
-            _add_other(agg, tmpl, leaf, numel, per_layer, type(mod).__name__)
+            _add_other(agg, tmpl, leaf, numel, per_layer, type(mod).__name__, tower=tower)
     return tuple(ParamGroup(**g) for g in agg.values()), len(layers)
 
 
-def _add_other(agg, tmpl: str, leaf: str, numel: int, per_layer: bool, module: str = "Parameter") -> None:
-    key = ("other", tmpl, numel)
+def _add_other(agg, tmpl: str, leaf: str, numel: int, per_layer: bool, module: str = "Parameter", *,
+               tower: bool = False) -> None:
+    key = ("other", tmpl, numel, tower)
     g = agg.setdefault(key, dict(name=leaf, kind="other", numel_each=numel, count=0, per_layer=per_layer, path=tmpl,
-                                 module=module))
+                                 module=module, tower=tower))
     g["count"] += 1
 
 
@@ -175,7 +237,8 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
     model = _meta_model(config, name)
     tc = config.get_text_config()
     head = model.get_output_embeddings()
-    groups, n_layers = _groups(model, head)
+    towers = tower_prefixes(model)
+    groups, n_layers = _groups(model, head, towers)
     h = int(getattr(tc, "hidden_size", 0) or getattr(tc, "d_model", 0))
     L = int(getattr(tc, "num_hidden_layers", 0) or n_layers)
     nh = int(getattr(tc, "num_attention_heads", 0) or 1)
@@ -202,7 +265,7 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
         peft_moe_conversion=_peft_moe_conversion(cfg["model_type"]) if n_exp else "",
         max_position_embeddings=int(getattr(tc, "max_position_embeddings", 0) or 0),
         sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None, config=cfg,
-        inventory="transformers",
+        inventory="transformers", towers=towers,
     )
 
 
@@ -213,4 +276,4 @@ def spec_from_transformers(cfg: dict, name: str) -> ModelSpec:
     return _cached((json.dumps(cfg, sort_keys=True, default=str),), name)
 
 
-__all__ = ["spec_from_transformers"]
+__all__ = ["auto_model_class", "in_tower", "spec_from_transformers", "text_side_targets", "tower_prefixes", "towers_pattern"]

@@ -47,6 +47,9 @@ class ParamGroup:
     and Mixtral's fused 3D expert tensors are NOT replaced and stay in the load dtype; neither are embeddings and
     norms. The output head is excluded by transformers too (``lm_head`` is in ``modules_to_not_convert``); that
     is the memory model's call, so the head's flag only says whether its class could be quantized."""
+    tower: bool = False
+    """A module of a multimodal tower (vision/audio encoder, its projector): text-only training neither runs nor
+    trains it — frozen, never a LoRA target — but holds (and quantizes) its weights (``model/inventory.py``)."""
 
     @property
     def weight_numel(self) -> int:
@@ -118,6 +121,9 @@ class ModelSpec:
     """``hand`` (a builder in ``architectures.py``, its quirks measured) or ``transformers`` (read from the model
     transformers builds on the meta device, ``oomdoctor.model.inventory``: parameters exact, activations by the
     generic block formulas)."""
+    towers: tuple[str, ...] = ()
+    """Module paths of a multimodal model's towers (``model/inventory.tower_prefixes``: ``model.visual``...): text-only
+    training holds them frozen, never a LoRA target (their groups are :attr:`ParamGroup.tower`)."""
     config: dict = field(default_factory=dict, compare=False, repr=False)
     """The raw config.json."""
 

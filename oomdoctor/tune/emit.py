@@ -62,8 +62,16 @@ BF16_ADAPTERS = "after get_peft_model, cast every trainable parameter to torch.b
 HF_EXTRA_KEYS: tuple[str, ...] = ("model_name_or_path", "model_init_kwargs", "quantization_config", "peft_config",
                                   "dataset", "max_length", "oomdoctor")
 
-#: How the ``hf`` JSON's extra keys are used (a note of every ``hf`` document).
-HF_USAGE = ("model, quantization, LoRA and data are the script's: AutoModelForCausalLM.from_pretrained("
+
+def hf_usage(spec: ModelSpec, plan: Plan) -> str:
+    """How the ``hf`` JSON's extra keys are used (a note of every ``hf`` document), with the auto class that loads
+    the model (``model/inventory.auto_model_class``: ``AutoModelForImageTextToText`` for a vision-language model
+    transformers has no causal-LM class for)."""
+    from oomdoctor.execute.build import hf_config
+    from oomdoctor.model.inventory import auto_model_class
+
+    auto = auto_model_class(hf_config(spec, plan)).__name__
+    return (f"model, quantization, LoRA and data are the script's: {auto}.from_pretrained("
             "model_name_or_path, **model_init_kwargs, quantization_config=BitsAndBytesConfig(**quantization_config)), "
             "peft.get_peft_model(model, LoraConfig(**peft_config)), load_dataset(**dataset) tokenized to max_length")
 
@@ -172,10 +180,15 @@ def _optim(plan: Plan) -> _Optim:
 def lora_targets(plan: Plan, spec: ModelSpec) -> str | list[str]:
     """peft ``target_modules``: what the executor hands peft for this plan (``memory.context.executor_targets``):
     ``all-linear`` as is, else the sorted leaf names (all-linear expanded without what peft cannot adapt, the
-    head with ``lora_on_head``)."""
-    from oomdoctor.memory.context import executor_targets
+    head with ``lora_on_head``); on a vision-language model one regex for those names outside its towers
+    (``model/inventory.text_side_targets``: the executor's ``exclude_modules``, which TRL and axolotl lack)."""
+    from oomdoctor.memory.context import all_linear_names, executor_targets
 
     names = executor_targets(spec, plan)
+    if spec.towers:
+        from oomdoctor.model.inventory import text_side_targets
+
+        return text_side_targets(all_linear_names(spec) if names is None else names, spec.towers)
     return ALL_LINEAR if names is None else sorted(names)
 
 
@@ -270,6 +283,10 @@ def _common_notes(req: EmitRequest, tool: str) -> list[str]:
     if p.tiled_mlp:
         notes.append(f"tiled_mlp: not expressible in {tool} (axolotl's tiled_mlp: true, `--emit axolotl`; or "
                      "patch the MLP forward with DeepSpeed's TiledMLP)")
+    if req.spec.towers and p.method == "full":
+        notes.append(f"priced as text-only fine-tuning with {', '.join(req.spec.towers)} frozen and never run: "
+                     f"{tool} has no key for it — set requires_grad=False on them (DDP refuses trainable "
+                     "parameters that get no gradient)")
     return notes
 
 
@@ -377,7 +394,7 @@ def emit_hf(req: EmitRequest) -> Emitted:
                 "target_modules": lora_targets(p, req.spec), "bias": "none", "task_type": "CAUSAL_LM"}
         if p.adapter_dtype == "bf16":
             notes.append(f"adapter_dtype bf16: {BF16_ADAPTERS}")
-    notes.append(HF_USAGE)
+    notes.append(hf_usage(req.spec, p))
     run = run_command("hf", "THIS.json")
     doc.update({
         "model_name_or_path": req.model,

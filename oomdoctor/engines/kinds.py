@@ -1,0 +1,107 @@
+"""What makes a model's blocks differ, read from its transformers config: the replay plans of the block measurement
+(``engines/blocks.py``) and the simulated engine's extrapolation period (``engines/simulate.py``) share it.
+
+A block's kind is the tuple of its entries in the config's per-layer lists (``layer_types``...), index lists
+(``moe_layers``, Llama-3.2-Vision's ``cross_attention_layers``...) and index rules (``first_k_dense_replace``, Jamba's
+periods...), as transformers' config class fills them in. Pure Python apart from building the config.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from oomdoctor.execute.build import LAYER_KEYS, hf_config
+
+if TYPE_CHECKING:  # pragma: no cover
+    from oomdoctor.model.spec import ModelSpec
+    from oomdoctor.plan import Plan
+
+#: Per-layer lists in a transformers config that hold block indices (membership marks a block's kind).
+INDEX_LIST_KEYS = frozenset({"mlp_only_layers", "moe_layers", "full_attn_idxs", "attn_layer_indices",
+                             "cross_attention_layers", "hybrid_layer_ids"})
+#: Config keys that vary blocks with their index: ``key: (value, i) -> kind of block i`` (Jamba's periods: the kind
+#: is ``i mod period``, which its offset only shifts).
+_INDEX_RULES = {
+    "first_k_dense_replace": lambda v, i: i < v,
+    "max_window_layers": lambda v, i: i >= v,
+    "moe_layer_start_index": lambda v, i: i >= v,
+    "moe_layer_end_index": lambda v, i: i <= v,
+    **{k: (lambda v, i: i % v if v else 0) for k in (
+        "moe_layer_interval", "decoder_sparse_step", "interleave_moe_layer_step", "no_rope_layer_interval",
+        "sliding_window_pattern", "_sliding_window_pattern", "expert_layer_period", "attn_layer_period")},
+}
+#: Config keys about layers that do not make blocks differ.
+_NOT_PER_LAYER = frozenset({"layer_norm_eps", "layer_norm_epsilon", "num_nextn_predict_layers",
+                            "mtp_layers_block_type", "expert_layer_offset", "attn_layer_offset"}) | set(LAYER_KEYS)
+_LAYER_KEY = re.compile(r"layer|pattern|interval|step_?$|freq|period|idxs|indices|first_k")
+
+
+def layer_kinds(spec: "ModelSpec", plan: "Plan") -> list | None:
+    """What makes each block differ from the others, per block, as transformers' config says (its per-layer lists,
+    index lists and index rules, read after the config class filled them in): None when the config has a
+    layer-related key this does not understand (the replay then runs every block)."""
+    d = hf_config(spec, plan).get_text_config().to_dict()
+    L = spec.num_layers
+    kinds: list[list] = [[] for _ in range(L)]
+    for key, v in d.items():
+        if not _LAYER_KEY.search(key) or key in _NOT_PER_LAYER or v is None or key.startswith("time_step"):
+            continue
+        if key in INDEX_LIST_KEYS and isinstance(v, list):
+            for i in range(L):
+                kinds[i].append(i in v)
+        elif isinstance(v, (list, str)) and len(v) == L:
+            for i in range(L):
+                kinds[i].append(v[i])
+        elif key in _INDEX_RULES and isinstance(v, int):
+            for i in range(L):
+                kinds[i].append(_INDEX_RULES[key](v, i))
+        else:
+            return None
+    return [tuple(k) for k in kinds]
+
+
+def replay_plan(kinds: list) -> tuple[int, int]:
+    """(q, p) for the fewest blocks to replay: blocks after ``q + 1`` repeat with period ``p`` (``kinds[i] ==
+    kinds[i - p]``), so blocks ``0 .. q + p`` are replayed; block 0 is always its own (under LoRA its input needs
+    no gradient)."""
+    L = len(kinds)
+    best = (L, 0)
+    for q in range(L):
+        for p in range(1, L - q):
+            if q + p + 1 >= L or q + p >= sum(best):
+                break
+            if all(kinds[i] == kinds[i - p] for i in range(q + 1 + p, L)):
+                best = (q, p)
+                break
+    return best
+
+
+def replay_depth(spec: "ModelSpec", plan: "Plan") -> tuple[int, int]:
+    """(q, p) of :func:`replay_plan` for the model, or (L, 0) to replay every block."""
+    kinds = layer_kinds(spec, plan)
+    return replay_plan(kinds) if kinds else (spec.num_layers, 0)
+
+
+def extend(measured: tuple[int, ...], q: int, p: int, num_layers: int) -> tuple[int, ...]:
+    """Per-block bytes of all ``num_layers`` blocks from a replay of blocks ``0 .. q + p`` (block ``i > q + p`` is
+    of the kind of replayed block ``q + 1 + ((i - q - 1) mod p)``)."""
+    if p == 0:
+        return measured
+    return tuple(measured[i] if i < len(measured) else measured[q + 1 + (i - q - 1) % p] for i in range(num_layers))
+
+
+def layer_period(spec: "ModelSpec", plan: "Plan") -> int | None:
+    """Blocks per repeating unit: 1 when every block is built the same way, p when the blocks repeat with period p
+    from block 0 (Gemma 2 alternates sliding-window and global attention: p = 2; Llama-3.2-Vision's image
+    cross-attention every 5th block, skipped on text: p = 5), as transformers' config says
+    (:func:`layer_kinds`); the whole model when the kinds have no such period; None when memory is not
+    periodic in the block count (MoE: data-dependent routing). A config with a layer key the kinds do not read
+    (GPT-2's ``scale_attn_by_inverse_layer_idx``...) counts as uniform."""
+    if spec.num_experts or spec.arch_kind != "decoder":
+        return None
+    kinds = layer_kinds(spec, plan)
+    if kinds is None:
+        return 1
+    n = len(kinds)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
