@@ -276,4 +276,5 @@ def spec_from_transformers(cfg: dict, name: str) -> ModelSpec:
     return _cached((json.dumps(cfg, sort_keys=True, default=str),), name)
 
 
-__all__ = ["auto_model_class", "in_tower", "spec_from_transformers", "text_side_targets", "tower_prefixes", "towers_pattern"]
+__all__ = ["auto_model_class", "in_tower", "spec_from_transformers", "text_side_targets", "tower_prefixes",
+           "towers_pattern"]
