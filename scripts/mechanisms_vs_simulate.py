@@ -21,6 +21,11 @@ CASES = [
                                                        gradient_checkpointing=True)),
     ("gelu_new under autocast", "microsoft/phi-2", dict(method="full", precision="bf16-mixed", seq_len=2048)),
     ("attention dropout (SDPA)", "seed_oss", dict(method="lora", precision="bf16", seq_len=1024)),
+    ("fp32 down-adapter cast", "meta-llama/Llama-3.2-1B@2", dict(method="lora", precision="bf16-mixed", seq_len=16384,
+                                                                  loss="chunked", gradient_checkpointing=True)),
+    ("  with offloaded activations", "meta-llama/Llama-3.2-1B@2", dict(
+        method="lora", precision="bf16-mixed", seq_len=16384, loss="chunked", gradient_checkpointing=True,
+        offload_activations=True)),
 ] + [  # vision-language models fine-tuned on text: towers frozen, never run (the README's vision-language section)
     (f"VLM, {name}", "Qwen/Qwen2.5-VL-7B-Instruct@2", dict(seq_len=4096, **kw))
     for name, kw in (("full bf16", dict(method="full", precision="bf16")),

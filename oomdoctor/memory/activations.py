@@ -320,11 +320,12 @@ class LayerActs:
     """Bytes a block keeps under gradient checkpointing besides its input: LLM.int8()'s ``MatMul8bitLt`` stores
     its inputs as ``ctx.tensors`` attributes, outside the saved-tensor hooks checkpointing relies on."""
     gc_recompute: int = 0
-    """LoRA under gradient checkpointing: bytes beyond ``saved`` at the widest MLP-input adapter's forward during
-    block 0's recompute (its base output, lora_B output and scaled copy — fp32 unless under autocast — minus the MLP
-    tensors not yet recomputed, plus the forward's held residual/norm output), with the block's output gradient (rb,
-    twice) and its fp32 copy alive, and block 0's first-norm saves back (``enable_input_require_grads``: the
-    embedding output requires grad under GC)."""
+    """LoRA under gradient checkpointing: bytes beyond ``saved`` at the costliest MLP adapter's forward during block
+    0's recompute — the widest MLP-input adapter (its base output, lora_B output and scaled copy — fp32 unless under
+    autocast — minus the MLP tensors not yet recomputed) or, under autocast with fp32 adapters, down_proj's (peft's
+    fp32 cast of the 16-bit product and the base output, every MLP save alive) — plus the forward's held residual/norm
+    output, with the block's output gradient (rb, twice) and its fp32 copy alive, and block 0's first-norm saves back
+    (``enable_input_require_grads``: the embedding output requires grad under GC)."""
 
 
 #: Model types whose router hands the experts fp32 routing weights (transformers ``MixtralTopKRouter.forward``:
@@ -540,14 +541,21 @@ def layer_activations(c: Ctx) -> LayerActs:
     # norm output are held by the running forward (and, pure bf16 with dropout, peft's fp32 cast of the input).
     # Bytes beyond the block's ``saved``; measured tensor by tensor on Phi-3 shapes (fused gate_up, 2I wide) with
     # the simulated engine.
-    mlp_in_fwd = 0
+    mlp_adapter_fwd = 0
     if not c.full and roles.mlp_in and not spec.num_experts:
         w, w_in = max(((o, i) for n, i, o, _m in roles.mlp_in if c.is_adapted(n)), default=(0, 0))
         if w:
             per_out = 3 * ab if c.mixed else ab + 8
-            mlp_in_fwd = int(per_out * T * w - mlp_after + 2 * rb * T * h)
+            mlp_adapter_fwd = int(per_out * T * w - mlp_after + 2 * rb * T * h)
             if not c.mixed and rb != 4 and plan.lora_dropout > 0:
-                mlp_in_fwd += 4 * T * w_in
+                mlp_adapter_fwd += 4 * T * w_in
+        # under autocast a 16-bit MLP product reaches an fp32 down adapter through peft's fp32 cast of it (alive for
+        # the module's forward; autocast saves its 16-bit recast) next to the base output and the residual and norm
+        # output the running forward holds: in block 0's recompute, after every MLP save (traced op by op with the
+        # simulated engine on Llama-3.2-1B blocks at 16k tokens: -4.0 % before)
+        w_down = max((i for n, i, _o, _m in roles.mlp_out if c.is_adapted(n)), default=0)
+        if w_down and c.mixed and c.adapter_b == 4 and mab_global(c, roles) == 2:
+            mlp_adapter_fwd = max(mlp_adapter_fwd, int(4 * T * w_down + ab * T * h + 2 * rb * T * h))
 
     # forward transients: gated product inputs + output, mixed-precision fp32 rotary copies, LoRA fp32 branch
     # outputs, eager scores.
@@ -556,8 +564,8 @@ def layer_activations(c: Ctx) -> LayerActs:
         fwd_t = max(fwd_t, 4 * T * (qd + kvd))
     if not c.full and c.lora_groups:
         widest = max((g.out_features for g in c.lora_groups if g.per_layer and g.module != PARAM_WRAPPER), default=0)
-        if mlp_in_fwd and widest == max(o for n, _i, o, _m in roles.mlp_in if c.is_adapted(n)):
-            fwd_t = max(fwd_t, mlp_in_fwd)  # the widest adapter is an MLP input: net of the MLP's later tensors
+        if mlp_adapter_fwd and widest == max(o for n, _i, o, _m in roles.mlp_in if c.is_adapted(n)):
+            fwd_t = max(fwd_t, mlp_adapter_fwd)  # the widest adapter is an MLP input: net of the MLP's later tensors
         else:
             fwd_t = max(fwd_t, (ab + 8) * T * widest)  # base output + fp32 lora_B output + its scaled copy
     if attn_impl == "eager":
@@ -636,7 +644,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         # distinct inputs of the quantized linears, in their own dtype (measured by the simulate engine):
         # attention norm output, attention output, MLP norm output (unless parallel), MLP intermediate.
         gc_extra = rb * T * h * (1 if spec.parallel_attn else 2) + ab * T * qd + mab_global(c, roles) * T * I
-    gc_recompute = int(mlp_in_fwd + 2 * rb * T * h + 4 * T * h + discount) if mlp_in_fwd else 0
+    gc_recompute = int(mlp_adapter_fwd + 2 * rb * T * h + 4 * T * h + discount) if mlp_adapter_fwd else 0
     L = max(spec.num_layers, 1)
     return LayerActs(saved, L * saved - int(discount), saved - int(discount), gc_saved, int(fwd_t), bwd_extra,
                      int(down), int(alias), int(gc_extra), gc_recompute)

@@ -115,7 +115,9 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         # time, a transient.
         trainable_casts = (c.cast_lora_numel * 2) if not c.full else M_all
         M_fwd = min(M_all, trainable_casts) if c.mixed else 0
-        M_loss = M_top = M_bottom = 0
+        M_loss = 0
+        if not gc:  # a checkpointed block's recompute runs in backward, outside save_on_cpu: its casts stay
+            M_top = M_bottom = 0
         unpack_tmp = max((g.weight_numel for g in spec.groups
                           if g.kind == "linear" and g.per_layer and not (c.quant is not None and prm.is_quantized(g))),
                          default=0) * (2 if c.mixed else c.wb)
@@ -223,7 +225,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         bottom_acts = la.bottom + shared
     cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom, optimizer_states=O,
                              activations=bottom_acts, temporaries=la.bwd_extra + unpack_tmp + unpack_bottom))
-    if gc and la.gc_recompute and not plan.offload_activations:
+    if gc and la.gc_recompute:
         # (c') block 0's recompute at its widest MLP-input adapter (see LayerActs.gc_recompute)
         cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom,
                                  optimizer_states=O, activations=bottom_acts + la.gc_recompute))
