@@ -318,7 +318,8 @@ class LayerActs:
     gradient checkpointing the recomputed block shares them with the kept input."""
     gc_extra: int = 0
     """Bytes a block keeps under gradient checkpointing besides its input: LLM.int8()'s ``MatMul8bitLt`` stores
-    its inputs as ``ctx.tensors`` attributes, outside the saved-tensor hooks checkpointing relies on."""
+    its inputs as ``ctx.tensors`` attributes, outside the saved-tensor hooks checkpointing relies on (and
+    activation offloading: they stay on the device, checkpointed or not)."""
     gc_recompute: int = 0
     """LoRA under gradient checkpointing: bytes beyond ``saved`` at the costliest MLP adapter's forward during block
     0's recompute — the widest MLP-input adapter (its base output, lora_B output and scaled copy — fp32 unless under
