@@ -131,8 +131,9 @@ def test_train_runs_a_vision_language_model_from_the_cli_and_merges_a_loadable_m
         assert torch.isfinite(merged(torch.randint(0, 474, (1, 16))).logits).all()
 
 
-@pytest.mark.parametrize("targets", [("all-linear",), ("q_proj", "v_proj")])
-def test_emitted_targets_adapt_what_the_executor_adapts(spec, targets):
+@pytest.mark.parametrize("targets,head", [(("all-linear",), False), (("q_proj", "v_proj"), False),
+                                          (("all-linear",), True)])
+def test_emitted_targets_adapt_what_the_executor_adapts(spec, targets, head):
     """TRL and axolotl have no ``exclude_modules``: ``tune --emit`` writes one regex for the text side's linears,
     and peft given it adapts exactly the modules the executor's all-linear + exclude_modules adapts."""
     import torch
@@ -143,7 +144,7 @@ def test_emitted_targets_adapt_what_the_executor_adapts(spec, targets):
     from oomdoctor.model.inventory import auto_model_class
     from oomdoctor.tune.emit import lora_targets
 
-    plan = validate(Plan(method="lora", precision="bf16", seq_len=64, lora_targets=targets))
+    plan = validate(Plan(method="lora", precision="bf16", seq_len=64, lora_targets=targets, lora_on_head=head))
 
     def adapted(model) -> set[str]:
         return {n.removeprefix("base_model.model.") for n, m in model.named_modules() if isinstance(m, LoraLayer)}

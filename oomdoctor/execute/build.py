@@ -144,20 +144,24 @@ def lora_targets_of_model(model, plan: "Plan") -> str | list[str]:
     """peft ``target_modules`` for the plan on this model, what a user passes: the string ``all-linear`` (peft
     resolves it, including its MoE conversion to router/expert ``target_parameters``:
     ``memory/context.lora_groups_of``), explicit names as given; with ``lora_on_head``, the leaf name of every linear
-    layer but the output head (peft's ``all-linear`` resolution) plus the head; on models where peft refuses some
-    linears (Mamba mixers: ``memory/context.lora_refused_names``) all-linear is that list without them."""
+    layer but the output head and a multimodal tower's (peft's ``all-linear`` resolution without them) plus the head;
+    on models where peft refuses some linears (Mamba mixers: ``memory/context.lora_refused_names``) all-linear is
+    that list without them."""
     from oomdoctor.memory.context import all_linear_string, lora_refused_names
+    from oomdoctor.model.inventory import in_tower, tower_prefixes
 
     model_type = getattr(getattr(model, "config", None), "model_type", "")
     if all_linear_string(plan, model_type):
         return "all-linear"
     refused = lora_refused_names(model_type)
+    towers = tower_prefixes(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_names = {n.split(".")[-1] for n, m in model.named_modules() if head is not None and m is head}
     targets = [t for t in plan.lora_targets if t != "all-linear"]
     if "all-linear" in plan.lora_targets:
         targets += [name.split(".")[-1] for name, mod in model.named_modules()
-                    if name and name.split(".")[-1] not in head_names | refused and _is_linear(mod)]
+                    if name and name.split(".")[-1] not in head_names | refused and _is_linear(mod)
+                    and not in_tower(name, towers)]
     if plan.lora_on_head:
         targets += sorted(head_names) or ["lm_head"]
     return sorted(set(targets))

@@ -140,7 +140,7 @@ def text_side_targets(names: set[str], towers: tuple[str, ...]) -> str:
     what ``all-linear`` with ``exclude_modules`` adapts, spelled for tools that have no ``exclude_modules`` (TRL's
     ``lora_target_modules``, axolotl's)."""
     outside = "|".join(re.escape(t) for t in towers)
-    return rf"(?!(?:{outside})\.).*\.(?:{'|'.join(re.escape(n) for n in sorted(names))})"
+    return rf"(?!(?:{outside})\.)(?:.*\.)?(?:{'|'.join(re.escape(n) for n in sorted(names))})"
 
 
 def _groups(model, head_module, towers: tuple[str, ...]) -> tuple[tuple[ParamGroup, ...], int]:
