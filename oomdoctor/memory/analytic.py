@@ -67,9 +67,7 @@ def _loss_packed(c: Ctx, lg: lgt.LogitsMemory, M_head: int) -> int:
     4k tokens: the host bytes were 4.6 GB short)."""
     if c.plan.loss == "chunked" or c.spec.arch_kind != "decoder":
         return 0
-    s = c.sums
-    head = s.head_numel or (s.embed_numel if c.spec.tie_word_embeddings else 0)
-    weight = M_head if c.mixed else head * (4 if c.quant is not None else c.wb)
+    weight = M_head if c.mixed else prm.head_weight_numel(c) * (4 if c.quant is not None else c.wb)
     return 2 * lg.saved + weight
 
 

@@ -90,6 +90,12 @@ def expert_stacks(c: Ctx) -> dict[str, int]:
             if g.per_layer and g.module == "Parameter" and ".experts." in g.path and not g.name.endswith("bias")}
 
 
+def head_weight_numel(c: Ctx) -> int:
+    """Elements of the output head's weight: the input embedding's when the two are tied."""
+    s = c.sums
+    return s.head_numel or (s.embed_numel if c.spec.tie_word_embeddings else 0)
+
+
 def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
     """AMP's low-precision copies of fp32 weights that are alive while their layer's activations are.
 
@@ -116,7 +122,7 @@ def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
         base_layer = s.linear_numel * 2
     wrapped = {g.name.split(".")[-1] for g in c.lora_groups if g.module == PARAM_WRAPPER}
     base_layer += 2 * L * sum(n for name, n in expert_stacks(c).items() if name not in wrapped)
-    head = (s.head_numel or (s.embed_numel if c.spec.tie_word_embeddings else 0)) * 2
+    head = head_weight_numel(c) * 2
     if layers is None:
         return base_layer + head + adapters
     return int((base_layer + adapters) * layers / L)
