@@ -26,6 +26,9 @@ CASES = [
     ("  with offloaded activations", "meta-llama/Llama-3.2-1B@2", dict(
         method="lora", precision="bf16-mixed", seq_len=16384, loss="chunked", gradient_checkpointing=True,
         offload_activations=True)),
+    ("int8 inputs kept, offloaded", "meta-llama/Llama-3.2-1B@4", dict(
+        method="qlora", quant="int8", precision="bf16", seq_len=4096, gradient_checkpointing=True,
+        offload_activations=True)),
 ] + [  # vision-language models fine-tuned on text: towers frozen, never run (the README's vision-language section)
     (f"VLM, {name}", "Qwen/Qwen2.5-VL-7B-Instruct@2", dict(seq_len=4096, **kw))
     for name, kw in (("full bf16", dict(method="full", precision="bf16")),
