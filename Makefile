@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:  `make demo` (main job)  and  `make test` (test suite).
-# `make test-fast` skips the tests marked slow (about 2.5 minutes on 2 cores; every module still covered).
+# `make test-fast` skips the tests marked slow (about 2 minutes on 2 cores; every module still covered).
 PYTHON ?= python3
 STAMP := .venv-stamp
 
@@ -19,12 +19,15 @@ demo: $(STAMP)
 	$(PYTHON) -m oomdoctor train runs/demo/llama2-7b-24gb.yaml --dry-run
 	$(PYTHON) -m oomdoctor train configs/train/tiny-cpu.yaml --overwrite
 
-test: $(STAMP)
-	$(PYTHON) -m pytest -q
+# One pytest worker per core (pytest-xdist, at most 4; worksteal evens out the long torchrun tests) and one
+# intra-op thread each: the tiny tensors gain nothing from more, and spinning threads cost on a shared box.
+XDIST := -n auto --maxprocesses 4 --dist worksteal
 
-# One intra-op thread: the tiny tensors gain nothing from two, and on a shared 2-core box spinning threads cost.
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(XDIST)
+
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q $(XDIST) -m "not slow"
 
 bench: $(STAMP)
 	$(PYTHON) scripts/bench_diagnose.py

@@ -226,12 +226,13 @@ def _print(r, written=None) -> None:
         con.print(f"{nf} more plan(s) do not fit at micro-batch 1 (see `oomdoctor diagnose`).")
     for n in r.notes:
         con.print(f"[yellow]note:[/] {n}")
-    con.print(f"\nwrote {r.config_path}")
+    # paths and commands are copied: never wrapped at the console's width
+    con.print(f"\nwrote {r.config_path}", soft_wrap=True)
     if written is not None:
         for n in written.emitted.notes:
             con.print(f"[yellow]{written.emitted.target}:[/] {n}")
-        con.print(f"run:  [bold]{written.command}[/]")
+        con.print(f"run:  [bold]{written.command}[/]", soft_wrap=True)
         return
-    con.print(f"run:  [bold]{r.command}[/]")
+    con.print(f"run:  [bold]{r.command}[/]", soft_wrap=True)
     con.print(f"      (PYTORCH_CUDA_ALLOC_CONF={r.alloc_conf}: expandable segments cut fragmentation, "
               "the 'reserved but unallocated' part of OOM messages)")
