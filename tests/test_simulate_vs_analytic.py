@@ -150,13 +150,28 @@ def test_long_contexts_where_the_blocks_set_the_peak(kw):
     assert abs(a - s) / s < 0.02, (a, s)
 
 
+#: LoRA/QLoRA moments on Llama-3.2-1B cut to 2 blocks at 16k tokens (chunked loss + GC), each traced op by op with
+#: the simulated engine: (formulas vs replay before the fix)
+BLOCK_MOMENTS = {
+    # peft's fp32 cast of the 16-bit product for down_proj's adapter, in block 0's recompute after every MLP save;
+    # offloaded, the recompute runs outside save_on_cpu (-4.0 % / -8.5 %)
+    "down-adapter-cast": dict(method="lora", precision="bf16-mixed"),
+    "down-adapter-cast-offloaded": dict(method="lora", precision="bf16-mixed", offload_activations=True),
+    # up's adapter in the top block's recompute: gate's output and activation are saved by then (+3.0 %: the
+    # backward's adapter terms summed both sides of down's adapter, -6 % once they did not)
+    "up-adapter-top-recompute": dict(method="lora", precision="bf16"),
+    # with dropout the cast is not saved (the dropout output is): cast, product and dropout output alive (-3.9 %)
+    "down-adapter-dropout": dict(method="lora", precision="bf16", lora_dropout=0.05),
+    # the product's backward: one residual gradient alive, not two (+2.5 %)
+    "product-backward": dict(method="qlora", precision="bf16-mixed"),
+    # offloaded: the top block's input is back from the host, and its fp32 norm saves it (-2.5 %)
+    "unpacked-top-input": dict(method="qlora", precision="bf16-mixed", offload_activations=True),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "offloaded"])
-def test_the_down_adapters_fp32_input_cast_in_block_0s_recompute(offload):
-    """LoRA under autocast with fp32 adapters: peft casts the 16-bit MLP product to fp32 for down_proj's adapter, and
-    in block 0's recompute that copy is alive next to every MLP save (with offloaded activations too: the recompute
-    runs in backward, outside save_on_cpu, its weight casts on the device). Llama-3.2-1B cut to 2 blocks at 16k
-    tokens, chunked loss + GC: -4.0 % / -8.5 % before, traced op by op with the simulated engine."""
+@pytest.mark.parametrize("kw", list(BLOCK_MOMENTS.values()), ids=list(BLOCK_MOMENTS))
+def test_lora_recompute_and_backward_moments_of_2_blocks_at_16k(kw):
     import sys
     from pathlib import Path
 
@@ -170,11 +185,10 @@ def test_the_down_adapters_fp32_input_cast_in_block_0s_recompute(offload):
     from blocks_vs_simulate import shrink
 
     spec = build_spec(shrink(dict(load_spec("meta-llama/Llama-3.2-1B").config), 2), "Llama-3.2-1B@2")
-    plan = validate(HFPlan(method="lora", precision="bf16-mixed", seq_len=16384, loss="chunked",
-                           gradient_checkpointing=True, offload_activations=offload))
+    plan = validate(HFPlan(seq_len=16384, loss="chunked", gradient_checkpointing=True, **kw))
     a = estimate(spec, plan, "analytic").peak_allocated
     s = simulate_plan(spec, plan, layers="full").breakdown.peak_allocated
-    assert abs(a - s) / s < 0.01, (a, s)
+    assert abs(a - s) / s < 0.005, (a, s)
 
 
 @pytest.mark.slow

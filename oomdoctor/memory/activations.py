@@ -537,26 +537,35 @@ def layer_activations(c: Ctx) -> LayerActs:
 
     gc_saved = rb * T * h
 
-    # LoRA: the forward of the widest MLP-input adapter (base output + lora_B output + its scaled copy: fp32 unless
-    # under autocast) runs before the MLP's later saved tensors exist (``mlp_after``), while the residual and the
-    # norm output are held by the running forward (and, pure bf16 with dropout, peft's fp32 cast of the input).
-    # Bytes beyond the block's ``saved``; measured tensor by tensor on Phi-3 shapes (fused gate_up, 2I wide) with
-    # the simulated engine.
+    # LoRA: the forward of an MLP-input adapter (base output + lora_B output + its scaled copy: fp32 unless under
+    # autocast) runs before the MLP's later saved tensors exist, while the residual and the norm output are held by
+    # the running forward (and, pure bf16 with dropout, peft's fp32 cast of the input). The first MLP input (gate,
+    # or a fused gate_up) runs before every MLP save (``mlp_after``); a second one (up) after the first's output and
+    # activation are saved: only its own output and down's saves are still to come. Bytes beyond the block's
+    # ``saved``; measured tensor by tensor with the simulated engine on Phi-3 shapes (fused gate_up, 2I wide) and on
+    # Llama-3.2-1B blocks at 16k tokens (up's adapter in the top block's recompute: -6 % before).
     mlp_adapter_fwd = 0
     if not c.full and roles.mlp_in and not spec.num_experts:
-        w, w_in = max(((o, i) for n, i, o, _m in roles.mlp_in if c.is_adapted(n)), default=(0, 0))
-        if w:
-            per_out = 3 * ab if c.mixed else ab + 8
-            mlp_adapter_fwd = int(per_out * T * w - mlp_after + 2 * rb * T * h)
+        per_out = 3 * ab if c.mixed else ab + 8
+        first = roles.mlp_in[0][0]
+        for n, w_in, w, _m in roles.mlp_in:
+            if not c.is_adapted(n):
+                continue
+            later = mlp_after if n == first else mab_global(c, roles) * T * w + down
+            moment = int(per_out * T * w - later + 2 * rb * T * h)
             if not c.mixed and rb != 4 and plan.lora_dropout > 0:
-                mlp_adapter_fwd += 4 * T * w_in
-        # under autocast a 16-bit MLP product reaches an fp32 down adapter through peft's fp32 cast of it (alive for
-        # the module's forward; autocast saves its 16-bit recast) next to the base output and the residual and norm
-        # output the running forward holds: in block 0's recompute, after every MLP save (traced op by op with the
-        # simulated engine on Llama-3.2-1B blocks at 16k tokens: -4.0 % before)
+                moment += 4 * T * w_in
+            mlp_adapter_fwd = max(mlp_adapter_fwd, moment)
+        # a 16-bit MLP product reaches an fp32 down adapter through peft's fp32 cast of it (alive for the module's
+        # forward) next to the base output and the residual and norm output the running forward holds: in block
+        # 0's recompute, after every MLP save. Under autocast the cast is not saved (autocast saves its 16-bit
+        # recast, made after: the product's bytes); in pure 16-bit with dropout the cast is not saved either (the
+        # dropout output is) and the product is alive next to it (traced op by op with the simulated engine on
+        # Llama-3.2-1B blocks at 16k tokens: -4.0 % before under autocast, -3.9 % with dropout 0.05 in bf16)
         w_down = max((i for n, i, _o, _m in roles.mlp_out if c.is_adapted(n)), default=0)
-        if w_down and c.mixed and c.adapter_b == 4 and mab_global(c, roles) == 2:
-            mlp_adapter_fwd = max(mlp_adapter_fwd, int(4 * T * w_down + ab * T * h + 2 * rb * T * h))
+        if w_down and c.adapter_b == 4 and mab_global(c, roles) == 2 and (c.mixed or plan.lora_dropout > 0):
+            product = 0 if c.mixed else 2 * T * w_down
+            mlp_adapter_fwd = max(mlp_adapter_fwd, int(4 * T * w_down + product + ab * T * h + 2 * rb * T * h))
 
     # forward transients: gated product inputs + output, mixed-precision fp32 rotary copies, LoRA fp32 branch
     # outputs, eager scores.
@@ -572,8 +581,10 @@ def layer_activations(c: Ctx) -> LayerActs:
     if attn_impl == "eager":
         fwd_t = max(fwd_t, (2 * ab + 4) * B * nh * S * S)
 
-    # backward extras: MLP grads (3 intermediate-sized grads at the product's backward) and the residual grad
-    # flow (2 x hidden); SDPA/flash: dq/dk/dv + fp32 dq accumulator; eager: grad of probs + fp32 softmax grad.
+    # backward extras: MLP grads (3 intermediate-sized grads at the product's backward, next to the residual's
+    # grad, which is the MLP output's: one hidden-sized grad, not two — +2.5 % on QLoRA blocks at 16k tokens before)
+    # and the residual grad flow elsewhere (2 x hidden); SDPA/flash: dq/dk/dv + fp32 dq accumulator; eager: grad of
+    # probs + fp32 softmax grad.
     flow = 2 * rb * T * h
     mlp_b = ((3 if gated else 2) * mab_global(c, roles) * T * I * ktok) - down
     if not gated and c.mixed and mab_global(c, roles) == 2 and activation_name(spec) in POW_ACTS:
@@ -612,9 +623,11 @@ def layer_activations(c: Ctx) -> LayerActs:
         att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w) - after
     lora_b = 0
     if not c.full:
-        # peft LoRA backward of one adapted module (in -> out), at the dropout backward where it peaks (measured on
-        # CPU): the output grad's fp32 cast (pure bf16) and its scaled copy (4·T·out each), the grad of lora_A's
-        # input (4·T·in) and one more fp32 hidden-sized grad; the module's saved tensors are still alive.
+        # peft LoRA backward of one adapted module (in -> out), the module's saved tensors still alive: first the
+        # output side — the output grad's fp32 cast (pure bf16) and its scaled copy (4·T·out each) — freed by
+        # lora_B's backward before lora_A's makes the grad of its input (4·T·in; then lora_A's saved input goes),
+        # so the larger side, not both (down_proj, in = 4·out: +3 % at the top block's backward before, traced on
+        # Llama-3.2-1B blocks at 16k tokens); plus one more fp32 hidden-sized grad.
         dense_gated = gated and not spec.num_experts
         up_width = sum(o * m for _n, _i, o, m in roles.mlp_in)  # gate + up outputs (one fused 2I or two I)
         for _n, i, o, m in roles.attn_in + roles.attn_out + roles.mlp_in + roles.mlp_out:
@@ -626,7 +639,7 @@ def layer_activations(c: Ctx) -> LayerActs:
                     # under autocast the adapter's matmuls run in ab: the output grad and its scaled copy are ab,
                     # not fp32 (measured with the simulated engine on Phi-3 shapes; no Llama grid cell moves)
                     out_b = 2 * ab
-                b = t * (out_b * o + 4 * i) + 4 * T * h
+                b = t * max(out_b * o, 4 * i) + 4 * T * h
                 if (_n, i, o, m) in roles.attn_in + roles.attn_out:
                     b -= moe_saved  # the fused experts' backward (after the attention's forward) freed their saves
                 if dense_gated and (_n, i, o, m) in roles.mlp_in:
@@ -636,7 +649,7 @@ def layer_activations(c: Ctx) -> LayerActs:
                     # shapes (tests/test_simulate_vs_analytic.py).
                     b += ab * T * up_width - mlp_after
                 lora_b = max(lora_b, b)
-    bwd_extra = int(flow + max(mlp_b, att_b, lora_b))
+    bwd_extra = int(max(rb * T * h + mlp_b, flow + att_b, flow + lora_b))
     alias = 0
     if spec.norm_kind != "rms" or rb == 4:
         alias = rb * T * h  # the first norm saves the block input tensor itself

@@ -158,14 +158,15 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         kept += L * la.gc_extra
         cpu_act = layers_saved - kept + _loss_packed(c, lg, M_head)
         layers_saved = kept  # a checkpointed block's recompute (in backward, outside save_on_cpu) stays on the device
-        if gc and blocks is not None and blocks.checkpointed and (spec.norm_kind != "rms" or c.rb == 4):
-            # a measured block's backward starts with its input alive (the measurement does not offload): offloaded,
-            # the input comes back from the host for the recompute and stays through the block's backward when its
-            # first norm saves that tensor itself (an fp32 RMSNorm input, a LayerNorm; a 16-bit RMSNorm saves an
-            # fp32 copy), next to the embedding output kept above (LoRA); in a full fine-tune block 0's unpacked
-            # input is the bottom moment's kept input itself
+        if gc and (spec.norm_kind != "rms" or c.rb == 4):
+            # offloaded, a block's input comes back from the host for its recompute and stays through the block's
+            # backward when its first norm saves that tensor itself (an fp32 RMSNorm input, a LayerNorm; a 16-bit
+            # RMSNorm saves an fp32 copy): the formulas' recompute leaves it out (``gc_alias``: kept with the
+            # inputs), and a measured block's backward starts with its input alive (the measurement does not
+            # offload) — next to the embedding output kept above (LoRA); in a full fine-tune block 0's unpacked
+            # input is the bottom moment's kept input itself, as it is for the formulas' bottom moment
             unpack_top = la.gc_saved
-            unpack_bottom = la.gc_saved if not c.full else 0
+            unpack_bottom = la.gc_saved if not c.full and blocks is not None and blocks.checkpointed else 0
     A_end = layers_saved + fin + shared
 
     # ---- gradients along backward
@@ -239,9 +240,14 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom, optimizer_states=O,
                              activations=bottom_acts, temporaries=la.bwd_extra + unpack_tmp + unpack_bottom))
     if gc and la.gc_recompute:
-        # (c') block 0's recompute at its widest MLP-input adapter (see LayerActs.gc_recompute)
+        # (c') block 0's recompute at its costliest MLP adapter (see LayerActs.gc_recompute), and the top block's
+        # (the first recomputed: every block's kept input alive, block 0's first-norm saves made as in any block;
+        # offloaded, the top block's input is back from the host for its recompute)
         cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom,
                                  optimizer_states=O, activations=bottom_acts + la.gc_recompute))
+        unpacked_input = la.gc_saved if plan.offload_activations else 0
+        cands.append(_components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
+                                 activations=top_acts + unpacked_input + la.gc_recompute - (la.saved - la.bottom)))
     # (d) end of backward; tied head/embedding: the shared weight's two gradients summed out of place (three
     # copies, the sum already the gradient unless accumulating or stepping in backward)
     E = grads.tied_weight_gradient_bytes(c)
