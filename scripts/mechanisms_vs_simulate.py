@@ -26,6 +26,15 @@ CASES = [
     ("  with offloaded activations", "meta-llama/Llama-3.2-1B@2", dict(
         method="lora", precision="bf16-mixed", seq_len=16384, loss="chunked", gradient_checkpointing=True,
         offload_activations=True)),
+    ("up adapter, top block recompute", "meta-llama/Llama-3.2-1B@2", dict(
+        method="lora", precision="bf16", seq_len=16384, loss="chunked", gradient_checkpointing=True)),
+    ("down adapter cast + dropout", "meta-llama/Llama-3.2-1B@2", dict(
+        method="lora", precision="bf16", lora_dropout=0.05, seq_len=16384, loss="chunked", gradient_checkpointing=True)),
+    ("product backward, QLoRA", "meta-llama/Llama-3.2-1B@2", dict(
+        method="qlora", precision="bf16-mixed", seq_len=16384, loss="chunked", gradient_checkpointing=True)),
+    ("  offloaded (input unpacked)", "meta-llama/Llama-3.2-1B@2", dict(
+        method="qlora", precision="bf16-mixed", seq_len=16384, loss="chunked", gradient_checkpointing=True,
+        offload_activations=True)),
     ("int8 inputs kept, offloaded", "meta-llama/Llama-3.2-1B@4", dict(
         method="qlora", quant="int8", precision="bf16", seq_len=4096, gradient_checkpointing=True,
         offload_activations=True)),
