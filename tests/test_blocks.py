@@ -218,10 +218,13 @@ def test_a_wide_block_low_in_the_stack_peaks_with_fewer_saves_alive():
 
 
 @pytest.mark.slow
-def test_int8_inputs_kept_on_the_autograd_context_are_measured():
+@pytest.mark.parametrize("model_type, gc", [("seed_oss", False), ("exaone4", True)])
+def test_int8_inputs_kept_on_the_autograd_context_are_measured(model_type, gc):
     """bitsandbytes' int8 matmul keeps its input as ``ctx`` state, not through save_for_backward, so saved-tensor
-    hooks miss it (Seed-OSS int8 QLoRA without GC: -14.9 % before)."""
-    spec = spec_from_config(tiny("seed_oss", layers=4), name="seed_oss")
-    plan = validate(Plan(method="qlora", quant="int8", precision="bf16-mixed", seq_len=256, micro_batch=2))
+    hooks miss it (Seed-OSS int8 QLoRA without GC: -14.9 % before); in post-norm blocks (EXAONE 4, OLMo 2/3) the
+    attention's input is the block input, which checkpointing keeps anyway (+7 % before)."""
+    spec = spec_from_config(tiny(model_type, layers=4), name=model_type)
+    plan = validate(Plan(method="qlora", quant="int8", precision="bf16-mixed", seq_len=256, micro_batch=2,
+                         gradient_checkpointing=gc))
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.01 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)

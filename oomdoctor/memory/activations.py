@@ -240,13 +240,15 @@ def _bnb_skips_input_cast(c: Ctx, name: str) -> bool:
     return c.quant is not None and _quantized(c.spec, name) and c.device == "cuda"
 
 
-def int8_inputs(c: Ctx, roles: LayerRoles) -> list[tuple[int, int, tuple]]:
+def int8_inputs(c: Ctx, roles: LayerRoles, *, gc_kept: bool = False) -> list[tuple[int, int, tuple]]:
     """(bytes per element, width, consumers) of the distinct inputs of a block's LLM.int8() linears: attention norm
-    output, attention output, MLP norm output (unless parallel: the attention's), MLP intermediate."""
-    spec, T = c.spec, c.T
+    output (the block input itself in post-norm-only blocks), attention output, MLP norm output (unless parallel:
+    the attention's), MLP intermediate. ``gc_kept``: without the block input, which checkpointing keeps anyway."""
+    spec = c.spec
     h = spec.hidden_size
     qd = spec.num_heads * spec.head_dim
-    out = [(c.rb, h, roles.attn_in), (c.ab, qd, roles.attn_out)]
+    out = [] if gc_kept and c.sums.post_norms_only else [(c.rb, h, roles.attn_in)]
+    out.append((c.ab, qd, roles.attn_out))
     if not spec.parallel_attn:
         out.append((c.rb, h, roles.mlp_in))
     out.append((mab_global(c, roles), spec.intermediate_size, roles.mlp_out))
@@ -689,8 +691,9 @@ def layer_activations(c: Ctx) -> LayerActs:
         alias = rb * T * h  # the first norm saves the block input tensor itself
     gc_extra = 0
     if c.quant == "int8":
-        # the forward's distinct inputs of the quantized linears, in their own dtype (measured by the simulate engine)
-        gc_extra = sum(x_bytes * T * width for x_bytes, width, _consumers in int8_inputs(c, roles))
+        # the forward's distinct inputs of the quantized linears, in their own dtype, but the kept block input
+        # (measured by the simulate engine; OLMo 3 / EXAONE 4 +7 % before the post-norm case)
+        gc_extra = sum(x_bytes * T * width for x_bytes, width, _consumers in int8_inputs(c, roles, gc_kept=True))
     gc_recompute = int(mlp_adapter_fwd + 2 * rb * T * h + 4 * T * h + discount) if mlp_adapter_fwd else 0
     L = max(spec.num_layers, 1)
     return LayerActs(saved, L * saved - int(discount), saved - int(discount), gc_saved, int(fwd_t), bwd_extra,

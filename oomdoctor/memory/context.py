@@ -56,6 +56,14 @@ class SpecSums:
     """Per-head q/k norms in one block (Qwen3)."""
     tower_numel: int
     """Parameters of a multimodal model's towers (:attr:`ParamGroup.tower`): held, never trained."""
+    post_norms_only: bool
+    """Every hidden-size norm of a block follows its sublayer (OLMo 2/3, EXAONE 4: ``post_attention_layernorm`` and
+    ``post_feedforward_layernorm`` only; Llama's ``post_attention_layernorm`` is the MLP's pre-norm, next to
+    ``input_layernorm``): the attention reads the block input itself."""
+
+
+#: Query/key norms (OLMo 2/3 normalize over all heads: hidden-sized when the heads span the hidden size).
+QK_NORM_NAMES = frozenset({"q_norm", "k_norm"})
 
 
 @lru_cache(maxsize=256)
@@ -64,6 +72,7 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
     max_t = 0
     n_t = 0
     hidden_norms = head_norms = 0
+    hidden_norm_names = set()
     L = max(spec.num_layers, 1)
     for g in spec.groups:
         if g.kind == "linear":
@@ -83,6 +92,7 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
                 per = g.count / L
                 if g.numel_each in (spec.hidden_size, 2 * spec.hidden_size):
                     hidden_norms += per
+                    hidden_norm_names.add(g.name)
                 else:
                     head_norms += per
         max_t = max(max_t, g.weight_numel)
@@ -101,6 +111,8 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
         hidden_norms_per_layer=max(int(round(hidden_norms)), 0),
         head_dim_norms_per_layer=int(round(head_norms)),
         tower_numel=tower,
+        post_norms_only=bool(hidden_norm_names) and all(n.startswith("post_") or n in QK_NORM_NAMES
+                                                         for n in hidden_norm_names),
     )
 
 
