@@ -367,7 +367,8 @@ class LayerActs:
     gc_saved: int
     """Bytes one block keeps under gradient checkpointing (its input)."""
     fwd_transient: int
-    """Peak bytes a block's forward holds beyond what it saves."""
+    """Peak bytes a block's forward holds beyond what it saves (with activations offloaded and no checkpointing,
+    every save is on the host: all it holds, ``offloaded_mlp_forward``)."""
     bwd_extra: int
     """Peak bytes a block's backward holds beyond its saved tensors (input/output grads, intermediate grads)."""
     down_saved: int
