@@ -227,19 +227,22 @@ def test_int8_inputs_held_by_the_matmuls_ctx(kw):
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(method="lora", precision="bf16"),
                                 dict(method="qlora", quant="int8", precision="bf16")], ids=["lora-bf16", "int8"])
-def test_offloading_without_checkpointing_prices_the_forward_s_held_tensors(kw):
+def test_offloading_without_checkpointing_device_and_host(kw):
     """save_on_cpu without checkpointing: every save goes to the host, but the running MLP still references its
-    inputs and outputs (the up adapter's fp32 outputs, the activation's output, peft's fp32 input copy). Llama-3.2-1B
-    cut to 4 blocks at 4k tokens with the chunked loss: -17 % (LoRA bf16) and -8 % (int8 QLoRA) before."""
+    inputs and outputs (the up adapter's fp32 outputs, the activation's output, peft's fp32 input copy); the host
+    gets a copy per save — each linear's weight, a norm's fp32 input twice, an input several adapters save — and
+    the final norm's saves and the chunks' inputs. Llama-3.2-1B cut to 4 blocks at 4k tokens with the chunked loss:
+    device -17 % (LoRA bf16) and -8 % (int8 QLoRA), host 24 % and 27 % short before."""
     from oomdoctor.engines import estimate
     from oomdoctor.engines.simulate import simulate_plan
     from oomdoctor.plan import Plan as HFPlan
 
     spec = _llama_1b_cut(4)
     plan = validate(HFPlan(seq_len=4096, loss="chunked", offload_activations=True, **kw))
-    a = estimate(spec, plan, "analytic").peak_allocated
-    s = simulate_plan(spec, plan, layers="full").breakdown.peak_allocated
-    assert abs(a - s) / s < 0.02, (a, s)
+    a = estimate(spec, plan, "analytic")
+    s = simulate_plan(spec, plan, layers="full").breakdown
+    assert abs(a.peak_allocated - s.peak_allocated) / s.peak_allocated < 0.02, (a.peak_allocated, s.peak_allocated)
+    assert abs(a.cpu_offloaded - s.cpu_offloaded) / s.cpu_offloaded < 0.04, (a.cpu_offloaded, s.cpu_offloaded)
 
 
 @pytest.mark.slow

@@ -60,15 +60,20 @@ def _persistent_tensors(c: Ctx, opt: optm.OptimizerMemory) -> list[tuple[int, in
 
 
 def _loss_packed(c: Ctx, lg: lgt.LogitsMemory, M_head: int) -> int:
-    """Host bytes ``save_on_cpu`` packs outside the blocks under the standard loss: the log-probabilities, packed twice
-    (saved by ``log_softmax`` and by ``nll_loss``: torch's hook packs each save), and the head's weight its matmul
-    saves for the input gradient (its autocast cast under ``*-mixed``; fp32 when peft's k-bit preparation upcast
-    it). The chunked loss packs only its chunks' inputs. Traced with the simulated engine (Llama-3.2-1B blocks at
-    4k tokens: the host bytes were 4.6 GB short)."""
-    if c.plan.loss == "chunked" or c.spec.arch_kind != "decoder":
+    """Host bytes ``save_on_cpu`` packs outside the blocks: the final norm's saves (a 16-bit RMSNorm's fp32 input
+    twice, by ``pow`` and by ``mul``); under the standard loss the log-probabilities, packed twice (saved by
+    ``log_softmax`` and by ``nll_loss``: torch's hook packs each save), and the head's weight its matmul saves for
+    the input gradient (its autocast cast under ``*-mixed``; fp32 when peft's k-bit preparation upcast it); the
+    chunked loss packs its chunks' inputs, the normed hidden states. Traced with the simulated engine (Llama-3.2-1B
+    blocks at 4k tokens: the host bytes were 4.6 GB short, then 5-7 % with the chunked loss)."""
+    if c.spec.arch_kind != "decoder":
         return 0
+    h = c.spec.hidden_size
+    final = act.norm_saved(c, h, c.T, c.rb) + (4 * c.T * h if c.spec.norm_kind == "rms" else 0)
+    if c.plan.loss == "chunked":
+        return final + c.rb * c.T * h
     weight = M_head if c.mixed else prm.head_weight_numel(c) * (4 if c.quant is not None else c.wb)
-    return 2 * lg.saved + weight
+    return final + 2 * lg.saved + weight
 
 
 def _components(**kw) -> dict[str, int]:
@@ -156,8 +161,13 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         # input; traced with the simulated engine).
         kept = la.gc_saved if gc and not c.full else 0
         # LLM.int8() keeps its layers' inputs as ctx attributes, which the saved-tensor hooks never see: on the device
+        # (and, without checkpointing, on the host too where an adapter saves the same tensor)
         kept += L * la.gc_extra
-        cpu_act = layers_saved - kept + _loss_packed(c, lg, M_head)
+        if gc:  # packed: every block input, the leaf embedding output too (also kept by its AccumulateGrad)
+            cpu_act = layers_saved - L * la.gc_extra
+        else:  # a checkpointed block packs its input alone
+            cpu_act = layers_saved - L * act.int8_held_only(c, act.layer_roles(spec)) + L * act.offload_repacks(c)
+        cpu_act += _loss_packed(c, lg, M_head)
         layers_saved = kept  # a checkpointed block's recompute (in backward, outside save_on_cpu) stays on the device
         if gc and (spec.norm_kind != "rms" or c.rb == 4):
             # offloaded, a block's input comes back from the host for its recompute and stays through the block's
