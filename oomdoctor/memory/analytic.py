@@ -163,9 +163,9 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         # LLM.int8() keeps its layers' inputs as ctx attributes, which the saved-tensor hooks never see: on the device
         # (and, without checkpointing, on the host too where an adapter saves the same tensor)
         kept += L * la.gc_extra
-        if gc:  # packed: every block input, the leaf embedding output too (also kept by its AccumulateGrad)
+        if gc:  # each checkpointed block packs its input alone, the leaf embedding output too (LoRA: also kept)
             cpu_act = layers_saved - L * la.gc_extra
-        else:  # a checkpointed block packs its input alone
+        else:  # every save, once per save (offload_repacks), but LLM.int8()'s inputs only its ctx holds
             cpu_act = layers_saved - L * act.int8_held_only(c, act.layer_roles(spec)) + L * act.offload_repacks(c)
         cpu_act += _loss_packed(c, lg, M_head)
         layers_saved = kept  # a checkpointed block's recompute (in backward, outside save_on_cpu) stays on the device
