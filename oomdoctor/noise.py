@@ -11,8 +11,14 @@ def quiet_third_party() -> None:
     """bitsandbytes warns at import that an optional CPU 4-bit speed kernel (the ``kernels`` package) is missing;
     transformers 5.x warns on every gradient-checkpointing call that the name changes in v6; DeepSpeed announces
     that it falls back to the CPU, and calls torch collectives under deprecated names. None is actionable for an
-    oomdoctor user."""
+    oomdoctor user. torch's fake-tensor mode logs a traceback when an op's meta kernel refuses its inputs (transformers'
+    grouped expert matmul on a width that is not 16-byte aligned): the replay that ran it reports the failure in one
+    line, or the formulas price the blocks it was measuring."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # a filter, not a level: importing torch later resets its registered loggers' levels
+    fake = logging.getLogger("torch._subclasses.fake_tensor")
+    if not any(isinstance(f, _MetaFailures) for f in fake.filters):
+        fake.addFilter(_MetaFailures())
     _no_deepspeed_accelerator_probe()
     warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6.*", category=FutureWarning)
     # peft's MoE conversion sets rank/alpha patterns for the fused gate_up_proj (rank 2r) and then warns that they
@@ -32,6 +38,14 @@ def _no_deepspeed_accelerator_probe() -> None:
     gpu_nodes = ("/dev/nvidiactl", "/dev/dxg", "/dev/kfd")  # NVIDIA, WSL2's GPU paravirtualization, ROCm
     if "DS_ACCELERATOR" not in os.environ and not any(os.path.exists(p) for p in gpu_nodes):
         os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+class _MetaFailures(logging.Filter):
+    """Drops fake-tensor mode's "failed while attempting to run meta for ..." record (the exception it logs is
+    raised to the replay, which handles it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed while attempting to run meta")
 
 
 class _PlannedRestarts(logging.Filter):

@@ -10,6 +10,7 @@ from oomdoctor.model.architectures import build_spec
 from oomdoctor.model.inventory import spec_from_transformers
 from oomdoctor.model.load import load_config
 from oomdoctor.plan import Plan, validate
+from test_moe import DEEPSEEK_V3
 
 PLAN = validate(Plan(method="lora", precision="bf16", gradient_checkpointing=True, seq_len=2048))
 
@@ -57,6 +58,29 @@ def test_a_vision_language_model_prices_its_vision_tower_as_frozen_parameters():
 def test_a_config_transformers_refuses_is_one_message():
     with pytest.raises(BadInput, match="transformers"):
         build_spec({"model_type": "no_such_model_type_xyz", "hidden_size": 64}, "x")
+
+
+def test_a_moe_config_without_its_top_k_is_one_message():
+    """transformers' default DeepSeek-V2 config leaves num_experts_per_tok unset: its router cannot run (topk with
+    k=None), so it is refused with the key to set, not priced as if it routed to 2 experts."""
+    with pytest.raises(BadInput, match="num_experts_per_tok is not set") as e:
+        build_spec(dict(DEEPSEEK_V3, num_experts_per_tok=None), "x")
+    assert "set num_experts_per_tok in config.json" in str(e.value)
+
+
+def test_a_replay_a_meta_kernel_refuses_prints_no_torch_traceback(tmp_path):
+    """Expert widths the grouped matmul refuses (bf16 rows not 16-byte aligned): the block measurement fails inside
+    fake-tensor mode, whose logger would print a traceback; diagnose prices the blocks by formula and says nothing."""
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(DEEPSEEK_V3, moe_intermediate_size=33)))
+    p = subprocess.run([sys.executable, "-m", "oomdoctor", "diagnose", str(path), "--method", "lora", "--precision",
+                        "bf16", "--seq-len", "64", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "failed while attempting to run meta" not in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("model_type", ["exaone4", "olmo3", "ernie4_5"])

@@ -228,6 +228,23 @@ def _first(tc, keys: tuple[str, ...], default: Any = 0) -> Any:
     return default
 
 
+def _top_k(tc, n_exp: int, name: str) -> int:
+    """Experts each token visits: the config's top-k; 2 when it names none (a MoE config without any of
+    ``TOP_K_KEYS``). A top-k key present but unset is refused: the router would call ``topk`` with ``k=None``
+    (transformers' default DeepSeek-V2 config)."""
+    if not n_exp:
+        return 0
+    k = _first(tc, TOP_K_KEYS, 0)
+    if k:
+        return k
+    unset = [key for key in TOP_K_KEYS if hasattr(tc, key) and getattr(tc, key) is None]
+    if unset:
+        raise BadInput(f"{name}: {unset[0]} is not set in this {n_exp}-expert config, and transformers' router "
+                       "cannot run without it (topk with k=None)",
+                       hint=f"set {unset[0]} in config.json: the experts each token is routed to")
+    return 2
+
+
 @lru_cache(maxsize=32)
 def _cached(cfg_items: tuple, name: str) -> ModelSpec:
     import json
@@ -260,8 +277,7 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
         num_kv_heads=nkv, head_dim=hd, intermediate_size=int(inter), vocab_size=int(getattr(tc, "vocab_size", 0)),
         groups=groups, mlp_kind="gated" if gated else "plain", norm_kind=norm_kind,
         parallel_attn=bool(getattr(tc, "parallel_attn", False) or getattr(tc, "use_parallel_residual", False)),
-        num_experts=n_exp,
-        experts_per_token=_first(tc, TOP_K_KEYS, 2 if n_exp else 0) if n_exp else 0, tie_word_embeddings=tie,
+        num_experts=n_exp, experts_per_token=_top_k(tc, n_exp, name), tie_word_embeddings=tie,
         peft_moe_conversion=_peft_moe_conversion(cfg["model_type"]) if n_exp else "",
         max_position_embeddings=int(getattr(tc, "max_position_embeddings", 0) or 0),
         sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None, config=cfg,
