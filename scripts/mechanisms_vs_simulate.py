@@ -72,34 +72,31 @@ CASES = [
 ]
 
 
-def _default_spec(model_type: str):
+def spec_of(model: str):
+    """A bundled model (``org/name``) or a model type (transformers' default config cut to 8 blocks); ``MODEL@N``:
+    cut to N blocks."""
     from transformers import AutoConfig
 
     from blocks_vs_simulate import shrink
     from oomdoctor.model.architectures import build_spec
+    from oomdoctor.model.load import load_spec
 
-    return build_spec(shrink(AutoConfig.for_model(model_type).to_dict(), 8), model_type)
+    repo, _, cut = model.partition("@")
+    if not cut and "/" in repo:
+        return load_spec(repo)
+    cfg = load_spec(repo).config if "/" in repo else AutoConfig.for_model(repo).to_dict()
+    return build_spec(shrink(dict(cfg), int(cut or 8)), model)
 
 
 def main() -> None:
-    from transformers import AutoConfig
-
     from oomdoctor.engines import estimate
     from oomdoctor.engines.simulate import simulate_plan
-    from oomdoctor.model.load import load_spec
     from oomdoctor.plan import Plan, validate
 
     print(f"{'mechanism':28} {'model':34} {'analytic GiB':>12} {'simulate GiB':>12} {'error':>8}")
     for name, model, kw in CASES:
-        repo, _, cut = model.partition("@")
-        if cut:
-            from blocks_vs_simulate import shrink
-            from oomdoctor.model.architectures import build_spec
-
-            cfg = load_spec(repo).config if "/" in repo else AutoConfig.for_model(repo).to_dict()
-            spec = build_spec(shrink(dict(cfg), int(cut)), model)
-        else:
-            spec = load_spec(model) if "/" in model else _default_spec(model)
+        cut = "@" in model
+        spec = spec_of(model)
         plan = validate(Plan(**kw))
         a = estimate(spec, plan, "analytic").peak_allocated
         s = (simulate_plan(spec, plan, layers="full").breakdown if cut else estimate(spec, plan, "simulate")).peak_allocated

@@ -178,7 +178,8 @@ BLOCK_MOMENTS = {
     "down-adapter-dropout": dict(method="lora", precision="bf16", lora_dropout=0.05),
     # the product's backward: one residual gradient alive, not two (+2.5 %)
     "product-backward": dict(method="qlora", precision="bf16-mixed"),
-    # offloaded: the top block's input is back from the host, and its fp32 norm saves it (-2.5 %)
+    # offloaded: the top block's input is back from the host, and its fp32 norm saves it (-2.5 % with the product's
+    # backward fixed alone: it guards the two fixes together)
     "unpacked-top-input": dict(method="qlora", precision="bf16-mixed", offload_activations=True),
     # offloaded full fine-tune: block 0's input is on the host, its unpacked copy dies with the recompute (+1.9 %;
     # +5.0 % on Llama-3.1-8B blocks at 128k tokens)

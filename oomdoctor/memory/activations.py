@@ -215,22 +215,31 @@ def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_save
         if p > 0:
             d_bytes = 2 if c.mixed else 4  # dropout output (fp32), re-cast to bf16 by autocast in mixed
             total += t * i * (d_bytes + c.mask_b)
-        elif c.gathered_in_compute_dtype:
-            shared_x = True  # bf16 adapters read the bf16 input as it is
-        elif c.mixed and (x_bytes == 4 or not _bnb_skips_input_cast(c, name)):
+        elif adapter_reads_input(c, name, x_bytes):
+            shared_x = True
+        elif c.mixed:
             # per-module bf16 cast of the input that lora_A saves: autocast's cast of an fp32 input, or of peft's
             # fp32 copy of a 16-bit one (``_cast_input_dtype`` to the fp32 adapter's dtype)
             total += 2 * t * i
-        elif c.mixed:
-            shared_x = True  # a bitsandbytes LoRA layer under CUDA autocast saves a 16-bit input as it is
-        elif x_bytes == 4:
-            shared_x = True  # lora_A saves X itself (Identity dropout, no cast)
         else:
             total += 4 * t * i  # per-module fp32 copy from _cast_input_dtype
         total += a_bytes * t * r
     if shared_x and not already_saved:
         total += x_bytes * tokens * max(m_tok(c, m) * i for _n, i, _o, m in consumers)
     return total
+
+
+def adapter_reads_input(c: Ctx, name: str, x_bytes: int) -> bool:
+    """Whether module ``name``'s LoRA adapter saves its input X (of ``x_bytes``) itself, no copy made: no dropout,
+    and bf16 adapters reading a bf16 input (FSDP2 mixed precision), a bitsandbytes LoRA layer under CUDA autocast
+    reading a 16-bit input, or lora_A reading an fp32 input outside autocast (Identity dropout, no cast)."""
+    if c.plan.lora_dropout > 0:
+        return False
+    if c.gathered_in_compute_dtype:
+        return True
+    if c.mixed:
+        return x_bytes != 4 and _bnb_skips_input_cast(c, name)
+    return x_bytes == 4
 
 
 def _bnb_skips_input_cast(c: Ctx, name: str) -> bool:
@@ -255,28 +264,18 @@ def int8_inputs(c: Ctx, roles: LayerRoles, *, gc_kept: bool = False) -> list[tup
     return [(b, w, cons) for b, w, cons in out if any(_quantized(spec, n) for n, *_x in cons)]
 
 
-def int8_held_only(c: Ctx, roles: LayerRoles) -> int:
+def int8_held_only(c: Ctx) -> int:
     """Bytes of a block's LLM.int8() inputs only ``MatMul8bitLt``'s ctx keeps (no save holds that tensor): part of
     what the block keeps without checkpointing, on the device even with activations offloaded."""
     if c.quant != "int8":
         return 0
-    return sum(x_bytes * c.T * width for x_bytes, width, consumers in int8_inputs(c, roles)
+    return sum(x_bytes * c.T * width for x_bytes, width, consumers in int8_inputs(c, layer_roles(c.spec))
                if not _saves_input_itself(c, x_bytes, consumers))
 
 
 def _saves_input_itself(c: Ctx, x_bytes: int, consumers) -> bool:
-    """Whether a LoRA consumer of the tensor saves that very tensor for its adapter (``consumers_saved``'s shared
-    input: no dropout, and no copy for the adapter's dtype)."""
-    if c.plan.lora_dropout > 0:
-        return False
-    for name, *_x in consumers:
-        if not c.is_adapted(name):
-            continue
-        if c.gathered_in_compute_dtype or (c.mixed and x_bytes != 4 and _bnb_skips_input_cast(c, name)):
-            return True
-        if not c.mixed and x_bytes == 4:
-            return True
-    return False
+    """Whether an adapted consumer of the tensor saves that very tensor (``adapter_reads_input``)."""
+    return any(c.is_adapted(name) and adapter_reads_input(c, name, x_bytes) for name, *_x in consumers)
 
 
 def offloaded_mlp_forward(c: Ctx, roles: LayerRoles) -> int:
@@ -295,17 +294,26 @@ def offloaded_mlp_forward(c: Ctx, roles: LayerRoles) -> int:
     moment = held + (3 if gated else 2) * mab * T * spec.intermediate_size  # act out + up out + product | fc1 + act
     if c.full:
         return int(moment)
-    per_out = 3 * c.ab if c.mixed else c.ab + 8
-    first = roles.mlp_in[0][0]
-    for n, w_in, w, _m in roles.mlp_in:
-        if not c.is_adapted(n):
-            continue
+    for w_in, w, first in adapted_mlp_inputs(c, roles):
         copy = 0
         if c.adapter_b == 4 and not c.mixed and mab != 4:
             copy = 4 * T * w_in * (2 if c.plan.lora_dropout > 0 else 1)  # fp32 input copy (+ its dropout output)
-        earlier = 0 if n == first else mab * T * spec.intermediate_size  # the activation's output
-        moment = max(moment, held + per_out * T * w + earlier + copy)
+        earlier = 0 if first else mab * T * spec.intermediate_size  # the activation's output
+        moment = max(moment, held + adapter_out_bytes(c) * T * w + earlier + copy)
     return int(moment)
+
+
+def adapter_out_bytes(c: Ctx) -> int:
+    """Bytes per output element a LoRA module's forward holds at once: the base output, lora_B's output and its
+    scaled copy — in the compute dtype under autocast, else the latter two fp32."""
+    return 3 * c.ab if c.mixed else c.ab + 8
+
+
+def adapted_mlp_inputs(c: Ctx, roles: LayerRoles) -> list[tuple[int, int, bool]]:
+    """(in, out, runs first) of the adapted MLP-input linears, in the order the MLP runs them (gate, then up; a
+    fused gate_up alone)."""
+    first = roles.mlp_in[0][0] if roles.mlp_in else None
+    return [(i, o, n == first) for n, i, o, _m in roles.mlp_in if c.is_adapted(n)]
 
 
 def offload_repacks(c: Ctx) -> int:
@@ -320,8 +328,10 @@ def offload_repacks(c: Ctx) -> int:
     norms = c.sums.hidden_norms_per_layer
     total = norms * 4 * T * h if spec.norm_kind == "rms" else 0
     for x_bytes, consumers in ((c.rb, roles.attn_in), (c.rb, roles.mlp_in)):
-        savers = sum(1 for n, *_x in consumers if _saves_input_itself(c, x_bytes, ((n,),))) if not c.full else (
-            0 if c.mixed and x_bytes == 4 else len(consumers))
+        if c.full:
+            savers = 0 if c.mixed and x_bytes == 4 else len(consumers)  # autocast: each saves its own cast
+        else:
+            savers = sum(1 for n, *_x in consumers if c.is_adapted(n) and adapter_reads_input(c, n, x_bytes))
         total += max(savers - 1, 0) * x_bytes * T * h
     L = max(spec.num_layers, 1)
     weights = sum(g.weight_numel * g.count for g in spec.groups if g.kind == "linear" and g.per_layer
@@ -607,7 +617,7 @@ def layer_activations(c: Ctx) -> LayerActs:
     # autograd/_functions.py; its fp16 cast only feeds the quantization): a distinct input the block's saves do not
     # already keep is alive until the graph is freed. Under checkpointing the recompute's ctx attributes go with its
     # graph; the forward's are ``gc_extra``.
-    int8_in = int8_held_only(c, roles) if not plan.gradient_checkpointing else 0
+    int8_in = int8_held_only(c) if not plan.gradient_checkpointing else 0
 
     # --- hidden dropout (BERT/T5/GPT-2 style configs): a bool mask per dropout on the residual branch
     p_hid = _config_float(spec, "hidden_dropout_prob", "hidden_dropout", "resid_pdrop", "dropout_rate", "dropout")
@@ -634,13 +644,9 @@ def layer_activations(c: Ctx) -> LayerActs:
     # Llama-3.2-1B blocks at 16k tokens (up's adapter in the top block's recompute: -6 % before).
     mlp_adapter_fwd = 0
     if not c.full and roles.mlp_in and not spec.num_experts:
-        per_out = 3 * ab if c.mixed else ab + 8
-        first = roles.mlp_in[0][0]
-        for n, w_in, w, _m in roles.mlp_in:
-            if not c.is_adapted(n):
-                continue
-            later = mlp_after if n == first else mab_global(c, roles) * T * w + down
-            moment = int(per_out * T * w - later + 2 * rb * T * h)
+        for w_in, w, first in adapted_mlp_inputs(c, roles):
+            later = mlp_after if first else mab_global(c, roles) * T * w + down
+            moment = int(adapter_out_bytes(c) * T * w - later + 2 * rb * T * h)
             if not c.mixed and rb != 4 and plan.lora_dropout > 0:
                 moment += 4 * T * w_in
             mlp_adapter_fwd = max(mlp_adapter_fwd, moment)

@@ -166,7 +166,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         if gc:  # each checkpointed block packs its input alone, the leaf embedding output too (LoRA: also kept)
             cpu_act = layers_saved - L * la.gc_extra
         else:  # every save, once per save (offload_repacks), but LLM.int8()'s inputs only its ctx holds
-            cpu_act = layers_saved - L * act.int8_held_only(c, act.layer_roles(spec)) + L * act.offload_repacks(c)
+            cpu_act = layers_saved - L * act.int8_held_only(c) + L * act.offload_repacks(c)
         cpu_act += _loss_packed(c, lg, M_head)
         layers_saved = kept  # a checkpointed block's recompute (in backward, outside save_on_cpu) stays on the device
         if gc and (spec.norm_kind != "rms" or c.rb == 4):
