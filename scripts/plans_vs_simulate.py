@@ -1,15 +1,17 @@
 """Analytic vs simulate over a grid of plans on one model: device peak and, with offloaded activations, host bytes
-(the README's long-context, offloading and LLM.int8() figures).
+(the README's long-context, offloading, LLM.int8() and eager-attention figures).
 
     python scripts/plans_vs_simulate.py --grid long-context [--model meta-llama/Llama-3.2-1B@2] [--seq-len 16384]
     python scripts/plans_vs_simulate.py --grid offload      [--model meta-llama/Llama-3.2-1B@4] [--seq-len 4096]
     python scripts/plans_vs_simulate.py --grid int8         [--model meta-llama/Llama-3.2-1B@4] [--seq-len 4096]
+    python scripts/plans_vs_simulate.py --grid eager        [--model microsoft/phi-2@2] [--seq-len 4096]
 
 ``MODEL@N``: a bundled model (or a model type) cut to N blocks, every block replayed. Grids: ``long-context`` —
 the chunked loss + gradient checkpointing, LoRA (bf16, bf16-mixed, bf16 adapters, dropout, fp32), QLoRA and full
 fine-tuning, on the device and offloaded (16 plans); ``offload`` — activations offloaded with and without
 checkpointing, standard and chunked loss (20 plans); ``int8`` — LLM.int8() QLoRA, bf16 and bf16-mixed, with and
-without checkpointing, chunked loss and offloading (16 plans). Takes minutes (Llama-3.1-8B@2 at 16k: ~10 min).
+without checkpointing, chunked loss and offloading (16 plans); ``eager`` — eager attention, LoRA/QLoRA/full, with
+and without checkpointing (8 plans). Takes minutes (Llama-3.1-8B@2 at 16k: ~10 min).
 """
 
 from __future__ import annotations
@@ -35,9 +37,13 @@ GRIDS = {
              for precision in ("bf16", "bf16-mixed") for gc in (True, False)
              for extra in (dict(), dict(loss="chunked"), dict(offload_activations=True),
                            dict(loss="chunked", offload_activations=True))],
+    "eager": [dict(attn="eager", gradient_checkpointing=gc, **kw)
+              for kw in (dict(method="lora", precision="bf16"), dict(method="qlora", precision="bf16-mixed"),
+                         dict(method="full", precision="bf16"), dict(method="full", precision="fp32"))
+              for gc in (False, True)],
 }
 DEFAULTS = {"long-context": ("meta-llama/Llama-3.2-1B@2", 16384), "offload": ("meta-llama/Llama-3.2-1B@4", 4096),
-            "int8": ("meta-llama/Llama-3.2-1B@4", 4096)}
+            "int8": ("meta-llama/Llama-3.2-1B@4", 4096), "eager": ("microsoft/phi-2@2", 4096)}
 
 
 def _label(kw: dict) -> str:

@@ -176,18 +176,25 @@ def _config_float(spec: ModelSpec, *keys: str) -> float:
     return 0.0
 
 
+#: RMSNorms that multiply their weight into the fp32 normalized input and cast the product back (Gemma:
+#: ``output * (1.0 + self.weight.float())``; OLMo 2/3 and OLMoE: ``(self.weight * hidden_states).to(input_dtype)``):
+#: with a trainable weight the product saves that fp32 ``y``, where Llama's saves ``y`` cast back to the input dtype.
+FP32_PRODUCT_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "olmo2", "olmo3", "olmoe", "qwen3_next"})
+
+
 def norm_saved(c: Ctx, dim: int, tokens: int, x_bytes: int) -> int:
     """Bytes one norm over ``dim`` saves for backward when its input requires grad."""
     trainable = c.full
     if c.spec.norm_kind == "rms":
         # LlamaRMSNorm: x.to(fp32) (saved by pow and mul) + rsqrt + (weight * y saves y when the weight trains).
+        y_bytes = 4 if c.spec.model_type in FP32_PRODUCT_NORMS else x_bytes
         extra = 0
         if c.spec.model_type == "t5" and x_bytes != 4:
             # T5LayerNorm multiplies the 16-bit input itself by the fp32 rsqrt (the product saves that input) and
             # keeps its 16-bit cast of the result (measured tensor by tensor on a real CPU T5 step; with a trainable
             # weight that cast is the ``y`` counted below).
             extra = x_bytes * dim + (0 if trainable else c.ab * dim)
-        return tokens * (4 * dim + RMS_STATS_BYTES + (x_bytes * dim if trainable else 0) + extra)
+        return tokens * (4 * dim + RMS_STATS_BYTES + (y_bytes * dim if trainable else 0) + extra)
     # native_layer_norm saves input, mean, rstd (CUDA autocast runs layer_norm in fp32: input fp32 in mixed).
     return tokens * (x_bytes * dim + LN_STATS_BYTES)
 
@@ -303,6 +310,20 @@ def offloaded_mlp_forward(c: Ctx, roles: LayerRoles) -> int:
     return int(moment)
 
 
+def eager_forward_transient(c: Ctx) -> int:
+    """Bytes per score element eager attention holds in forward beyond the block's saves (transformers
+    ``eager_attention_forward``). Its saves (soft-capping's tanh, the fp32 softmax, the probabilities' cast — the
+    same tensor in fp32) are in the block's saves already, and the masked scores stay alive until the softmax line
+    ends: at the cast they are the one score tensor above the saves (at ``+ mask``, the scaled and the masked scores
+    are two, but the softmax and its cast are not made yet). Checkpointed, the forward saves nothing: the masked
+    scores, the softmax and its cast are alive together. Traced with the simulated engine on tiny Llama and Gemma 2
+    blocks (+4 … +14 % before, which priced all three on top of the saves)."""
+    ab = c.ab
+    if c.plan.gradient_checkpointing:
+        return ab + 4 + (0 if ab == 4 else ab)
+    return ab
+
+
 def adapter_out_bytes(c: Ctx) -> int:
     """Bytes per output element a LoRA module's forward holds at once: the base output, lora_B's output and its
     scaled copy — in the compute dtype under autocast, else the latter two fp32."""
@@ -317,16 +338,17 @@ def adapted_mlp_inputs(c: Ctx, roles: LayerRoles) -> list[tuple[int, int, bool]]
 
 
 def offload_repacks(c: Ctx) -> int:
-    """Host bytes ``save_on_cpu`` packs per block beyond what the block keeps on the device without it: the hook
-    packs once per save, so a tensor several ops save is copied out once each — a 16-bit RMSNorm's fp32 input (saved
-    by ``pow`` and by ``mul``), a norm output several linears save as it is (full fine-tuning's q/k/v and gate/up,
-    LoRA adapters reading the input itself) — and the weight each non-quantized linear saves for its input gradient
-    (its autocast cast under ``*-mixed``; a parameter, not an activation, on the device). Traced with the simulated
-    engine on Llama-3.2-1B blocks at 4k tokens, offloaded without checkpointing (host bytes 5-39 % short before)."""
+    """Host bytes ``save_on_cpu`` packs per block beyond what the block keeps on the device without it: the hook packs
+    once per save, so a tensor several ops save is copied out once each — an RMSNorm's fp32 input (saved by ``pow``
+    and by ``mul``; the q/k norms' too), a norm output several linears save as it is (full fine-tuning's q/k/v and
+    gate/up, LoRA adapters reading the input itself) — and the weight each non-quantized linear saves for its input
+    gradient (its autocast cast under ``*-mixed``; a parameter, not an activation, on the device). Traced with the
+    simulated engine on Llama-3.2-1B blocks at 4k tokens, offloaded without checkpointing (host bytes 5-39 % short
+    before)."""
     spec, T, h = c.spec, c.T, c.spec.hidden_size
     roles = layer_roles(spec)
-    norms = c.sums.hidden_norms_per_layer
-    total = norms * 4 * T * h if spec.norm_kind == "rms" else 0
+    qk = spec.num_heads * spec.head_dim + spec.num_kv_heads * spec.head_dim if c.sums.head_dim_norms_per_layer else 0
+    total = 4 * T * (c.sums.hidden_norms_per_layer * h + qk) if spec.norm_kind == "rms" else 0
     for x_bytes, consumers in ((c.rb, roles.attn_in), (c.rb, roles.mlp_in)):
         if c.full:
             savers = 0 if c.mixed and x_bytes == 4 else len(consumers)  # autocast: each saves its own cast
@@ -497,9 +519,12 @@ def layer_activations(c: Ctx) -> LayerActs:
     # --- norms over the hidden size (input: residual stream, rb bytes)
     n_hidden_norms = c.sums.hidden_norms_per_layer or (1 if spec.parallel_attn else 2)
     norms = n_hidden_norms * norm_saved(c, h, T, rb)
-    # per-head q/k norms (Qwen3): over q (T x qd) and k (T x kvd), input in the compute dtype
+    # q/k norms over q (T x qd) and k (T x kvd), input in the compute dtype; per head (Qwen3) their statistics are
+    # per head, over the whole projection (OLMo 2) per token
     if c.sums.head_dim_norms_per_layer:
-        norms += norm_saved(c, qd, T, ab) + norm_saved(c, kvd, T, ab) - T * RMS_STATS_BYTES * 2 + T * 4 * (nh + nkv)
+        norms += norm_saved(c, qd, T, ab) + norm_saved(c, kvd, T, ab)
+        if c.sums.qk_norms_per_head:
+            norms += (nh + nkv - 2) * T * RMS_STATS_BYTES
 
     # --- attention
     att = consumers_saved(c, T, rb, roles.attn_in)
@@ -518,7 +543,8 @@ def layer_activations(c: Ctx) -> LayerActs:
         if p_att > 0:
             inner += (c.mask_b + ab) * B * nh * S * S
         out_saved_by_attn = False
-        inner += ab * T * qd if c.full and not c.mixed else 0  # contiguous output copy saved by a trainable o_proj
+        out_copy = ab * T * qd if c.full and not c.mixed else 0  # contiguous output copy saved by a trainable o_proj
+        inner += out_copy
     else:
         inner = ab * T * (qd + kv_w) + ab * T * qd + 4 * B * nh * S  # q,k,v + out + logsumexp
         if spec.model_type == "t5":
@@ -673,7 +699,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         else:
             fwd_t = max(fwd_t, (ab + 8) * T * widest)  # base output + fp32 lora_B output + its scaled copy
     if attn_impl == "eager":
-        fwd_t = max(fwd_t, (2 * ab + 4) * B * nh * S * S)
+        fwd_t = max(fwd_t, eager_forward_transient(c) * B * nh * S * S)
     if plan.offload_activations and not plan.gradient_checkpointing:
         fwd_t = max(fwd_t, offloaded_mlp_forward(c, roles))
 
@@ -714,14 +740,22 @@ def layer_activations(c: Ctx) -> LayerActs:
         elif c.full and experts_implementation(plan) == "eager":
             stacks = prm.expert_stacks(c)
             mlp_b = max(mlp_b, eager_expert_grads(c, stacks.get("gate_up_proj", 0), stacks.get("down_proj", 0)))
-    att_b = ab * T * (qd + kv_w) + 4 * T * qd
+    att_b = flow + ab * T * (qd + kv_w) + 4 * T * qd
     if attn_impl == "eager":
         # at the softmax backward: the probabilities' gradient in fp32 and the softmax's input gradient (fp32),
-        # the compute-dtype probabilities already freed by the PV matmul's backward: (ab + 4) bytes per score net.
-        # Already freed too, in a sequential block: what the output projection, the MLP norm and the MLP saved
-        # (their backward ran first). Measured op by op on a replayed Llama block (eager, GC, bf16/fp32).
-        after = 0 if spec.parallel_attn else out_saved + norm_saved(c, h, T, rb) + mlp
-        att_b = (ab + 4) * B * nh * S * S + ab * T * (qd + kv_w) - after
+        # the compute-dtype probabilities already freed by the PV matmul's backward: (ab + 4) bytes per score net;
+        # the gradient of the (repeated) values and the residual's. Already freed: what the output projection
+        # saved and the values the PV matmul saved, what the later norms (Gemma 2: three) and the MLP saved: their
+        # backward ran first, in a parallel block too (Phi, GPT-NeoX: the MLP runs after the attention in forward;
+        # there the MLP branch's gradient of the shared norm output waits for the attention's). Traced op by op
+        # with the simulated engine (tiny Llama, Gemma 2 and Phi blocks checkpointed: +2 … +15 % before, which kept
+        # the values, the output copy and the MLP of a parallel block, and added the keys' gradient, made only at
+        # the next matmul's backward when the scores' gradients are smaller).
+        after = out_saved + out_copy + ab * T * kv_w * rep / 2
+        norms_after = n_hidden_norms - (0 if c.sums.post_norms_only else 1)  # all but the attention's pre-norm
+        after += norms_after * norm_saved(c, h, T, rb) + mlp
+        grads_in = (2 if spec.parallel_attn else 1) * rb * T * h
+        att_b = grads_in + (ab + 4) * B * nh * S * S + ab * T * qd - after
     lora_b = 0
     if not c.full:
         # peft LoRA backward of one adapted module (in -> out), the module's saved tensors still alive: first the
@@ -750,7 +784,7 @@ def layer_activations(c: Ctx) -> LayerActs:
                     # shapes (tests/test_simulate_vs_analytic.py).
                     b += ab * T * up_width - mlp_after
                 lora_b = max(lora_b, b)
-    bwd_extra = int(max(rb * T * h + mlp_b, flow + att_b, flow + lora_b))
+    bwd_extra = int(max(rb * T * h + mlp_b, att_b, flow + lora_b))
     alias = 0
     if spec.norm_kind != "rms" or rb == 4:
         alias = rb * T * h  # the first norm saves the block input tensor itself
@@ -803,18 +837,40 @@ def sliding_fraction(c: Ctx) -> float:
 
 
 def shared_forward_bytes(c: Ctx) -> int:
-    """Tensors shared by all blocks during forward: rotary cos/sin (positions of batch 1), for eager the 4-D float
-    causal mask (B x 1 x S x S in the residual dtype), for SDPA with sliding-window blocks their boolean mask (S x S
-    expanded over the batch; full-attention blocks run ``is_causal`` without one)."""
+    """Tensors shared by all blocks during forward: rotary cos/sin (positions of batch 1) and the attention masks
+    (:func:`forward_mask_bytes`)."""
     spec = c.spec
     cos_sin = 2 * c.S * spec.head_dim * c.rb if spec.model_type not in ("gpt2", "bert", "t5") else 0
+    return cos_sin + forward_mask_bytes(c)
+
+
+def forward_mask_bytes(c: Ctx) -> int:
+    """The masks the model makes before its blocks: for eager a 4-D float causal mask (B x 1 x S x S in the
+    residual dtype) per attention kind in ``layer_types`` (Gemma 2's full and sliding blocks: two), for SDPA with
+    sliding-window blocks their boolean mask (S x S expanded over the batch; full-attention blocks run
+    ``is_causal`` without one). No op saves them (``scores + mask``; SDPA saves its own
+    additive copy, priced per block), so they die when the model's forward returns, before the loss — unless
+    checkpointed blocks hold them as recompute arguments until their backward (measured with the simulated engine
+    on tiny Llama blocks, eager fp32: the mask was priced at the loss, +2 % before). T5's zero cross-attention
+    bias is saved by every SDPA: counted here, never freed early."""
+    spec = c.spec
     impl = effective_attn(spec, c.plan.attn)
-    mask = c.rb * c.B * c.S * c.S if impl == "eager" else 0
+    kinds = spec.config.get("layer_types")
+    n_kinds = len({k for k in kinds if str(k).endswith("attention")}) if isinstance(kinds, list) else 0
+    mask = max(n_kinds, 1) * c.rb * c.B * c.S * c.S if impl == "eager" else 0  # one per attention kind
     if impl == "sdpa" and sliding_fraction(c):
         mask += c.S * c.S  # one boolean S x S, expanded (not copied) over the batch
-    if spec.model_type == "t5" and effective_attn(spec, c.plan.attn) != "eager":
+    if spec.model_type == "t5" and impl != "eager":
         mask += c.ab * spec.num_heads * c.S * c.S  # the decoder's zero cross-attention bias, saved by every SDPA
-    return cos_sin + mask
+    return mask
+
+
+def released_mask_bytes(c: Ctx) -> int:
+    """Mask bytes gone after the model's forward (:func:`forward_mask_bytes`): all of them without checkpointing
+    (T5's bias excepted), none with it."""
+    if c.plan.gradient_checkpointing or c.spec.model_type == "t5":
+        return 0
+    return forward_mask_bytes(c)
 
 
 def final_saved(c: Ctx, measured: BlockSaves | None = None) -> int:

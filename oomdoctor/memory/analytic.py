@@ -142,7 +142,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
 
     # ---- activations
     la = act.measured_layer_activations(c, blocks) if blocks else act.layer_activations(c)
-    shared = act.shared_forward_bytes(c)
+    shared = act.shared_forward_bytes(c) - act.released_mask_bytes(c)  # from the loss on
     fin = act.final_saved(c, blocks)
     lg = lgt.logits_memory(c)
     if gc:
@@ -227,7 +227,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     fwd_at_loss = _components(parameters=P, master_weights=M_at_loss, gradients=G_pre, optimizer_states=O,
                               activations=A_end, logits=fwd_extra_logits)
     fwd_in_block = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
-                               activations=A_end - fin, temporaries=fwd_tmp)
+                               activations=A_end - fin + act.released_mask_bytes(c), temporaries=fwd_tmp)
     fwd = max(rank("forward" + shd.LOSS_MOMENT, fwd_at_loss), rank("forward", fwd_in_block),
               key=lambda d: sum(d.values()))
     phases["forward"] = (sum(fwd.values()), fwd)

@@ -53,7 +53,10 @@ class SpecSums:
     hidden_norms_per_layer: int
     """Norms over the hidden size in one block (2 for Llama, 4 for Gemma2, 1 for parallel blocks)."""
     head_dim_norms_per_layer: int
-    """Per-head q/k norms in one block (Qwen3)."""
+    """Query/key norms in one block: per head (Qwen3, width ``head_dim``) or over the whole projection (OLMo 2/3,
+    width ``heads * head_dim``, which is the hidden size when the heads span it)."""
+    qk_norms_per_head: bool
+    """The query/key norms normalize each head (per-head statistics), not the whole projection."""
     tower_numel: int
     """Parameters of a multimodal model's towers (:attr:`ParamGroup.tower`): held, never trained."""
     post_norms_only: bool
@@ -62,7 +65,8 @@ class SpecSums:
     ``input_layernorm``): the attention reads the block input itself."""
 
 
-#: Query/key norms (OLMo 2/3 normalize over all heads: hidden-sized when the heads span the hidden size).
+#: Query/key norms: read the projections' outputs, never the residual stream, whatever their width (OLMo 2/3
+#: normalize over all heads: hidden-sized when the heads span the hidden size).
 QK_NORM_NAMES = frozenset({"q_norm", "k_norm"})
 
 
@@ -73,6 +77,7 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
     n_t = 0
     hidden_norms = head_norms = 0
     hidden_norm_names = set()
+    per_head = True
     L = max(spec.num_layers, 1)
     for g in spec.groups:
         if g.kind == "linear":
@@ -90,11 +95,12 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
             n_t += g.count
             if g.kind == "norm" and g.per_layer:
                 per = g.count / L
-                if g.numel_each in (spec.hidden_size, 2 * spec.hidden_size):
+                if g.name not in QK_NORM_NAMES and g.numel_each in (spec.hidden_size, 2 * spec.hidden_size):
                     hidden_norms += per
                     hidden_norm_names.add(g.name)
                 else:
                     head_norms += per
+                    per_head = per_head and g.numel_each == spec.head_dim
         max_t = max(max_t, g.weight_numel)
         tower += g.total_numel if g.tower else 0
         if g.per_layer:
@@ -110,9 +116,9 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
         n_tensors=n_t,
         hidden_norms_per_layer=max(int(round(hidden_norms)), 0),
         head_dim_norms_per_layer=int(round(head_norms)),
+        qk_norms_per_head=per_head,
         tower_numel=tower,
-        post_norms_only=bool(hidden_norm_names) and all(n.startswith("post_") or n in QK_NORM_NAMES
-                                                         for n in hidden_norm_names),
+        post_norms_only=bool(hidden_norm_names) and all(n.startswith("post_") for n in hidden_norm_names),
     )
 
 
