@@ -265,36 +265,39 @@ def test_offloaded_activations_device_and_host_bytes(kw):
     assert abs(a.cpu_offloaded - s.cpu_offloaded) <= 0.05 * s.cpu_offloaded, (a.cpu_offloaded, s.cpu_offloaded)
 
 
-#: Attention and norm moments on transformers' default configs at a tiny size (4 blocks, 2 x 256 tokens, where the
+#: Attention, norm and MLP moments on transformers' default configs at a tiny size (4 blocks, 2 x 256 tokens, where the
 #: seq^2 scores and the small terms weigh): the error of the formulas before, against the replay.
-ATTENTION_AND_NORMS = {
+TINY_CONFIG_MOMENTS = {
     # eager attention: its saves were priced again as forward transients (+13.5 %), its mask at the loss (+2 %)
-    "llama full fp32 eager": ("llama", dict(method="full", precision="fp32", attn="eager")),
+    "llama full fp32 eager": ("llama", {}, dict(method="full", precision="fp32", attn="eager")),
     # ... and in a checkpointed backward the values, the output copy and a keys' gradient kept (+3.7 %)
-    "llama full fp32 eager GC": ("llama", dict(method="full", precision="fp32", attn="eager",
+    "llama full fp32 eager GC": ("llama", {}, dict(method="full", precision="fp32", attn="eager",
                                                gradient_checkpointing=True)),
     # Gemma 2 runs eager (soft-capping): two masks (full and sliding), three norms after the attention (+4.4 %)
-    "gemma2 full bf16 GC": ("gemma2", dict(method="full", precision="bf16", gradient_checkpointing=True)),
+    "gemma2 full bf16 GC": ("gemma2", {}, dict(method="full", precision="bf16", gradient_checkpointing=True)),
     # a parallel block (Phi): the MLP's backward runs first here too (+14.7 %)
-    "phi lora mixed eager GC": ("phi", dict(method="lora", precision="bf16-mixed", attn="eager",
+    "phi lora mixed eager GC": ("phi", {}, dict(method="lora", precision="bf16-mixed", attn="eager",
                                             gradient_checkpointing=True)),
     # Gemma's norm keeps its fp32 product for a trainable weight (-6.2 %)
-    "gemma full bf16": ("gemma", dict(method="full", precision="bf16")),
+    "gemma full bf16": ("gemma", {}, dict(method="full", precision="bf16")),
     # OLMo 2's q_norm over all heads (= hidden here) was priced as a hidden norm and again as a q/k norm (+3.6 %)
-    "olmo2 lora mixed": ("olmo2", dict(method="lora", precision="bf16-mixed")),
+    "olmo2 lora mixed": ("olmo2", {}, dict(method="lora", precision="bf16-mixed")),
     # ... and with it alone fixed, its full fine-tune's fp32 norm products were missing (-8.7 %)
-    "olmo2 full bf16": ("olmo2", dict(method="full", precision="bf16")),
+    "olmo2 full bf16": ("olmo2", {}, dict(method="full", precision="bf16")),
+    # an MLP as wide as the hidden size: its projections were classified as attention inputs by shape (+8.6 %)
+    "llama I = h lora q_proj": ("llama", dict(intermediate_size=64, num_attention_heads=8, head_dim=32),
+                                dict(method="lora", precision="bf16", lora_targets=("q_proj",))),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type,kw", list(ATTENTION_AND_NORMS.values()), ids=list(ATTENTION_AND_NORMS))
-def test_attention_and_norm_moments_of_tiny_default_configs(model_type, kw):
+@pytest.mark.parametrize("model_type,cfg,kw", list(TINY_CONFIG_MOMENTS.values()), ids=list(TINY_CONFIG_MOMENTS))
+def test_attention_norm_and_mlp_moments_of_tiny_default_configs(model_type, cfg, kw):
     from oomdoctor.engines import estimate
     from oomdoctor.plan import Plan as HFPlan
     from test_blocks import tiny
 
-    spec = spec_from_config(tiny(model_type, layers=4), name=model_type)
+    spec = spec_from_config(tiny(model_type, layers=4, **cfg), name=model_type)
     plan = validate(HFPlan(seq_len=256, micro_batch=2, **kw))
     a = estimate(spec, plan, "analytic").peak_allocated
     s = estimate(spec, plan, "simulate").peak_allocated

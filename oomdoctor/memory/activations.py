@@ -68,6 +68,11 @@ class LayerRoles:
 #: Attention input projections by module name (separate or fused q/k/v), classified before the shape rules.
 ATTN_IN_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack",
                            "query", "key", "value", "q", "k", "v"})
+#: MLP projections by module name: classify them when the intermediate size equals the hidden size, where their
+#: shapes look like the attention's.
+MLP_IN_NAMES = frozenset({"gate_proj", "up_proj", "gate_up_proj", "fc1", "w1", "w3", "c_fc", "dense_h_to_4h",
+                          "wi", "wi_0", "wi_1"})
+MLP_OUT_NAMES = frozenset({"down_proj", "fc2", "w2", "dense_4h_to_h", "wo"})
 
 
 @lru_cache(maxsize=256)
@@ -92,6 +97,10 @@ def layer_roles(spec: ModelSpec) -> LayerRoles:
             fused_up = fused_up or g.out_features == 2 * inter
             mlp_in.append(item)
         elif g.in_features == inter and g.out_features == h and inter != h:
+            mlp_out.append(item)
+        elif inter == h and g.name in MLP_IN_NAMES:
+            mlp_in.append(item)
+        elif inter == h and g.name in MLP_OUT_NAMES:
             mlp_out.append(item)
         elif g.out_features == h and g.in_features != h:
             attn_out.append(item)
@@ -697,7 +706,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         if mlp_adapter_fwd and widest == max(o for n, _i, o, _m in roles.mlp_in if c.is_adapted(n)):
             fwd_t = max(fwd_t, mlp_adapter_fwd)  # the widest adapter is an MLP input: net of the MLP's later tensors
         else:
-            fwd_t = max(fwd_t, (ab + 8) * T * widest)  # base output + fp32 lora_B output + its scaled copy
+            fwd_t = max(fwd_t, adapter_out_bytes(c) * T * widest)  # base output, lora_B output, its scaled copy
     if attn_impl == "eager":
         fwd_t = max(fwd_t, eager_forward_transient(c) * B * nh * S * S)
     if plan.offload_activations and not plan.gradient_checkpointing:
