@@ -68,6 +68,9 @@ class LayerRoles:
 #: Attention input projections by module name (separate or fused q/k/v), classified before the shape rules.
 ATTN_IN_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack",
                            "query", "key", "value", "q", "k", "v"})
+#: Models whose rotary embedding concatenates q's rotated and passed parts (``apply_rotary_pos_emb`` with
+#: ``torch.cat``): a contiguous (B, heads, S, hd) query.
+CONCATENATED_QUERY = frozenset({"phi", "phi3", "gpt_neox", "stablelm", "persimmon"})
 #: MLP projections by module name: classify them when the intermediate size equals the hidden size, where their
 #: shapes look like the attention's.
 MLP_IN_NAMES = frozenset({"gate_proj", "up_proj", "gate_up_proj", "fc1", "w1", "w3", "c_fc", "dense_h_to_4h",
@@ -570,13 +573,20 @@ def layer_activations(c: Ctx) -> LayerActs:
             inner += masked * ab * B * S * S
             if nkv and nkv < nh:
                 inner += (1.0 if hd > 256 else masked) * ab * T * 2 * (qd - kvd)
-        if len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon"):
+        fp32_qkv = c.quant is not None and c.mixed and roles.attn_in and _quantized(spec, roles.attn_in[0][0])
+        if len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon") and not fp32_qkv:
             # fused qkv (Phi-3 qkv_proj): v is a view of the fused output, so SDPA's saved v keeps all of it alive
-            # while rotary made new q/k.
+            # while rotary made new q/k — unless autocast casts v for SDPA: a bitsandbytes qkv under autocast
+            # returns fp32 (traced on replayed Phi-3-mini blocks, QLoRA: 25 MB per block at 2k tokens over before)
             inner += ab * T * (qd + kv_w / 2)
-        out_saved_by_attn = True
+        # partial rotary concatenates the rotated and passed parts of q: q reaches SDPA contiguous in (B, heads, S,
+        # hd), flash lays its output out like the query (CUDA ``mha_fwd``'s ``empty_like(q)``, the CPU kernel
+        # alike), and the ``transpose(1, 2).contiguous()`` before the output projection copies it (measured tensor
+        # by tensor on replayed Phi blocks; other models' q keeps the projection's (B, S, heads, hd) layout)
+        out_saved_by_attn = spec.model_type not in CONCATENATED_QUERY
     att += n_att * inner
-    out_saved = consumers_saved(c, T, ab, roles.attn_out, already_saved=out_saved_by_attn or (c.full and not c.mixed))
+    already = out_saved_by_attn or (attn_impl == "eager" and c.full and not c.mixed)  # eager: the copy is in inner
+    out_saved = consumers_saved(c, T, ab, roles.attn_out, already_saved=already)
     if attn_impl == "eager" and c.full and c.mixed:
         out_saved += n_att * ab * T * qd  # o_proj saves the bf16 output copy (autocast cast is a no-op on bf16)
     att += out_saved
@@ -630,10 +640,12 @@ def layer_activations(c: Ctx) -> LayerActs:
         down = consumers_saved(c, T, ab, roles.mlp_out)
         mlp += down
     else:
-        mlp = consumers_saved(c, T, rb, roles.mlp_in)
+        # a parallel block's attention and MLP read the same norm output: saved once when the attention's linears
+        # save it as it is (a full fine-tune; LoRA adapters reading their input itself)
+        shared_norm_saved = spec.parallel_attn and (c.full or any(
+            c.is_adapted(n) and adapter_reads_input(c, n, rb) for n, *_x in roles.attn_in))
+        mlp = consumers_saved(c, T, rb, roles.mlp_in, already_saved=shared_norm_saved)
         mlp_after = -mlp  # + the total below: what the MLP saves after its input linears
-        if spec.parallel_attn and c.full and not (c.mixed and rb == 4):
-            mlp -= rb * T * h  # attention and MLP read the same saved norm output
         # bitsandbytes Linear4bit/8bitLt return ``out.to(input dtype)``: under autocast their inputs are the fp32
         # norm outputs, so the MLP intermediates are fp32 (measured by the simulate engine: +6·T·I per layer).
         mab = 4 if (c.quant is not None and c.mixed and any(_quantized(spec, n) for n, *_x in roles.mlp_in)) else ab
@@ -685,16 +697,21 @@ def layer_activations(c: Ctx) -> LayerActs:
             if not c.mixed and rb != 4 and plan.lora_dropout > 0:
                 moment += 4 * T * w_in
             mlp_adapter_fwd = max(mlp_adapter_fwd, moment)
-        # a 16-bit MLP product reaches an fp32 down adapter through peft's fp32 cast of it (alive for the module's
-        # forward) next to the base output and the residual and norm output the running forward holds: in block
-        # 0's recompute, after every MLP save. Under autocast the cast is not saved (autocast saves its 16-bit
-        # recast, made after: the product's bytes); in pure 16-bit with dropout the cast is not saved either (the
-        # dropout output is) and the product is alive next to it (traced op by op with the simulated engine on
-        # Llama-3.2-1B blocks at 16k tokens: -4.0 % before under autocast, -3.9 % with dropout 0.05 in bf16)
+        # the down adapter's forward in block 0's recompute, after every MLP save, next to the base output and the
+        # residual and norm output the running forward holds: fp32 copies of the MLP product that are not saved —
+        # peft's cast of a 16-bit product to the fp32 adapter (autocast saves its 16-bit recast, made after; in
+        # pure 16-bit with dropout the dropout output is saved, and the product is alive next to it), and under
+        # autocast with dropout the fp32 dropout output (autocast saves lora_A's 16-bit cast of it; a bitsandbytes
+        # MLP's product is fp32 already). Traced op by op with the simulated engine: Llama-3.2-1B blocks at 16k
+        # tokens (-4.0 % before under autocast, -3.9 % with dropout 0.05 in bf16), Phi-3 shapes with dropout 0.05
+        # (QLoRA + GC -5.2 %, LoRA under autocast -2.3 % before)
         w_down = max((i for n, i, _o, _m in roles.mlp_out if c.is_adapted(n)), default=0)
-        if w_down and c.adapter_b == 4 and mab_global(c, roles) == 2 and (c.mixed or plan.lora_dropout > 0):
-            product = 0 if c.mixed else 2 * T * w_down
-            mlp_adapter_fwd = max(mlp_adapter_fwd, int(4 * T * w_down + product + ab * T * h + 2 * rb * T * h))
+        mab, dropout = mab_global(c, roles), plan.lora_dropout > 0
+        copies = (1 if mab == 2 and (c.mixed or dropout) else 0) + (1 if c.mixed and dropout else 0)
+        if w_down and c.adapter_b == 4 and copies:
+            product = 2 * T * w_down if mab == 2 and not c.mixed else 0
+            mlp_adapter_fwd = max(mlp_adapter_fwd,
+                                  int(copies * 4 * T * w_down + product + ab * T * h + 2 * rb * T * h))
 
     # forward transients: gated product inputs + output, mixed-precision fp32 rotary copies, LoRA fp32 branch
     # outputs, eager scores.
@@ -872,6 +889,24 @@ def forward_mask_bytes(c: Ctx) -> int:
     if spec.model_type == "t5" and impl != "eager":
         mask += c.ab * spec.num_heads * c.S * c.S  # the decoder's zero cross-attention bias, saved by every SDPA
     return mask
+
+
+#: Models that scale the input embeddings in the model's forward, outside the embedding module (Granite's
+#: ``embedding_multiplier``; Gemma scales inside its embedding module).
+EMBEDDINGS_SCALED_IN_FORWARD = frozenset({"granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "falcon_h1",
+                                          "hyperclovax", "recurrent_gemma"})
+
+
+def embedding_leaf_bytes(c: Ctx) -> int:
+    """Under checkpointing, transformers makes a frozen embedding's output require grad: a leaf its
+    ``AccumulateGrad`` node keeps all step. Where the model scales it in its forward, block 0's input (a kept
+    checkpoint input) is another tensor, so the leaf is one more T x h (traced with the simulated engine on a tiny
+    Granite, LoRA + GC: -2 … -4 % before). Offloaded, the leaf is what stays on the device already."""
+    spec = c.spec
+    if (not c.plan.gradient_checkpointing or c.full or c.plan.offload_activations
+            or spec.model_type not in EMBEDDINGS_SCALED_IN_FORWARD):
+        return 0
+    return c.rb * c.T * spec.hidden_size
 
 
 def released_mask_bytes(c: Ctx) -> int:

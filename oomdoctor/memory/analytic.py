@@ -142,7 +142,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
 
     # ---- activations
     la = act.measured_layer_activations(c, blocks) if blocks else act.layer_activations(c)
-    shared = act.shared_forward_bytes(c) - act.released_mask_bytes(c)  # from the loss on
+    shared = act.shared_forward_bytes(c) - act.released_mask_bytes(c) + act.embedding_leaf_bytes(c)
     fin = act.final_saved(c, blocks)
     lg = lgt.logits_memory(c)
     if gc:
