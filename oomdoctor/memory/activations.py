@@ -874,11 +874,11 @@ def forward_mask_bytes(c: Ctx) -> int:
     """The masks the model makes before its blocks: for eager a 4-D float causal mask (B x 1 x S x S in the
     residual dtype) per attention kind in ``layer_types`` (Gemma 2's full and sliding blocks: two), for SDPA with
     sliding-window blocks their boolean mask (S x S expanded over the batch; full-attention blocks run
-    ``is_causal`` without one). No op saves them (``scores + mask``; SDPA saves its own
-    additive copy, priced per block), so they die when the model's forward returns, before the loss — unless
-    checkpointed blocks hold them as recompute arguments until their backward (measured with the simulated engine
-    on tiny Llama blocks, eager fp32: the mask was priced at the loss, +2 % before). T5's zero cross-attention
-    bias is saved by every SDPA: counted here, never freed early."""
+    ``is_causal`` without one). No op saves them (``scores + mask``; SDPA saves its own additive copy, priced per
+    block), so they die when the model's forward returns, before the loss — unless checkpointed blocks hold them as
+    recompute arguments until their backward (measured with the simulated engine on tiny Llama blocks, eager fp32:
+    the mask was priced at the loss, +2 % before). T5's zero cross-attention bias is saved by every SDPA: counted
+    here, never freed early."""
     spec = c.spec
     impl = effective_attn(spec, c.plan.attn)
     kinds = spec.config.get("layer_types")
