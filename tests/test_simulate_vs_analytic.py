@@ -284,12 +284,21 @@ TINY_CONFIG_MOMENTS = {
     "olmo2 lora mixed": ("olmo2", {}, dict(method="lora", precision="bf16-mixed")),
     # ... and with it alone fixed, its full fine-tune's fp32 norm products were missing (-8.7 %)
     "olmo2 full bf16": ("olmo2", {}, dict(method="full", precision="bf16")),
+    # ... and its post-MLP norm back-propagates first, every save alive: five fp32 temporaries (-3.3 %)
+    "olmo2 lora chunked GC": ("olmo2", {}, dict(method="lora", precision="bf16", loss="chunked",
+                                               gradient_checkpointing=True)),
     # Phi's partial rotary concatenates q: flash lays its output out like q, and the output projection's input is a
     # copy (-3.6 %); with it, LoRA fp32 (adapters reading their input) counted the shared norm output twice (+3.9 %)
     "phi full bf16": ("phi", {}, dict(method="full", precision="bf16")),
     "phi lora fp32": ("phi", {}, dict(method="lora", precision="fp32")),
     # Granite scales the embedding output in its forward: the checkpointed leaf is one more tensor (-3.8 %)
     "granite qlora GC": ("granite", {}, dict(method="qlora", precision="bf16-mixed", gradient_checkpointing=True)),
+    # eager and offloaded without checkpointing: the device holds the unpacked softmax output, not the block's
+    # saves (-44 %); in fp32 the host keeps the probabilities twice, saved by the softmax and the PV matmul (-27 %)
+    "llama lora bf16 eager offloaded": ("llama", {}, dict(method="lora", precision="bf16", attn="eager",
+                                                         offload_activations=True)),
+    "llama full fp32 eager offloaded": ("llama", {}, dict(method="full", precision="fp32", attn="eager",
+                                                         offload_activations=True)),
     # an MLP as wide as the hidden size: its projections were classified as attention inputs by shape (+8.6 %)
     "llama I = h lora q_proj": ("llama", dict(intermediate_size=64, num_attention_heads=8, head_dim=32),
                                 dict(method="lora", precision="bf16", lora_targets=("q_proj",))),
@@ -305,6 +314,9 @@ def test_attention_norm_and_mlp_moments_of_tiny_default_configs(model_type, cfg,
 
     spec = spec_from_config(tiny(model_type, layers=4, **cfg), name=model_type)
     plan = validate(HFPlan(seq_len=256, micro_batch=2, **kw))
-    a = estimate(spec, plan, "analytic").peak_allocated
-    s = estimate(spec, plan, "simulate").peak_allocated
-    assert abs(a - s) / s < 0.02, (a, s, f"{(a - s) / s:+.2%}")
+    a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
+    err = (a.peak_allocated - s.peak_allocated) / s.peak_allocated
+    assert abs(err) < 0.02, (a.peak_allocated, s.peak_allocated, f"{err:+.2%}")
+    if plan.offload_activations:
+        host = (a.cpu_offloaded - s.cpu_offloaded) / s.cpu_offloaded
+        assert abs(host) < 0.03, (a.cpu_offloaded, s.cpu_offloaded, f"host {host:+.2%}")

@@ -43,6 +43,9 @@ from oomdoctor.model.spec import ModelSpec
 
 #: Per-token fp32 statistics an RMSNorm saves (rsqrt of the variance).
 RMS_STATS_BYTES = 4
+#: fp32 T x dim temporaries an RMSNorm's backward holds at its peak (the simulated engine: the weight's and the
+#: normalization's gradients, mean's expand, pow's backward and its scaling).
+RMS_BACKWARD_TEMPS = 5
 #: Per-token fp32 statistics a LayerNorm saves (mean and rstd).
 LN_STATS_BYTES = 8
 
@@ -328,10 +331,11 @@ def eager_forward_transient(c: Ctx) -> int:
     same tensor in fp32) are in the block's saves already, and the masked scores stay alive until the softmax line
     ends: at the cast they are the one score tensor above the saves (at ``+ mask``, the scaled and the masked scores
     are two, but the softmax and its cast are not made yet). Checkpointed, the forward saves nothing: the masked
-    scores, the softmax and its cast are alive together. Traced with the simulated engine on tiny Llama and Gemma 2
-    blocks (+4 … +14 % before, which priced all three on top of the saves)."""
+    scores, the softmax and its cast are alive together; so it is offloaded (``save_on_cpu`` copies the saves out,
+    the block keeps none on the device). Traced with the simulated engine on tiny Llama and Gemma 2 blocks (+4 …
+    +14 % before, which priced all three on top of the saves)."""
     ab = c.ab
-    if c.plan.gradient_checkpointing:
+    if c.plan.gradient_checkpointing or c.plan.offload_activations:
         return ab + 4 + (0 if ab == 4 else ab)
     return ab
 
@@ -353,10 +357,10 @@ def offload_repacks(c: Ctx) -> int:
     """Host bytes ``save_on_cpu`` packs per block beyond what the block keeps on the device without it: the hook packs
     once per save, so a tensor several ops save is copied out once each — an RMSNorm's fp32 input (saved by ``pow``
     and by ``mul``; the q/k norms' too), a norm output several linears save as it is (full fine-tuning's q/k/v and
-    gate/up, LoRA adapters reading the input itself) — and the weight each non-quantized linear saves for its input
-    gradient (its autocast cast under ``*-mixed``; a parameter, not an activation, on the device). Traced with the
-    simulated engine on Llama-3.2-1B blocks at 4k tokens, offloaded without checkpointing (host bytes 5-39 % short
-    before)."""
+    gate/up, LoRA adapters reading the input itself, eager attention's fp32 probabilities) — and the weight each
+    non-quantized linear saves for its input gradient (its autocast cast under ``*-mixed``; a parameter, not an
+    activation, on the device). Traced with the simulated engine on Llama-3.2-1B blocks at 4k tokens, offloaded
+    without checkpointing (host bytes 5-39 % short before)."""
     spec, T, h = c.spec, c.T, c.spec.hidden_size
     roles = layer_roles(spec)
     qk = spec.num_heads * spec.head_dim + spec.num_kv_heads * spec.head_dim if c.sums.head_dim_norms_per_layer else 0
@@ -370,6 +374,10 @@ def offload_repacks(c: Ctx) -> int:
     L = max(spec.num_layers, 1)
     weights = sum(g.weight_numel * g.count for g in spec.groups if g.kind == "linear" and g.per_layer
                   and not (c.quant is not None and _quantized(spec, g.name))) // L
+    if effective_attn(spec, c.plan.attn) == "eager" and c.ab == 4:
+        # in fp32 the probabilities' cast is the softmax output itself: saved by the softmax and by the PV matmul
+        # (tiny Llama and Gemma 2 blocks, full fp32 offloaded: host 27 % and 17 % short before)
+        total += 4 * c.B * spec.num_heads * c.S * c.S
     return int(total + weights * (2 if c.mixed else c.wb))
 
 
@@ -782,6 +790,11 @@ def layer_activations(c: Ctx) -> LayerActs:
         after += norms_after * norm_saved(c, h, T, rb) + mlp
         grads_in = (2 if spec.parallel_attn else 1) * rb * T * h
         att_b = grads_in + (ab + 4) * B * nh * S * S + ab * T * qd - after
+        if plan.offload_activations and not plan.gradient_checkpointing:
+            # offloaded, the block's saves are on the host: the device holds the fp32 softmax output its backward
+            # unpacked next to the two fp32 gradients (the cast's, unpacked by the PV matmul's backward, is freed)
+            # and nothing the block saved after (tiny Llama and Gemma 2 blocks, LoRA bf16: -44 % and -37 % before)
+            att_b = grads_in + 12 * B * nh * S * S + ab * T * qd
     lora_b = 0
     if not c.full:
         # peft LoRA backward of one adapted module (in -> out), the module's saved tensors still alive: first the
@@ -810,7 +823,11 @@ def layer_activations(c: Ctx) -> LayerActs:
                     # shapes (tests/test_simulate_vs_analytic.py).
                     b += ab * T * up_width - mlp_after
                 lora_b = max(lora_b, b)
-    bwd_extra = int(max(rb * T * h + mlp_b, att_b, flow + lora_b))
+    # a norm over the MLP output back-propagates first, with every save of the block alive: an RMSNorm's backward
+    # holds five fp32 T x h temporaries at once (through the weight, rsqrt, mean and pow; OLMo 2 blocks, LoRA + GC
+    # with the chunked loss: -3.3 % before)
+    norm_b = flow + RMS_BACKWARD_TEMPS * 4 * T * h if c.sums.post_mlp_norm and spec.norm_kind == "rms" else 0
+    bwd_extra = int(max(rb * T * h + mlp_b, att_b, flow + lora_b, norm_b))
     alias = 0
     if spec.norm_kind != "rms" or rb == 4:
         alias = rb * T * h  # the first norm saves the block input tensor itself

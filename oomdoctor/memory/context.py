@@ -59,6 +59,9 @@ class SpecSums:
     """The query/key norms normalize each head (per-head statistics), not the whole projection."""
     tower_numel: int
     """Parameters of a multimodal model's towers (:attr:`ParamGroup.tower`): held, never trained."""
+    post_mlp_norm: bool
+    """A norm over the MLP's output (``post_feedforward_layernorm``: Gemma 2/3, OLMo 2/3): its backward runs first in
+    the block's, every save of the block still alive."""
     post_norms_only: bool
     """Every hidden-size norm of a block follows its sublayer (OLMo 2/3, EXAONE 4: ``post_attention_layernorm`` and
     ``post_feedforward_layernorm`` only; Llama's ``post_attention_layernorm`` is the MLP's pre-norm, next to
@@ -118,6 +121,7 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
         head_dim_norms_per_layer=int(round(head_norms)),
         qk_norms_per_head=per_head,
         tower_numel=tower,
+        post_mlp_norm="post_feedforward_layernorm" in hidden_norm_names,
         post_norms_only=bool(hidden_norm_names) and all(n.startswith("post_") for n in hidden_norm_names),
     )
 
