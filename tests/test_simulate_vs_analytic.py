@@ -299,6 +299,8 @@ TINY_CONFIG_MOMENTS = {
                                                          offload_activations=True)),
     "llama full fp32 eager offloaded": ("llama", {}, dict(method="full", precision="fp32", attn="eager",
                                                          offload_activations=True)),
+    # offloaded, the final norm's saves are on the host when the loss back-propagates (+2.9 %)
+    "llama lora bf16 offloaded": ("llama", {}, dict(method="lora", precision="bf16", offload_activations=True)),
     # an MLP as wide as the hidden size: its projections were classified as attention inputs by shape (+8.6 %)
     "llama I = h lora q_proj": ("llama", dict(intermediate_size=64, num_attention_heads=8, head_dim=32),
                                 dict(method="lora", precision="bf16", lora_targets=("q_proj",))),
