@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 16
+VERSION = 17
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
@@ -121,12 +121,12 @@ def block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
 
 def _bytes_doc(b: BlockBytes) -> dict:
     return {"per_block": list(b.per_block), "final": b.final, "forward_transient": b.forward_transient,
-            "backward_transient": b.backward_transient}
+            "backward_transient": b.backward_transient, "backward_over_gradients": b.backward_over_gradients}
 
 
 def _bytes_of(doc: dict) -> BlockBytes:
     return BlockBytes(tuple(int(x) for x in doc["per_block"]), int(doc["final"]), int(doc["forward_transient"]),
-                      int(doc["backward_transient"]))
+                      int(doc["backward_transient"]), int(doc["backward_over_gradients"]))
 
 
 @lru_cache(maxsize=512)
@@ -198,7 +198,8 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
         layers = find_layers(model)
         n = len(layers)
         per_block = [0] * (n + 1)  # the blocks, then the final norm
-        fwd_t, bwd_t = [0] * n, [0] * n
+        fwd_t, bwd_t, bwd_net = [0] * n, [0] * n, [0] * n
+        grads_at_start = [0]
         # a storage is (address, birth): an address freed during the forward is reused by a later storage
         seen: set[tuple[int, int]] = set()
         current, start, stack_out = [-1], [0], []
@@ -259,11 +260,14 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
             if bwd_block[0] >= 0:  # block i's output is block i+1's input: its gradient ends block i+1's backward
                 bwd_leave(bwd_block[0])
             bwd_block[0], start[0] = i, lb.current
+            grads_at_start[0] = lb.current_categories()["gradients"]
             lb.reset_peak()
 
         def bwd_leave(i: int):
             if bwd_block[0] == i:
                 bwd_t[i] = max(bwd_t[i], lb.peak - start[0])
+                made = lb.current_categories()["gradients"] - grads_at_start[0]  # this block's weight gradients
+                bwd_net[i] = max(bwd_net[i], lb.peak - start[0] - made)
                 bwd_block[0] = -1
 
         hooks = []
@@ -308,7 +312,7 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
         lb.remove_hooks()
     saves = extend(tuple(per_block[:-1]), q, p, spec.num_layers)
     return BlockBytes(saves, per_block[-1], forward_over_saves(saves, extend(tuple(fwd_t), q, p, spec.num_layers)),
-                      max(bwd_t))
+                      max(bwd_t), max(bwd_net))
 
 
 def forward_over_saves(saves: tuple[int, ...], transients: tuple[int, ...]) -> int:

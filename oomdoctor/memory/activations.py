@@ -399,6 +399,10 @@ class BlockBytes:
     backward_transient: int
     """The largest peak of a block's backward above the bytes alive when it starts, its weights' gradients included
     (under gradient checkpointing: with its recompute)."""
+    backward_over_gradients: int
+    """The largest peak of a block's backward above the bytes alive when it starts and the weight gradients it makes:
+    what the bottom moment adds to gradients it counts as made already (a hybrid stack's MoE blocks make far more
+    than the average block)."""
 
 
 @dataclass(frozen=True)
@@ -435,7 +439,8 @@ class BlockSaves:
         one, two = self.one, self.two
         return BlockBytes(tuple(line(a, b) for a, b in zip(one.per_block, two.per_block)), line(one.final, two.final),
                           line(one.forward_transient, two.forward_transient),
-                          line(one.backward_transient, two.backward_transient))
+                          line(one.backward_transient, two.backward_transient),
+                          line(one.backward_over_gradients, two.backward_over_gradients))
 
 
 @dataclass(frozen=True)
@@ -469,6 +474,9 @@ class LayerActs:
     fp32 cast of the 16-bit product and the base output, every MLP save alive) — plus the forward's held residual/norm
     output, with the block's output gradient (rb, twice) and its fp32 copy alive, and block 0's first-norm saves back
     (``enable_input_require_grads``: the embedding output requires grad under GC)."""
+    bwd_over_gradients: int | None = None
+    """Measured blocks: ``bwd_extra`` net of the weight gradients the block makes (the bottom moment counts the
+    stack's gradients as made); None where ``bwd_extra`` holds no weight gradient (the formulas)."""
 
 
 #: Model types whose router hands the experts fp32 routing weights (transformers ``MixtralTopKRouter.forward``:
@@ -853,12 +861,15 @@ def measured_layer_activations(c: Ctx, measured: BlockSaves) -> LayerActs:
     per = m.per_block
     # a block's backward starts with the gradient of its output alive (made by the block above or the head): the
     # measurement's baseline, not its transient
-    fwd, bwd = m.forward_transient, m.backward_transient + c.rb * c.T * c.spec.hidden_size
+    grad = c.rb * c.T * c.spec.hidden_size
+    fwd, bwd = m.forward_transient, m.backward_transient + grad
+    net = m.backward_over_gradients + grad
     if measured.checkpointed:
         # the backward transient of a checkpointed block includes its recompute: nothing else is recomputed
         return replace(la, saved=0, stack=sum(per), bottom=0, gc_alias=0, fwd_transient=fwd, bwd_extra=bwd,
-                       gc_recompute=0)
-    return replace(la, stack=sum(per), bottom=per[0], fwd_transient=fwd, bwd_extra=bwd, gc_recompute=0)
+                       gc_recompute=0, bwd_over_gradients=net)
+    return replace(la, stack=sum(per), bottom=per[0], fwd_transient=fwd, bwd_extra=bwd, gc_recompute=0,
+                   bwd_over_gradients=net)
 
 
 def sliding_fraction(c: Ctx) -> float:
