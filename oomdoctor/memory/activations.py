@@ -171,9 +171,13 @@ def effective_attn(spec: ModelSpec, attn: str) -> str:
 
 def mab_global(c: Ctx, roles: LayerRoles) -> int:
     """Bytes per element of the MLP intermediates (fp32 when bitsandbytes layers run under autocast)."""
-    if c.quant is not None and c.mixed and any(_quantized(c.spec, n) for n, *_x in roles.mlp_in):
-        return 4
-    return c.ab
+    return 4 if bnb_outputs_fp32(c, roles.mlp_in) else c.ab
+
+
+def bnb_outputs_fp32(c: Ctx, linears) -> bool:
+    """bitsandbytes ``Linear4bit``/``Linear8bitLt`` return ``out.to(input dtype)``: under autocast their inputs are
+    fp32 norm outputs, so a quantized one among ``linears`` (role tuples) outputs fp32."""
+    return c.quant is not None and c.mixed and any(_quantized(c.spec, n) for n, *_x in linears)
 
 
 def _quantized(spec: ModelSpec, name: str) -> bool:
@@ -191,10 +195,11 @@ def _config_float(spec: ModelSpec, *keys: str) -> float:
     return 0.0
 
 
-#: RMSNorms that multiply their weight into the fp32 normalized input and cast the product back (Gemma:
-#: ``output * (1.0 + self.weight.float())``; OLMo 2/3 and OLMoE: ``(self.weight * hidden_states).to(input_dtype)``):
-#: with a trainable weight the product saves that fp32 ``y``, where Llama's saves ``y`` cast back to the input dtype.
-FP32_PRODUCT_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "olmo2", "olmo3", "olmoe", "qwen3_next"})
+#: RMSNorms that multiply their weight into the fp32 normalized input and cast the product back (Gemma 1-3 and
+#: Qwen3-Next: ``output * (1.0 + self.weight.float())``; OLMo 2/3: ``(self.weight * hidden_states).to(input_dtype)``):
+#: with a trainable weight the product saves that fp32 ``y``, where Llama's (and OLMoE's) saves ``y`` cast back to
+#: the input dtype.
+FP32_PRODUCT_NORMS = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text", "olmo2", "olmo3", "qwen3_next"})
 
 
 def norm_saved(c: Ctx, dim: int, tokens: int, x_bytes: int) -> int:
@@ -589,8 +594,8 @@ def layer_activations(c: Ctx) -> LayerActs:
             inner += masked * ab * B * S * S
             if nkv and nkv < nh:
                 inner += (1.0 if hd > 256 else masked) * ab * T * 2 * (qd - kvd)
-        fp32_qkv = c.quant is not None and c.mixed and roles.attn_in and _quantized(spec, roles.attn_in[0][0])
-        if len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon") and not fp32_qkv:
+        if (len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon")
+                and not bnb_outputs_fp32(c, roles.attn_in)):
             # fused qkv (Phi-3 qkv_proj): v is a view of the fused output, so SDPA's saved v keeps all of it alive
             # while rotary made new q/k — unless autocast casts v for SDPA: a bitsandbytes qkv under autocast
             # returns fp32 (traced on replayed Phi-3-mini blocks, QLoRA: 25 MB per block at 2k tokens over before)
@@ -658,13 +663,11 @@ def layer_activations(c: Ctx) -> LayerActs:
     else:
         # a parallel block's attention and MLP read the same norm output: saved once when the attention's linears
         # save it as it is (a full fine-tune; LoRA adapters reading their input itself)
-        shared_norm_saved = spec.parallel_attn and (c.full or any(
-            c.is_adapted(n) and adapter_reads_input(c, n, rb) for n, *_x in roles.attn_in))
+        shared_norm_saved = spec.parallel_attn and (c.full or _saves_input_itself(c, rb, roles.attn_in))
         mlp = consumers_saved(c, T, rb, roles.mlp_in, already_saved=shared_norm_saved)
         mlp_after = -mlp  # + the total below: what the MLP saves after its input linears
-        # bitsandbytes Linear4bit/8bitLt return ``out.to(input dtype)``: under autocast their inputs are the fp32
-        # norm outputs, so the MLP intermediates are fp32 (measured by the simulate engine: +6·T·I per layer).
-        mab = 4 if (c.quant is not None and c.mixed and any(_quantized(spec, n) for n, *_x in roles.mlp_in)) else ab
+        # bitsandbytes under autocast: fp32 MLP intermediates (measured by the simulate engine: +6·T·I per layer)
+        mab = mab_global(c, roles)
         mlp += (3 if gated else 1) * mab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
         mlp += act_extra_tensors(spec) * mab * T * I  # activations composed of several pointwise ops
         if c.mixed and mab == 2 and activation_name(spec) in POW_ACTS:
@@ -720,7 +723,8 @@ def layer_activations(c: Ctx) -> LayerActs:
         # autocast with dropout the fp32 dropout output (autocast saves lora_A's 16-bit cast of it; a bitsandbytes
         # MLP's product is fp32 already). Traced op by op with the simulated engine: Llama-3.2-1B blocks at 16k
         # tokens (-4.0 % before under autocast, -3.9 % with dropout 0.05 in bf16), Phi-3 shapes with dropout 0.05
-        # (QLoRA + GC -5.2 %, LoRA under autocast -2.3 % before)
+        # (QLoRA + GC -5.2 % once the fused qkv was priced right, LoRA under autocast -2.3 % before; scripts/
+        # plans_vs_simulate.py --grid tests)
         w_down = max((i for n, i, _o, _m in roles.mlp_out if c.is_adapted(n)), default=0)
         mab, dropout = mab_global(c, roles), plan.lora_dropout > 0
         copies = (1 if mab == 2 and (c.mixed or dropout) else 0) + (1 if c.mixed and dropout else 0)

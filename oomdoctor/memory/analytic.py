@@ -142,7 +142,8 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
 
     # ---- activations
     la = act.measured_layer_activations(c, blocks) if blocks else act.layer_activations(c)
-    shared = act.shared_forward_bytes(c) - act.released_mask_bytes(c) + act.embedding_leaf_bytes(c)
+    released = act.released_mask_bytes(c)  # masks alive in the blocks' forward, gone from the loss on
+    shared = act.shared_forward_bytes(c) - released + act.embedding_leaf_bytes(c)
     fin = act.final_saved(c, blocks)
     lg = lgt.logits_memory(c)
     if gc:
@@ -233,7 +234,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     fwd_at_loss = _components(parameters=P, master_weights=M_at_loss, gradients=G_pre, optimizer_states=O,
                               activations=A_end, logits=fwd_extra_logits)
     fwd_in_block = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
-                               activations=A_end - fin + act.released_mask_bytes(c), temporaries=fwd_tmp)
+                               activations=A_end - fin + released, temporaries=fwd_tmp)
     fwd = max(rank("forward" + shd.LOSS_MOMENT, fwd_at_loss), rank("forward", fwd_in_block),
               key=lambda d: sum(d.values()))
     phases["forward"] = (sum(fwd.values()), fwd)
@@ -244,9 +245,8 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     # and checkpointed blocks saved no casts: only the head's copy is left.
     # offloaded, the final norm's saves are on the host once the forward has returned (the head's backward
     # unpacks its input later: tiny Llama, Qwen3, Granite blocks, LoRA bf16 offloaded: +2.4 … +2.9 % before)
-    fin_on_device = 0 if plan.offload_activations else fin
     at_loss = _components(parameters=P, master_weights=M_loss, gradients=G_pre, optimizer_states=O,
-                          activations=A_end - fin + fin_on_device, logits=lg.backward_peak)
+                          activations=A_end - (fin if plan.offload_activations else 0), logits=lg.backward_peak)
     top_acts = layers_saved + shared + (recompute if (gc or plan.offload_activations) else 0)
     at_top = _components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
                          activations=top_acts, temporaries=la.bwd_extra + unpack_tmp + unpack_top)
