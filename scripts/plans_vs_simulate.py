@@ -5,18 +5,22 @@
     python scripts/plans_vs_simulate.py --grid offload      [--model meta-llama/Llama-3.2-1B@4] [--seq-len 4096]
     python scripts/plans_vs_simulate.py --grid int8         [--model meta-llama/Llama-3.2-1B@4] [--seq-len 4096]
     python scripts/plans_vs_simulate.py --grid eager        [--model microsoft/phi-2@2] [--seq-len 4096]
+    python scripts/plans_vs_simulate.py --grid tests
 
 ``MODEL@N``: a bundled model (or a model type) cut to N blocks, every block replayed. Grids: ``long-context`` —
 the chunked loss + gradient checkpointing, LoRA (bf16, bf16-mixed, bf16 adapters, dropout, fp32), QLoRA and full
 fine-tuning, on the device and offloaded (16 plans); ``offload`` — activations offloaded with and without
 checkpointing, standard and chunked loss (20 plans); ``int8`` — LLM.int8() QLoRA, bf16 and bf16-mixed, with and
 without checkpointing, chunked loss and offloading (16 plans); ``eager`` — eager attention, LoRA/QLoRA/full, with
-and without checkpointing (8 plans). Takes minutes (Llama-3.1-8B@2 at 16k: ~10 min).
+and without checkpointing (8 plans); ``tests`` — the grid ``tests/test_simulate_vs_analytic.py`` holds within 5 %
+(small Llama and Phi-3 shapes, its own models and plans: ``--model``/``--seq-len`` do not apply). Takes minutes (Llama-3.1-8B@2 at 16k: ~10 min).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 GRIDS = {
     "long-context": [dict(loss="chunked", gradient_checkpointing=True, offload_activations=off, **kw)
@@ -52,7 +56,7 @@ def _label(kw: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", choices=sorted(GRIDS), required=True)
+    ap.add_argument("--grid", choices=sorted(GRIDS) + ["tests"], required=True)
     ap.add_argument("--model")
     ap.add_argument("--seq-len", type=int)
     args = ap.parse_args()
@@ -62,6 +66,9 @@ def main() -> None:
     from oomdoctor.engines.simulate import simulate_plan
     from oomdoctor.plan import Plan, validate
 
+    if args.grid == "tests":
+        _test_grid()
+        return
     model = args.model or DEFAULTS[args.grid][0]
     seq_len = args.seq_len or DEFAULTS[args.grid][1]
     spec = spec_of(model)
@@ -77,6 +84,23 @@ def main() -> None:
             row += (f" {a.cpu_offloaded / 2**30:8.3f} {s.cpu_offloaded / 2**30:8.3f} "
                     f"{100 * (a.cpu_offloaded - s.cpu_offloaded) / s.cpu_offloaded:+7.2f}%")
         print(row, flush=True)
+
+
+def _test_grid() -> None:
+    """Each cell of the test suite's analytic-vs-simulate grid, as the test computes it (in MiB)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_simulate_vs_analytic as t
+
+    from oomdoctor.engines import estimate
+    from oomdoctor.model.load import spec_from_config
+    from oomdoctor.plan import validate
+
+    print(f"{'model':6} {'plan':80} {'analytic':>9} {'simulate':>9} {'error':>8}")
+    for model, plan in t.GRID:
+        plan = validate(plan)
+        spec = spec_from_config(t.MODELS[model], name=model)
+        a, s = estimate(spec, plan, "analytic").peak_allocated, estimate(spec, plan, "simulate").peak_allocated
+        print(f"{model:6} {t._id(plan):80} {a / 2**20:9.1f} {s / 2**20:9.1f} {100 * (a - s) / s:+7.2f}%", flush=True)
 
 
 if __name__ == "__main__":
