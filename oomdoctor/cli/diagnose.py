@@ -46,6 +46,7 @@ def diagnose(
     adapter_dtype: Optional[str] = plan_option("adapter_dtype", "fp32, peft's default"),
     quant: Optional[str] = plan_option("quant"),
     double_quant: Optional[bool] = plan_option("double_quant"),
+    kbit_upcast: Optional[bool] = plan_option("kbit_upcast", "on with a quantized base (peft's k-bit preparation)"),
     offload: Optional[str] = offload_option(),
     world_size: Optional[int] = plan_option("world_size", "1"),
     strategy: Optional[str] = plan_option("strategy", "single on one GPU; with --gpus N > 1 ddp, fsdp, zero2, "
@@ -53,6 +54,7 @@ def diagnose(
     shard_group: Optional[int] = plan_option("shard_group", "every rank"),
     reshard_after_forward: Optional[bool] = plan_option("reshard_after_forward", "on"),
     bucket_size: Optional[int] = plan_option("bucket_size", "hidden^2 for ZeRO"),
+    trainer: Optional[str] = plan_option("trainer", "oomdoctor"),
     micro_batch: Optional[int] = plan_option("micro_batch", "1"),
     seq_len: Optional[int] = plan_option("seq_len", "min(2048, model max)"),
     gpu_mem: Optional[str] = typer.Option(None, help="card size: 24GB (10^9), 24GiB (2^30), 24000MiB; default: NVML"),
@@ -72,10 +74,10 @@ def diagnose(
         method=method, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
         gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
         optimizer_in_backward=optimizer_in_backward, tiled_mlp=tiled_mlp, lora_targets=lora_targets,
-        lora_on_head=lora_on_head, adapter_dtype=adapter_dtype, quant=quant, double_quant=double_quant,
+        lora_on_head=lora_on_head, adapter_dtype=adapter_dtype, quant=quant, double_quant=double_quant, kbit_upcast=kbit_upcast,
         offload=offload,
         micro_batch=micro_batch, seq_len=seq_len, world_size=world_size, strategy=strategy, shard_group=shard_group,
-        reshard_after_forward=reshard_after_forward, bucket_size=bucket_size,
+        reshard_after_forward=reshard_after_forward, bucket_size=bucket_size, trainer=trainer,
     )
     capacity = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
     report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top)

@@ -65,6 +65,7 @@ def tune(
     adapter_dtype: Optional[str] = plan_option("adapter_dtype", "fp32, peft's default"),
     quant: Optional[str] = plan_option("quant"),
     double_quant: Optional[bool] = plan_option("double_quant"),
+    kbit_upcast: Optional[bool] = plan_option("kbit_upcast", "on with a quantized base (peft's k-bit preparation)"),
     offload: Optional[str] = offload_option(),
     world_size: Optional[int] = plan_option("world_size", "1"),
     gpus_per_node: Optional[int] = typer.Option(
@@ -116,7 +117,7 @@ def tune(
         precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
         gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
         optimizer_in_backward=optimizer_in_backward, tiled_mlp=tiled_mlp, lora_targets=lora_targets,
-        lora_on_head=lora_on_head, adapter_dtype=adapter_dtype, quant=quant, double_quant=double_quant,
+        lora_on_head=lora_on_head, adapter_dtype=adapter_dtype, quant=quant, double_quant=double_quant, kbit_upcast=kbit_upcast,
         offload=offload,
         world_size=world_size, strategy=strategy, shard_group=shard_group,
         reshard_after_forward=reshard_after_forward, bucket_size=bucket_size,

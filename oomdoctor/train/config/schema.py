@@ -67,6 +67,7 @@ _GROUPS = {
     "sgd_momentum": "memory: optimizer",
     "lora_r": "memory: LoRA", "lora_alpha": "memory: LoRA", "lora_dropout": "memory: LoRA",
     "lora_targets": "memory: LoRA", "adapter_dtype": "memory: LoRA", "double_quant": "memory: quantized base (bitsandbytes)",
+    "kbit_upcast": "memory: quantized base (bitsandbytes)", "trainer": "memory: method and precision",
     **{k: "memory: scale-out (per rank)" for k in ("world_size", "strategy", "shard_group", "reshard_after_forward",
                                                   "bucket_size", "offload_params")},
 }
