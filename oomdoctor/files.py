@@ -36,4 +36,15 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, overwrite: bool = F
     return out
 
 
-__all__ = ["write_text_atomic"]
+def free_path(path: str | os.PathLike) -> Path:
+    """``path``, or when it exists the first free ``STEM-2.SUFFIX``, ``STEM-3.SUFFIX``... beside it (a default output
+    name never replaces a file)."""
+    p = Path(path)
+    n = 2
+    while p.exists():
+        p = p.with_name(f"{Path(path).stem}-{n}{Path(path).suffix}")
+        n += 1
+    return p
+
+
+__all__ = ["free_path", "write_text_atomic"]

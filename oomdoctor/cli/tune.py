@@ -84,8 +84,9 @@ def tune(
     tokenizer: Optional[str] = typer.Option(None, help="tokenizer for config-only models (init: random)"),
     emit: str = typer.Option(
         "oomdoctor", "--emit", help="oomdoctor (the `oomdoctor train` YAML) | trl (`trl sft --config`) | hf "
-                                    "(TrainingArguments JSON + model/peft/bnb kwargs) | axolotl | accelerate (launch "
-                                    "config); knobs the tool cannot express are listed"),
+                                    "(transformers' Trainer: TrainingArguments JSON + model/peft/bnb keys) | axolotl | "
+                                    "accelerate (launch config): tune searches only the plans that trainer runs, "
+                                    "priced as its step runs (`oomdoctor targets` lists what each runs)"),
     launch: bool = typer.Option(False, "--launch", help="run `oomdoctor train` on the written config right away"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
@@ -129,18 +130,21 @@ def tune(
         typer.echo("searching plans with the analytic memory model...", err=True)
     if micro_batch is not None:
         pins["micro_batch"] = micro_batch
+    if emit != "oomdoctor":  # search and price only what that trainer runs, as it runs it
+        pins["trainer"] = emit
     result = run_tune(model, gpu_mem=cap, seq_len=seq, global_batch=global_batch, method=method, prefer=prefer,
                       margin=margin, pins=pins, verify_mode=verify, gpus_per_node=gpus_per_node, host_mem=host)
     written = None
     if emit == "oomdoctor":
         path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)
     else:
-        written = write_emitted(result, model, emit, output, overwrite=force, dataset=dataset)
+        written = write_emitted(result, model, output, overwrite=force, dataset=dataset)
         path = result.config_path = str(written.path)
     if as_json:
         doc = result.to_dict()
         doc["emit"] = emit
         doc["emit_notes"] = list(written.emitted.notes) if written is not None else []
+        doc["emit_knobs"] = list(written.emitted.knobs) if written is not None else []
         if written is not None:
             doc["command"] = written.command
         emit_json(doc)

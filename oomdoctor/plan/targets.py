@@ -27,8 +27,9 @@ not installable here: axolotl pins older transformers/peft/trl).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
+from oomdoctor.errors import BadInput
 from oomdoctor.plan.plan import DEEPSPEED, SHARDED, Plan, validate
 from oomdoctor.plan.techniques import DEFAULTS, TECHNIQUES, TRAINERS, TORCH_OPTIMIZERS
 
@@ -158,7 +159,7 @@ TRL: dict[str, Rule] = {
     "optimizer_impl": Rule(("optim",), refuse=_hf_optim_impl),
     "sgd_momentum": Rule(("optim_args",)),
     "attn": Rule(("attn_implementation",)),
-    "gradient_checkpointing": Rule(("gradient_checkpointing", "gradient_checkpointing_kwargs.use_reentrant")),
+    "gradient_checkpointing": Rule(("activation_checkpointing", "activation_checkpointing_kwargs.use_reentrant")),
     "loss": Rule(how="TRL's fused LM head (SFTTrainer's only loss: per-token log-probs, entropy and top-1 over "
                      "vocabulary chunks; no full logits)",
                  refuse=_when(lambda p: p.loss != "chunked", "SFTTrainer always computes the loss through its fused "
@@ -199,7 +200,7 @@ HF: dict[str, Rule] = {
     "optimizer_impl": Rule(("optim",), refuse=_hf_optim_impl),
     "sgd_momentum": Rule(("optim_args",)),
     "attn": Rule(("model_init_kwargs.attn_implementation",)),
-    "gradient_checkpointing": Rule(("gradient_checkpointing", "gradient_checkpointing_kwargs.use_reentrant")),
+    "gradient_checkpointing": Rule(("activation_checkpointing", "activation_checkpointing_kwargs.use_reentrant")),
     "loss": Rule(("use_liger_kernel",), "standard: transformers' loss over the full logits | chunked: Liger's fused "
                                         "linear cross-entropy (`pip install liger-kernel`, CUDA)"),
     "tiled_mlp": Rule(refuse=_NO_TILED),
@@ -418,11 +419,41 @@ def conflict(knob: str, value: Any, plan: Plan) -> Refusal:
     return Refusal(knob, value, why or rule.how or f"{plan.trainer} runs {knob} {_show(getattr(plan, knob))} here")
 
 
+def runnable(plans: Iterable[Plan], trainer: str, pins: Mapping[str, Any] | None = None) -> list[Plan]:
+    """``plans`` as ``trainer`` runs them (:func:`adapt`), without those it cannot run (:func:`refusals`) or whose
+    pinned knobs it would run otherwise, each once, in order. BadInput when none is left because of a pinned knob,
+    naming every such knob and why (the user asked for what the trainer cannot run)."""
+    pins = {k: v for k, v in (pins or {}).items() if k != "trainer"}
+    out: list[Plan] = []
+    blame: dict[str, Refusal] = {}
+    for p in plans:
+        try:
+            q = adapt(p, trainer)
+        except BadInput:
+            continue
+        moved = [k for k in pins if k in RULES[trainer] and getattr(q, k) != getattr(p, k)]
+        for k in moved:
+            blame[k] = conflict(k, getattr(p, k), q)
+        refused = refusals(q)
+        for r in refused:
+            if r.knob in pins:
+                blame[r.knob] = r
+        if not moved and not refused and q not in out:
+            out.append(q)
+    if not out:
+        if blame:
+            raise BadInput(f"{trainer} cannot run what was pinned: " + "; ".join(map(str, blame.values())),
+                           f"unpin those knobs, or emit for another trainer (`oomdoctor targets` lists what each "
+                           f"runs)")
+        raise BadInput(f"{trainer} can run none of these plans", "unpin knobs or emit for another trainer")
+    return out
+
+
 def check_complete() -> list[str]:
     """(knob, trainer) pairs without a rule: none may be missing (tests)."""
     return [f"{name}: {t.name}" for name, rules in RULES.items() for t in TECHNIQUES if t.name not in rules]
 
 
 __all__ = ["ACCELERATE", "AXOLOTL", "HF", "OOMDOCTOR", "PRICED_VERSIONS", "RULES", "Refusal", "Rule", "TRAINERS",
-           "TRL", "adapt", "applies", "check_complete", "conflict", "fixed", "priced_versions", "refusals",
+           "TRL", "adapt", "applies", "check_complete", "conflict", "fixed", "priced_versions", "refusals", "runnable",
            "version_notes"]

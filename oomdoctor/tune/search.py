@@ -14,6 +14,8 @@ from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, SearchTrace
 from oomdoctor.plan.budget import Budget
+from oomdoctor.plan.targets import runnable
+from oomdoctor.plan.techniques import DEFAULTS
 from oomdoctor.tune.batch_search import Estimator, analytic_estimator, micro_batch_search
 from oomdoctor.units import format_bytes
 from oomdoctor.tune.ranking import PREFERS, Candidate, Prefer, rank_key
@@ -59,7 +61,9 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     activations offloaded too (unsloth's offloaded gradient checkpointing; ranked after every on-device plan of its
     tier, and only within the host RAM: ``price``), every plan with the chunked loss (``chunked_loss``: the
     model is a decoder), and with ``tiled_mlp`` (``memory.context.tiling_applies``) every checkpointed plan with
-    its MLPs tiled too (each such plan's blocks are measured by a replay: seconds per distinct plan, cached)."""
+    its MLPs tiled too (each such plan's blocks are measured by a replay: seconds per distinct plan, cached).
+    A pinned ``trainer`` other than oomdoctor keeps the plans it can run, as it runs them
+    (``oomdoctor.plan.targets.runnable``: BadInput naming a pinned knob it cannot run)."""
     from oomdoctor.diagnose.matrix import enumerate_plans
 
     pins = dict(pins or {})
@@ -83,7 +87,7 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     if "optimizer_in_backward" not in pins:  # gradients freed as they are used
         plans += [p.with_(optimizer_in_backward=True) for p in plans
                   if p.method == "full" and not p.offload_optimizer and p.precision != "fp16-mixed"
-                  and not p.optimizer_in_backward]
+                  and not p.optimizer_in_backward and not p.tiled_mlp]
     if not any(k in pins for k in ("offload_activations", "offload_optimizer", "offload_params")):
         plans += [p.with_(offload_activations=True) for p in plans
                   if p.gradient_checkpointing and not p.offload_activations]
@@ -92,6 +96,9 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     if "tiled_mlp" not in pins and tiled_mlp:
         plans += [p.with_(tiled_mlp=True) for p in plans
                   if p.gradient_checkpointing and not p.tiled_mlp and not p.optimizer_in_backward]
+    trainer = pins.get("trainer", DEFAULTS["trainer"])
+    if trainer != DEFAULTS["trainer"]:  # as that trainer runs them, only those it can run
+        plans = runnable(plans, trainer, pins)
     return plans
 
 

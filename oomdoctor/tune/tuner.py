@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from oomdoctor.errors import BadInput, DoesNotFit
-from oomdoctor.files import write_text_atomic
+from oomdoctor.files import free_path, write_text_atomic
 from oomdoctor.gpu import GpuInfo, detect_gpu, host_ram_bytes
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
@@ -35,7 +35,8 @@ from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, choose_micro_
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_bundled
 from oomdoctor.plan.plan import DEEPSPEED
-from oomdoctor.plan.techniques import TECHNIQUES
+from oomdoctor.plan.targets import refusals
+from oomdoctor.plan.techniques import DEFAULTS, TECHNIQUES
 from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, analytic_estimator, longest_seq_len,
                                         verify_and_refine)
 from oomdoctor.tune.ranking import Candidate, fidelity_key
@@ -167,6 +168,21 @@ class TuneResult:
         if t.world_size == 1:
             return ""
         return f" --nproc-per-node {t.gpus_per_node}" + (f" --nnodes {t.nodes}" if t.nodes > 1 else "")
+
+    def summary_lines(self) -> tuple[str, ...]:
+        """The card, the plan and its batch, the predicted and verified peaks: the header of every file tune
+        writes."""
+        plan, measured = self.plan, self.measured_peak_bytes
+        return (
+            f"Tuned for {self.spec.name} on {format_bytes(self.capacity_bytes)} ({self.capacity_source}), margin "
+            f"{format_bytes(self.budget.margin_bytes)}, seq_len {self.seq_len}.",
+            f"Plan: {plan.label()}; micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation = effective "
+            f"batch {plan.effective_batch}.",
+            f"Predicted {self.budget.counted.replace('_', ' ')} {format_bytes(self.budget.needed(self.memory))} of "
+            f"{format_bytes(self.budget_bytes)} budget; verification: {self.verification}"
+            + (f", {'measured' if self.verification == 'gpu' else 'replayed'} {format_bytes(measured)}"
+               if measured is not None else "") + ".",
+        )
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -473,9 +489,14 @@ def tune(
         mode = "none"
         notes.append(f"{result.best.plan.strategy}: DeepSpeed is priced by its formulas only (the simulated engine "
                      "replays FSDP ranks and DDP, not DeepSpeed): the plan is unverified")
+    foreign = result.best.plan.trainer != DEFAULTS["trainer"]
     if mode == "auto":
         on_gpu = gpu_info is not None and (gpu_mem is None or gpu_mem <= gpu_info.free_bytes)
-        mode = "gpu" if on_gpu and topo.world_size == 1 else "simulate"
+        # the GPU probe runs oomdoctor's own step: another trainer's plan is verified by replaying that trainer's
+        mode = "gpu" if on_gpu and topo.world_size == 1 and not foreign else "simulate"
+    if mode == "gpu" and foreign:
+        raise BadInput(f"--verify gpu runs oomdoctor's own step, not {result.best.plan.trainer}'s",
+                       "use --verify simulate (the trainer's own step replayed on fake tensors) or none")
     if mode == "gpu" and gpu_info is None:
         raise BadInput("--verify gpu: no NVIDIA GPU found", "use --verify simulate (fake-tensor replay) or none")
     if mode == "gpu" and topo.world_size > 1:
@@ -491,7 +512,7 @@ def tune(
         cand, vplan, trials = verify(result.fitting, prober, global_batch=rank_batch, limit=budget.limit_bytes,
                                      capacity=capacity, predicted_peak=predicted_peak, max_trials=max_trials,
                                      micro_limit=micro_limit)
-        verification = mode
+        verification = mode if plan.trainer == DEFAULTS["trainer"] else f"{mode}:{plan.trainer}"
         if vplan is not None and cand is not None:
             if cand is not chosen:
                 notes.append(f"{chosen.plan.label()} failed verification; using the next plan, {cand.plan.label()}")
@@ -583,6 +604,8 @@ def _climb(spec: ModelSpec, stacks: list[Plan], budget: Budget, topo: Topology, 
     for stack in stacks:
         rungs: list[Candidate] = []
         for plan in ladder(stack, topo, pins):
+            if refusals(plan):  # a strategy rung the stack's trainer cannot run (TRL has no HSDP...)
+                continue
             c = price(spec, plan, budget, global_batch=global_batch, estimator=estimator, profile=profile,
                       micro_limit=micro_limit, host_ram=host_ram, gpus_per_node=topo.gpus_per_node, trace=trace)
             rungs.append(c)
@@ -618,20 +641,14 @@ def _strategy_table(chosen: Candidate, ladders: dict[Plan, list[Candidate]], bud
 
 def default_output_path(directory: str | os.PathLike = ".") -> Path:
     """``./oomdoctor-plan.yaml``, or the first free ``oomdoctor-plan-N.yaml`` when it exists (never overwrite)."""
-    d = Path(directory)
-    p = d / DEFAULT_OUTPUT
-    n = 2
-    while p.exists():
-        p = d / f"oomdoctor-plan-{n}.yaml"
-        n += 1
-    return p
+    return free_path(Path(directory) / DEFAULT_OUTPUT)
 
 
-def _is_weights_dir(ref: str) -> bool:
+def holds_weights(ref: str | os.PathLike) -> bool:
+    """Whether ``ref`` is a directory with weights (``*.safetensors`` / ``*.bin``) a trainer can load, as opposed
+    to a config alone."""
     p = Path(ref).expanduser()
-    if not p.is_dir():
-        return False
-    return any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
+    return p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin")))
 
 
 def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = None,
@@ -647,7 +664,7 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
     bundled = is_bundled(model_ref)
     p = bundled_path(model_ref) if bundled else Path(model_ref).expanduser()
     local = p.exists()
-    config_only = local and not _is_weights_dir(str(p))
+    config_only = local and not holds_weights(p)
     # a bundled name stays as written (it resolves wherever the package is installed); local paths become absolute
     ref = model_ref if bundled or not local else str(p.resolve())
     kwargs: dict[str, Any] = dict(extra)
@@ -659,18 +676,8 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
     kwargs.setdefault("dataset", dataset or SAMPLE_DATASET)
     kwargs.setdefault("gpu_mem", result.capacity_bytes)
     cfg = config_from_plan(ref, result.plan, **kwargs)
-    m = result.memory
-    lines = [
-        f"Written by `oomdoctor tune` for {result.spec.name} on {format_bytes(result.capacity_bytes)} "
-        f"({result.capacity_source}), margin {format_bytes(result.budget.margin_bytes)}, seq_len {result.seq_len}.",
-        f"Plan: {result.plan.label()}; micro-batch {result.plan.micro_batch} x {result.plan.grad_accum} accumulation "
-        f"= effective batch {result.plan.effective_batch}.",
-        f"Predicted {result.budget.counted.replace('_', ' ')} {format_bytes(result.budget.needed(m))} of "
-        f"{format_bytes(result.budget_bytes)} budget "
-        f"(verification: {result.verification}"
-        + (f", measured {format_bytes(result.measured_peak_bytes)}" if result.measured_peak_bytes else "") + ").",
-        f"Run: PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} oomdoctor train THIS.yaml",
-    ]
+    lines = ["Written by `oomdoctor tune`."] + list(result.summary_lines()) + [
+        f"Run: PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} oomdoctor train THIS.yaml"]
     if not dataset and "dataset" not in extra:
         lines.append(f"dataset.path is the bundled sample ({SAMPLE_DATASET}): point it at your data.")
     if config_only and not tokenizer:

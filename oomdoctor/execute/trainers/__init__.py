@@ -16,18 +16,27 @@ priced.
 
 from __future__ import annotations
 
-from oomdoctor.execute.trainers import accelerate, axolotl, hf, trl
+from importlib import import_module
+
 from oomdoctor.execute.trainers.common import Document, DocumentRequest
 
-#: The document builder of each foreign trainer (``oomdoctor``'s own YAML is ``oomdoctor.train.config``'s).
-DOCUMENTS = {"trl": trl.document, "hf": hf.document, "axolotl": axolotl.document, "accelerate": accelerate.document}
-#: The command that runs each trainer's document (``{path}``: the file).
-COMMANDS = {"trl": trl.COMMAND, "hf": hf.COMMAND, "axolotl": axolotl.COMMAND, "accelerate": accelerate.COMMAND}
+#: The foreign trainers, each a module of this package with ``document(req)`` and ``COMMAND`` (imported when used:
+#: ``python -m oomdoctor.execute.trainers.hf`` must not find its module already imported by this package).
+FOREIGN: tuple[str, ...] = ("trl", "hf", "axolotl", "accelerate")
+
+
+def _module(trainer: str):
+    return import_module(f"oomdoctor.execute.trainers.{trainer}")
+
+
+def command(trainer: str, path: str) -> str:
+    """The command that runs ``trainer``'s document written at ``path`` (already shell-quoted)."""
+    return _module(trainer).COMMAND.format(path=path)
 
 
 def document(req: DocumentRequest) -> Document:
     """The config of ``req.plan.trainer`` for the plan."""
-    return DOCUMENTS[req.plan.trainer](req)
+    return _module(req.plan.trainer).document(req)
 
 
-__all__ = ["COMMANDS", "DOCUMENTS", "Document", "DocumentRequest", "document"]
+__all__ = ["FOREIGN", "Document", "DocumentRequest", "command", "document"]

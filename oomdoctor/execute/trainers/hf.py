@@ -49,10 +49,11 @@ def document(req: DocumentRequest) -> Document:
         "gradient_accumulation_steps": p.grad_accum,
         "bf16": prec.bf16,
         "fp16": prec.fp16,
-        "gradient_checkpointing": p.gradient_checkpointing,
+        # transformers 5 names (gradient_checkpointing* are its deprecated aliases, mirrored from these)
+        "activation_checkpointing": p.gradient_checkpointing,
     }
     if p.gradient_checkpointing:
-        doc["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        doc["activation_checkpointing_kwargs"] = {"use_reentrant": False}
     doc["optim"] = optim
     if optim_args:
         doc["optim_args"] = optim_args
@@ -170,8 +171,9 @@ def build_trainer(doc: dict[str, Any], *, model=None, tokenizer=None, train_data
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m oomdoctor.execute.trainers.hf FILE [--dataset PATH] [--use_cpu] [--output_dir DIR]``: train as
-    the file says (``--use_cpu`` on a machine without a GPU; ``--dataset`` instead of the file's data)."""
+    """``python -m oomdoctor.execute.trainers.hf FILE [--dataset PATH] [--use_cpu] [--output_dir DIR]
+    [--max_steps N]``: train as the file says (``--use_cpu`` on a machine without a GPU; ``--dataset`` instead of the
+    file's data)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m oomdoctor.execute.trainers.hf", description=main.__doc__)
@@ -179,13 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", help="a data file (.jsonl/.json/.csv/.parquet/.txt) or hub id with a text field")
     parser.add_argument("--use_cpu", action="store_true", help="train on the CPU (TrainingArguments.use_cpu)")
     parser.add_argument("--output_dir", help="where checkpoints go (default: the file's output_dir)")
+    parser.add_argument("--max_steps", type=int, help="stop after this many optimizer steps (a smoke run)")
     ns = parser.parse_args(argv)
     doc = json.loads(Path(ns.file).read_text())
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {k: getattr(ns, k) for k in ("output_dir", "max_steps") if getattr(ns, k)}
     if ns.use_cpu:
         overrides["use_cpu"] = True
-    if ns.output_dir:
-        overrides["output_dir"] = ns.output_dir
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(doc["model_name_or_path"])

@@ -36,10 +36,11 @@ def document(req: DocumentRequest) -> Document:
         "gradient_accumulation_steps": p.grad_accum,
         "bf16": prec.bf16,
         "fp16": prec.fp16,
-        "gradient_checkpointing": p.gradient_checkpointing,
+        # transformers 5 names (gradient_checkpointing* are its deprecated aliases, mirrored from these)
+        "activation_checkpointing": p.gradient_checkpointing,
     }
     if p.gradient_checkpointing:
-        doc["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        doc["activation_checkpointing_kwargs"] = {"use_reentrant": False}
     doc["activation_offloading"] = p.offload_activations
     doc["optim"] = optim
     if optim_args:
