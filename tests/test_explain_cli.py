@@ -152,5 +152,5 @@ def test_rich_output_keeps_brackets_and_shows_eval_fixes_first():
     out = " ".join(p.stdout.split())  # undo terminal wrapping
     assert "[batch, seq, vocab]" in out  # not eaten as rich markup
     assert "1. huge-allocation" in out
-    assert out.index("per_device_eval_batch_size=1") < out.index("2. capacity")
+    assert out.index("per_device_eval_batch_size=1") < out.index("capacity (weight")
     assert "phase: evaluation" in out
