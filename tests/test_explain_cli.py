@@ -185,19 +185,19 @@ def _terminal_output(name: str, width: int) -> list[str]:
 
 @pytest.mark.parametrize("width", [60, 100])
 def test_terminal_output_folds_prose_at_the_width_and_keeps_commands_whole(width):
-    from oomdoctor.cli.explain_render import _alternatives
+    from oomdoctor.cli.explain_render import alternatives
     from oomdoctor.explain.core import explain
 
     lines = _terminal_output("v21-capacty-eval-logits", width)
     d = explain((DATA / "v21-capacty-eval-logits.txt").read_text())
-    alternatives = {how[a:b] for c in d.causes for f in c.fixes for how in (f.how,) for a, b in _alternatives(how)}
+    whole = {f.how[a:b] for c in d.causes for f in c.fixes for a, b in alternatives(f.how)}
     stripped = [ln.strip() for ln in lines]
-    shown = [alt for alt in alternatives if any(alt in ln for ln in stripped)]
+    shown = [alt for alt in whole if any(alt in ln for ln in stripped)]
     assert "TrainingArguments(per_device_eval_batch_size=1)" in shown
     for ln in lines:
         if len(ln) > width:  # only an unsplittable piece may overflow: a command alternative or a traceback frame
             body = ln.strip()
-            assert body.rstrip(";") in alternatives or ".py:" in body, ln
+            assert body.rstrip(";") in whole or ".py:" in body, ln
     # Prose is folded at word boundaries with a hanging indent, never through a size or a code span.
     assert any(ln.startswith("     ") and not ln.startswith("      ") for ln in lines)
     joined = " ".join(ln.strip() for ln in lines)

@@ -34,7 +34,7 @@ HOW_INDENT = 10
 _KEEP_RE = re.compile(r"`[^`]*`|\d+(?:\.\d+)? (?:[KMGTPE]i?B|B|bytes)\b")
 
 
-def _alternatives(how: str) -> list[tuple[int, int]]:
+def alternatives(how: str) -> list[tuple[int, int]]:
     """(start, end) of each ``; ``-separated alternative of a command (the separators outside brackets)."""
     spans, depth, start = [], 0, 0
     for i, ch in enumerate(how):
@@ -87,7 +87,7 @@ class Printer:
         """A command, config key or env var (bold): broken only between its alternatives, each kept whole."""
         pad = " " * indent
         self.line(f"{pad}[bold]{esc(how)}[/]", indent,
-                  [(a + indent, b + indent) for a, b in _alternatives(how)])
+                  [(a + indent, b + indent) for a, b in alternatives(how)])
 
     def frame(self, label: str, frame: str, style: str = "dim") -> None:
         """``label`` then a traceback frame (``dir/file.py:line in func: code``), the frame never split."""
