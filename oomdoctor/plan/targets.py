@@ -148,8 +148,8 @@ _BATCH = {
     "grad_accum": Rule(("gradient_accumulation_steps",)),
 }
 
-_TRL_QUANT_COMPUTE = ("TRL computes 4-bit layers in the model's dtype (get_quantization_config): a *-mixed plan loads "
-                      "float32, so its 4-bit matmuls would run in fp32 — use pure bf16 (dtype bfloat16)")
+_TRL_QUANT_COMPUTE = ("with a 4-bit base: TRL computes 4-bit layers in the model's dtype (get_quantization_config) "
+                      "and a *-mixed plan loads float32, so its 4-bit matmuls would run in fp32 — use pure bf16")
 
 TRL: dict[str, Rule] = {
     "method": Rule(("use_peft", "load_in_4bit", "load_in_8bit")),
@@ -449,11 +449,53 @@ def runnable(plans: Iterable[Plan], trainer: str, pins: Mapping[str, Any] | None
     return out
 
 
+#: Plans the table view probes each knob value on (one of each stack a trainer may refuse a value in).
+_PROBES: tuple[Plan, ...] = (
+    Plan(method="full", precision="fp32"), Plan(method="full", precision="bf16-mixed"),
+    Plan(method="full", precision="bf16", optimizer="sgd"),
+    Plan(method="lora", precision="bf16", gradient_checkpointing=True),
+    Plan(method="qlora", quant="nf4", precision="bf16", gradient_checkpointing=True),
+    Plan(method="qlora", quant="int8", precision="bf16-mixed"),
+    Plan(method="full", precision="bf16-mixed", world_size=16, strategy="fsdp"),
+    Plan(method="full", precision="bf16-mixed", world_size=8, strategy="zero2"),
+)
+#: Values probed for knobs that are not choices or switches.
+_PROBE_VALUES: dict[str, tuple[Any, ...]] = {"shard_group": (8,), "bucket_size": (10**7,)}
+
+
+def _probe_values(t: Any) -> tuple[Any, ...]:
+    if t.kind == "bool":
+        return (False, True)
+    if t.kind == "choice":
+        return tuple(c for c in t.choices if c != "flash_attention_2")
+    return _PROBE_VALUES.get(t.name, ())
+
+
+def refused_values(trainer: str, knob: str) -> dict[Any, str]:
+    """The values of ``knob`` that ``trainer`` refuses on some probed plan, with why (the view ``oomdoctor targets``
+    prints; the rules themselves decide plan by plan)."""
+    t = next(t for t in TECHNIQUES if t.name == knob)
+    out: dict[Any, str] = {}
+    if knob == "trainer":
+        return out
+    for base in _PROBES:
+        for value in _probe_values(t):
+            try:
+                plan = validate(base.with_(**{knob: value, "trainer": trainer}))
+            except BadInput:
+                continue
+            for r in refusals(plan):
+                if r.knob == knob and r.value not in out:
+                    out[r.value] = r.why
+    return out
+
+
 def check_complete() -> list[str]:
     """(knob, trainer) pairs without a rule: none may be missing (tests)."""
     return [f"{name}: {t.name}" for name, rules in RULES.items() for t in TECHNIQUES if t.name not in rules]
 
 
 __all__ = ["ACCELERATE", "AXOLOTL", "HF", "OOMDOCTOR", "PRICED_VERSIONS", "RULES", "Refusal", "Rule", "TRAINERS",
-           "TRL", "adapt", "applies", "check_complete", "conflict", "fixed", "priced_versions", "refusals", "runnable",
+           "TRL", "adapt", "applies", "check_complete", "conflict", "fixed", "priced_versions", "refusals", "refused_values",
+           "runnable",
            "version_notes"]
