@@ -297,9 +297,15 @@ def test_axolotl_config(name, spec7b):
     if plan.quant == "nf4":
         assert doc["bnb_config_kwargs"] == {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
                                             "bnb_4bit_compute_dtype": "bfloat16"}
-    schema = pytest.importorskip("axolotl.utils.schemas.config")
-    cfg = schema.AxolotlInputConfig(**doc)
+    config = pytest.importorskip("axolotl.utils.config")  # axolotl's own validation (runs without a GPU)
+    from axolotl.utils.dict import DictDefault
+
+    cfg = DictDefault(doc)
+    config.prepare_plugins(cfg)
+    cfg = config.validate_config(cfg)
     assert cfg.micro_batch_size == plan.micro_batch and cfg.sequence_len == plan.seq_len
+    if plan.gradient_checkpointing:
+        assert cfg.gradient_checkpointing_kwargs == {"use_reentrant": False}
 
 
 # ---------------------------------------------------------------------------------------------- shared

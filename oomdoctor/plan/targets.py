@@ -201,8 +201,9 @@ HF: dict[str, Rule] = {
     "sgd_momentum": Rule(("optim_args",)),
     "attn": Rule(("model_init_kwargs.attn_implementation",)),
     "gradient_checkpointing": Rule(("activation_checkpointing", "activation_checkpointing_kwargs.use_reentrant")),
-    "loss": Rule(("use_liger_kernel",), "standard: transformers' loss over the full logits | chunked: Liger's fused "
-                                        "linear cross-entropy (`pip install liger-kernel`, CUDA)"),
+    "loss": Rule(("use_liger_kernel", "liger_kernel_config.fused_linear_cross_entropy"),
+                 "standard: transformers' loss over the full logits | chunked: Liger's fused linear cross-entropy "
+                 "alone (`pip install liger-kernel`, CUDA)"),
     "tiled_mlp": Rule(refuse=_NO_TILED),
     "lora_r": Rule(("peft_config.r",)),
     "lora_alpha": Rule(("peft_config.lora_alpha",)),
@@ -301,47 +302,86 @@ _FIXED: dict[str, Callable[[Plan], dict[str, Any]]] = {
 _AXOLOTL_PRECISION = ("axolotl's bf16: true / fp16: true load the weights in that dtype: no fp32 master copy "
                       "under autocast (plan pure bf16, or fp32)")
 
+
+def _axolotl_precision(p: Plan) -> str | None:
+    """axolotl 0.19 loads in its bf16/fp16 dtype (loaders/model.py) and, for a full fine-tune with sdpa/eager
+    attention and no FSDP, moves the norms, embeddings and head to fp32 (``_configure_embedding_dtypes``: a mix a plan
+    does not price); an 8-bit base without bf16 keeps fp16 weights."""
+    if p.is_mixed:
+        return _AXOLOTL_PRECISION
+    if p.method == "full" and p.precision == "bf16" and p.attn != "flash" and p.strategy != "fsdp":
+        return ("axolotl keeps embed_tokens, lm_head and the norms in fp32 for a full fine-tune with sdpa/eager "
+                "attention (pure bf16 with flash attention, FSDP, or fp32 are priced)")
+    if p.quant == "int8" and p.precision == "fp32":
+        return "axolotl loads an 8-bit base's other weights in float16 unless bf16: true (plan pure bf16)"
+    return None
+
+
 AXOLOTL: dict[str, Rule] = {
     "method": Rule(("adapter", "load_in_4bit", "load_in_8bit")),
-    "precision": Rule(("bf16", "fp16"), refuse=_when(lambda p: p.is_mixed, _AXOLOTL_PRECISION)),
-    "optimizer": Rule(("optimizer",)),
+    "precision": Rule(("bf16", "fp16"), refuse=_axolotl_precision),
+    "optimizer": Rule(("optimizer",), refuse=_when(
+        lambda p: p.strategy == "fsdp" and p.optimizer == "adamw-8bit",
+        "axolotl refuses bitsandbytes 8-bit AdamW under FSDP2")),
     "optimizer_impl": Rule(("optimizer",), refuse=_hf_optim_impl),
     "sgd_momentum": Rule(("optim_args",)),
     "attn": Rule(("attn_implementation",)),
-    "gradient_checkpointing": Rule(("gradient_checkpointing", "gradient_checkpointing_kwargs.use_reentrant")),
+    "gradient_checkpointing": Rule(("gradient_checkpointing", "gradient_checkpointing_kwargs.use_reentrant"),
+                                   "use_reentrant written false (axolotl's default is true)"),
     "loss": Rule(("plugins", "liger_fused_linear_cross_entropy"),
-                 "standard: transformers' loss | chunked: the Liger plugin's fused linear cross-entropy"),
-    "tiled_mlp": Rule(("tiled_mlp",), "axolotl's ALST tiled MLP (DeepSpeed's TiledMLP)"),
+                 "standard: transformers' loss | chunked: the Liger plugin's fused linear cross-entropy alone "
+                 "(liger-kernel 0.8.1, Triton: a CUDA GPU)"),
+    "tiled_mlp": Rule(("tiled_mlp", "tiled_mlp_num_shards"), "axolotl's TiledMLP (DeepSpeed's rule: ceil(tokens / "
+                                                             "hidden) shards; needs `pip install deepspeed`)"),
     "lora_r": Rule(("lora_r",)),
     "lora_alpha": Rule(("lora_alpha",)),
     "lora_dropout": Rule(("lora_dropout",)),
-    "lora_targets": Rule(("lora_target_linear", "lora_target_modules")),
+    "lora_targets": Rule(("lora_target_linear", "lora_target_modules"),
+                         "axolotl's fused LoRA kernels are written off (lora_*_kernel: false): peft's layers run"),
     "lora_on_head": Rule(("lora_target_modules",)),
     "adapter_dtype": Rule(refuse=_when(lambda p: p.adapter_dtype != "fp32",
-                                       "axolotl's config has no key for bf16 adapters")),
+                                       "axolotl keeps peft's fp32 adapters (no key casts them)")),
     "quant": Rule(("load_in_4bit", "load_in_8bit", "bnb_config_kwargs.bnb_4bit_quant_type")),
     "double_quant": Rule(("bnb_config_kwargs.bnb_4bit_use_double_quant",)),
-    "kbit_upcast": Rule(("skip_prepare_model_for_kbit_training",)),
-    "seq_len": Rule(("sequence_len",)),
+    "kbit_upcast": Rule(how="axolotl runs peft's k-bit preparation, then casts the norms, embeddings and head back to "
+                            "the load dtype (no key)",
+                        refuse=_when(lambda p: p.upcasts_kbit, "axolotl casts the upcast weights back to the load "
+                                                               "dtype")),
+    "seq_len": Rule(("sequence_len", "pad_to_sequence_len"), "every batch padded to sequence_len, a multiple of 64",
+                    refuse=_when(lambda p: p.seq_len % 64, "axolotl pads a batch to a multiple of 64 tokens")),
     "micro_batch": Rule(("micro_batch_size",)),
     "grad_accum": Rule(("gradient_accumulation_steps",)),
     "optimizer_in_backward": Rule(refuse=_when(lambda p: p.optimizer_in_backward,
                                                "no optimizer-in-backward in axolotl")),
-    "offload_activations": Rule(("activation_offloading",), refuse=_when(
-        lambda p: p.offload_activations and not p.gradient_checkpointing,
-        "axolotl's activation_offloading requires gradient_checkpointing")),
-    "offload_optimizer": Rule(refuse=_when(lambda p: p.offload_optimizer, "not written for axolotl: `--emit hf` "
-                                                                           "writes DeepSpeed's offload")),
-    "offload_params": Rule(refuse=_when(lambda p: p.offload_params, "not written for axolotl: `--emit hf` writes "
-                                                                     "DeepSpeed's offload")),
-    "world_size": Rule(how="launch with accelerate launch / torchrun (micro_batch_size is per GPU)"),
-    "strategy": Rule(refuse=_when(lambda p: p.strategy not in ("single", "ddp"),
-                                  "not written for axolotl: `--emit hf` writes the fsdp_config / deepspeed dict")),
-    "shard_group": Rule(refuse=_NO_HSDP),
-    "reshard_after_forward": Rule(),
-    "bucket_size": Rule(),
+    "offload_activations": Rule(("activation_offloading",), "TRL's OffloadActivations under the checkpointed layers",
+                                refuse=_when(lambda p: p.offload_activations and not p.gradient_checkpointing,
+                                             "axolotl's activation_offloading requires gradient_checkpointing")),
+    "offload_optimizer": Rule(("fsdp_config.offload_params", "deepspeed.zero_optimization.offload_optimizer.device"),
+                              refuse=_NO_SINGLE_OPT_OFFLOAD),
+    "offload_params": Rule(("fsdp_config.offload_params", "deepspeed.zero_optimization.offload_param.device"),
+                           refuse=_NO_SINGLE_PARAM_OFFLOAD),
+    "world_size": Rule(how="axolotl train FILE -- --num_processes N (accelerate launch; micro_batch_size per GPU)"),
+    "strategy": Rule(("fsdp_version", "deepspeed.zero_optimization.stage"), "ddp: the launch alone"),
+    "shard_group": Rule(refuse=_when(lambda p: p.shard_group is not None,
+                                     "not written for axolotl (its dp_shard_size/dp_replicate_size are untested "
+                                     "here); `--emit accelerate` writes HSDP")),
+    "reshard_after_forward": Rule(("fsdp_config.reshard_after_forward",)),
+    "bucket_size": Rule(("deepspeed.zero_optimization.reduce_bucket_size",
+                         "deepspeed.zero_optimization.allgather_bucket_size")),
     "trainer": Rule(),
 }
+
+
+def _axolotl_fixed(p: Plan) -> dict[str, Any]:
+    out = _hf_fixed(p)
+    if p.quant is not None:
+        out["kbit_upcast"] = False
+    if p.seq_len % 64:
+        out["seq_len"] = -(-p.seq_len // 64) * 64  # the collator pads to the next multiple of 64
+    return out
+
+
+_FIXED["axolotl"] = _axolotl_fixed
 
 #: The rules of every trainer.
 RULES: dict[str, dict[str, Rule]] = {"oomdoctor": OOMDOCTOR, "trl": TRL, "hf": HF, "axolotl": AXOLOTL,
@@ -399,8 +439,33 @@ def adapt(plan: Plan, trainer: str) -> Plan:
     return plan.with_(trainer=trainer, **fixed(plan, trainer))
 
 
-def refusals(plan: Plan) -> list[Refusal]:
-    """The knob values of ``plan`` that ``plan.trainer`` cannot run (empty: it runs the plan)."""
+#: Model types liger-kernel's ``_apply_liger_kernel_to_instance`` patches (``MODEL_TYPE_TO_APPLY_LIGER_FN``,
+#: liger-kernel 0.8.1, the version axolotl 0.19 pins); for any other type transformers' ``use_liger_kernel`` is a
+#: silent no-op and the loss stays transformers' own.
+LIGER_MODEL_TYPES_081: frozenset[str] = frozenset((
+    "deepseek_v4", "exaone4", "falcon_h1", "gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "glm4",
+    "glm4v", "glm4v_moe", "gpt_oss", "granite", "hunyuan_v1_dense", "hunyuan_v1_moe", "internvl", "llama", "llama4",
+    "llama4_text", "llava", "ministral", "mistral", "mixtral", "mllama", "mllama_text_model", "nemotron", "olmo2",
+    "olmo3", "paligemma", "phi3", "pixtral", "qwen2", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl", "qwen2_vl_text",
+    "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "qwen3_vl",
+    "qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_vl_text", "smollm3", "smolvlm"))
+#: The same list in liger-kernel 0.8.5 (what an HF Trainer or accelerate script installs today).
+LIGER_MODEL_TYPES: frozenset[str] = LIGER_MODEL_TYPES_081 | {"deepseek_v2", "deepseek_v3", "muse_glimmer"}
+
+
+def _model_refusals(plan: Plan, model_type: str) -> list[Refusal]:
+    """What a trainer cannot run on this kind of model: Liger's fused loss where liger-kernel has no patch for it."""
+    if plan.loss == "chunked" and plan.trainer in ("hf", "axolotl", "accelerate"):
+        types = LIGER_MODEL_TYPES_081 if plan.trainer == "axolotl" else LIGER_MODEL_TYPES
+        if model_type not in types:
+            return [Refusal("loss", plan.loss, f"liger-kernel has no fused loss for model type {model_type!r} "
+                                               "(use_liger_kernel would silently keep the full logits)")]
+    return []
+
+
+def refusals(plan: Plan, model_type: str | None = None) -> list[Refusal]:
+    """The knob values of ``plan`` that ``plan.trainer`` cannot run (empty: it runs the plan); with ``model_type``,
+    also what it cannot run on that kind of model."""
     rules = RULES[plan.trainer]
     out = []
     for t in TECHNIQUES:
@@ -408,7 +473,7 @@ def refusals(plan: Plan) -> list[Refusal]:
         why = rule.refuse(plan) if rule.refuse and applies(t.name, plan) else None
         if why:
             out.append(Refusal(t.name, getattr(plan, t.name), why))
-    return out
+    return out + (_model_refusals(plan, model_type) if model_type else [])
 
 
 def conflict(knob: str, value: Any, plan: Plan) -> Refusal:
@@ -419,10 +484,11 @@ def conflict(knob: str, value: Any, plan: Plan) -> Refusal:
     return Refusal(knob, value, why or rule.how or f"{plan.trainer} runs {knob} {_show(getattr(plan, knob))} here")
 
 
-def runnable(plans: Iterable[Plan], trainer: str, pins: Mapping[str, Any] | None = None) -> list[Plan]:
-    """``plans`` as ``trainer`` runs them (:func:`adapt`), without those it cannot run (:func:`refusals`) or whose
-    pinned knobs it would run otherwise, each once, in order. BadInput when none is left because of a pinned knob,
-    naming every such knob and why (the user asked for what the trainer cannot run)."""
+def runnable(plans: Iterable[Plan], trainer: str, pins: Mapping[str, Any] | None = None,
+             model_type: str | None = None) -> list[Plan]:
+    """``plans`` as ``trainer`` runs them (:func:`adapt`), without those it cannot run (:func:`refusals`, on
+    ``model_type`` when given) or whose pinned knobs it would run otherwise, each once, in order. BadInput when none is
+    left because of a pinned knob, naming every such knob and why (the user asked for what the trainer cannot run)."""
     pins = {k: v for k, v in (pins or {}).items() if k != "trainer"}
     out: list[Plan] = []
     blame: dict[str, Refusal] = {}
@@ -434,7 +500,7 @@ def runnable(plans: Iterable[Plan], trainer: str, pins: Mapping[str, Any] | None
         moved = [k for k in pins if k in RULES[trainer] and getattr(q, k) != getattr(p, k)]
         for k in moved:
             blame[k] = conflict(k, getattr(p, k), q)
-        refused = refusals(q)
+        refused = refusals(q, model_type)
         for r in refused:
             if r.knob in pins:
                 blame[r.knob] = r

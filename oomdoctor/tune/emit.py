@@ -104,7 +104,7 @@ def emit(req: DocumentRequest, header: tuple[str, ...] = ()) -> Emitted:
     plan = req.plan
     if plan.trainer not in FOREIGN:
         raise BadInput(f"--emit {plan.trainer!r}: the foreign trainers are {', '.join(FOREIGN)}")
-    refused = refusals(plan)
+    refused = refusals(plan, req.spec.model_type)
     if refused:
         raise BadInput(f"{TOOL_NAMES[plan.trainer]} cannot run {plan.label()}: " + "; ".join(map(str, refused)),
                        f"tune with --emit {plan.trainer}: it searches only what that trainer runs")

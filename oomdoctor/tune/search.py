@@ -53,7 +53,8 @@ class SearchResult:
 
 
 def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_supported: bool = True,
-                         chunked_loss: bool = True, tiled_mlp: bool = False) -> list[Plan]:
+                         chunked_loss: bool = True, tiled_mlp: bool = False,
+                         model_type: str | None = None) -> list[Plan]:
     """Plans tune considers: the technique matrix (``oomdoctor.diagnose.matrix``) for the pins, minus optimizer swaps
     (Adafactor/Lion/SGD) unless the optimizer is pinned; on GPUs without bf16 the bf16 plans become fp16-mixed;
     then, unless pinned, full fine-tuning with paged 8-bit AdamW and with the optimizer in backward (torchtune's
@@ -62,7 +63,7 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     tier, and only within the host RAM: ``price``), every plan with the chunked loss (``chunked_loss``: the
     model is a decoder), and with ``tiled_mlp`` (``memory.context.tiling_applies``) every checkpointed plan with
     its MLPs tiled too (each such plan's blocks are measured by a replay: seconds per distinct plan, cached).
-    A pinned ``trainer`` other than oomdoctor keeps the plans it can run, as it runs them
+    A pinned ``trainer`` other than oomdoctor keeps the plans it can run on ``model_type``, as it runs them
     (``oomdoctor.plan.targets.runnable``: BadInput naming a pinned knob it cannot run)."""
     from oomdoctor.diagnose.matrix import enumerate_plans
 
@@ -98,7 +99,7 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
                   if p.gradient_checkpointing and not p.tiled_mlp and not p.optimizer_in_backward]
     trainer = pins.get("trainer", DEFAULTS["trainer"])
     if trainer != DEFAULTS["trainer"]:  # as that trainer runs them, only those it can run
-        plans = runnable(plans, trainer, pins)
+        plans = runnable(plans, trainer, pins, model_type)
     return plans
 
 

@@ -348,7 +348,7 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
     tiled_pin = pins.get("tiled_mlp")
     plans = enumerate_candidates({k: v for k, v in pins.items() if k not in ("micro_batch", "tiled_mlp")},
                                  Plan(seq_len=SEQ_STEP), bf16_supported=profile.bf16,
-                                 chunked_loss=spec.arch_kind == "decoder")
+                                 chunked_loss=spec.arch_kind == "decoder", model_type=spec.model_type)
 
     def host_fits(p: Plan, mem) -> bool:  # an offload plan's host share must fit this machine's RAM
         return host_ram is None or node_host_bytes(mem.host_per_node, p) <= host_ram
@@ -455,7 +455,8 @@ def tune(
 
     plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16,
                                  chunked_loss=spec.arch_kind == "decoder",
-                                 tiled_mlp=topo.world_size == 1 and tiling_applies(spec, seq_len))
+                                 tiled_mlp=topo.world_size == 1 and tiling_applies(spec, seq_len),
+                                 model_type=spec.model_type)
     if topo.world_size == 1 and not topo_pins:
         result = search(spec, plans, budget, global_batch=rank_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
                         profile=profile, micro_limit=micro_limit, host_ram=host_ram)
@@ -604,7 +605,7 @@ def _climb(spec: ModelSpec, stacks: list[Plan], budget: Budget, topo: Topology, 
     for stack in stacks:
         rungs: list[Candidate] = []
         for plan in ladder(stack, topo, pins):
-            if refusals(plan):  # a strategy rung the stack's trainer cannot run (TRL has no HSDP...)
+            if refusals(plan, spec.model_type):  # a strategy rung the stack's trainer cannot run (TRL has no HSDP...)
                 continue
             c = price(spec, plan, budget, global_batch=global_batch, estimator=estimator, profile=profile,
                       micro_limit=micro_limit, host_ram=host_ram, gpus_per_node=topo.gpus_per_node, trace=trace)

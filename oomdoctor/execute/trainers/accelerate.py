@@ -80,8 +80,9 @@ def script_values(req: DocumentRequest) -> list[str]:
                       + ("; peft.prepare_model_for_kbit_training" if p.upcasts_kbit else
                          "; no prepare_model_for_kbit_training (the unquantized weights stay in the load dtype)"))
     if p.loss == "chunked":
-        values.append("loss: Liger's fused linear cross-entropy (liger_kernel.transformers.apply_liger_kernel_to_"
-                      "<model>(fused_linear_cross_entropy=True))")
+        values.append("loss: Liger's fused linear cross-entropy alone (liger_kernel.transformers."
+                      "_apply_liger_kernel_to_instance(model, fused_linear_cross_entropy=True, rope=False, "
+                      "rms_norm=False, swiglu=False, cross_entropy=False))")
     if p.offload_activations:
         values.append("offload_activations: run forward and backward under "
                       "torch.autograd.graph.save_on_cpu(pin_memory=True)")

@@ -33,6 +33,10 @@ from oomdoctor.plan.techniques import HF_ATTN_NAMES
 EXTRA_KEYS: tuple[str, ...] = ("model_name_or_path", "model_init_kwargs", "quantization_config",
                                "prepare_model_for_kbit_training", "peft_config", "adapter_dtype", "dataset",
                                "max_length", "oomdoctor")
+#: ``liger_kernel_config`` for Liger's fused linear cross-entropy and none of its other kernels (keys a model's
+#: ``apply_liger_kernel_to_*`` does not take are dropped by liger-kernel).
+LIGER_LOSS_ONLY: dict[str, bool] = {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False,
+                                    "rms_norm": False, "layer_norm": False, "swiglu": False, "geglu": False}
 #: The command that runs an HF document.
 COMMAND = "python -m oomdoctor.execute.trainers.hf {path}"
 
@@ -57,8 +61,9 @@ def document(req: DocumentRequest) -> Document:
     doc["optim"] = optim
     if optim_args:
         doc["optim_args"] = optim_args
-    if p.loss == "chunked":
+    if p.loss == "chunked":  # the fused loss alone: Liger's norm/MLP/RoPE kernels would change the blocks' memory
         doc["use_liger_kernel"] = True
+        doc["liger_kernel_config"] = dict(LIGER_LOSS_ONLY)
         notes.append("use_liger_kernel: `pip install liger-kernel` (Triton kernels: a CUDA GPU)")
     doc.update(req.schedule)
     doc["report_to"] = "none"
@@ -203,5 +208,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["COMMAND", "EXTRA_KEYS", "build_trainer", "document", "load_data", "load_model", "main", "prepare_model",
+__all__ = ["COMMAND", "EXTRA_KEYS", "LIGER_LOSS_ONLY", "build_trainer", "document", "load_data", "load_model", "main", "prepare_model",
            "training_arguments"]
