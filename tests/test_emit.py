@@ -448,3 +448,18 @@ def test_hf_and_trl_set_fsdp_or_deepspeed(name, spec7b, tmp_path, gpu_bf16):
     trl = emit(_request(spec7b, plan, "trl"))
     _, sft, _, _ = _trl_parse(_write(tmp_path, "trl.yaml", trl.text))
     assert (sft.deepspeed is not None) is (plan.strategy != "fsdp")
+
+
+def test_docs_print_the_table_oomdoctor_targets_prints(capsys):
+    """docs/tune.md quotes `oomdoctor targets --markdown` between its markers: the two agree."""
+    from oomdoctor.cli import main
+
+    main(["targets", "--markdown"])
+    printed = capsys.readouterr().out
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "tune.md").read_text()
+    quoted = doc.split("<!-- targets:begin -->\n", 1)[1].split("<!-- targets:end -->", 1)[0]
+    assert quoted == printed, "re-run: oomdoctor targets --markdown, paste between the markers in docs/tune.md"
+    main(["targets", "trl", "--json"])
+    rows = json.loads(capsys.readouterr().out)["trl"]["knobs"]
+    tiled = next(r for r in rows if r["knob"] == "tiled_mlp")
+    assert tiled["cannot"] and tiled["cannot"][0]["values"] == ["true"]
