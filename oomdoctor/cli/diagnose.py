@@ -68,6 +68,11 @@ def diagnose(
 
     if plot and not plot.lower().endswith((".png", ".html", ".htm")):
         raise BadInput(f"--plot {plot!r}: use a .png or .html file name")
+    if plot:  # the picture is drawn after the pricing: a path that cannot take it is refused now
+        from oomdoctor.diagnose.plot import PLOT_FLAG
+        from oomdoctor.files import check_output_path
+
+        check_output_path(plot, what=PLOT_FLAG, overwrite=True, example="memory.png")
     pins = pins_from(
         method=method, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
         gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,

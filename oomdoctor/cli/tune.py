@@ -89,10 +89,11 @@ def tune(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
     from oomdoctor.errors import BadInput
-    from oomdoctor.tune.emit import EMIT_TARGETS, write_emitted
+    from oomdoctor.files import check_output_path
+    from oomdoctor.tune.emit import EMIT_TARGETS, default_emit_path, write_emitted
     from oomdoctor.tune.ranking import PREFERS
     from oomdoctor.tune.tuner import tune as run_tune
-    from oomdoctor.tune.tuner import write_config
+    from oomdoctor.tune.tuner import default_output_path, write_config
     from oomdoctor.units import parse_size
 
     if emit not in EMIT_TARGETS:
@@ -121,9 +122,9 @@ def tune(
         world_size=world_size, strategy=strategy, shard_group=shard_group,
         reshard_after_forward=reshard_after_forward, bucket_size=bucket_size,
     )
-    if output is not None and os.path.exists(output) and not force:
-        raise BadInput(f"--output {output} exists; not overwriting it",
-                       "pass --force to replace it, or another --output path")
+    # the file is written after the search: a path that cannot take it is refused now, not minutes later
+    check_output_path(output if output is not None else default_output_path() if emit == "oomdoctor"
+                      else default_emit_path(emit), overwrite=force)
     if not as_json:
         typer.echo("searching plans with the analytic memory model...", err=True)
     if micro_batch is not None:
