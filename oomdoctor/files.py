@@ -92,12 +92,9 @@ def write_file_atomic(path: str | os.PathLike, data: str | bytes, *, what: str =
         os.replace(tmp, out)
     except OSError as exc:
         _remove(tmp)
-        free = free_bytes(out)
-        raise WriteFailed(
-            f"{what} {out}: writing it failed ({exc.strerror or exc}"
-            + (f"; {format_bytes(free)} free there" if free is not None else "") + "); nothing was written"
-            + (", the file already there is unchanged" if existed else ""),
-            f"free some space or choose another {what} path, and run the command again") from None
+        raise write_failed(what, out, exc,
+                           "nothing was written" + (", the file already there is unchanged" if existed else ""),
+                           f"free some space or choose another {what} path, and run the command again") from None
     except BaseException:
         _remove(tmp)
         raise
@@ -109,6 +106,14 @@ def write_text_atomic(path: str | os.PathLike, text: str, *, overwrite: bool = F
     return write_file_atomic(path, text, what=what, overwrite=overwrite)
 
 
+def write_failed(what: str, path: str | os.PathLike, exc: OSError, outcome: str, hint: str) -> WriteFailed:
+    """The one message of a failed write: ``what`` (a flag or a kind of file) ``path`` could not be written because
+    of ``exc`` (its errno's text, and the free space there); ``outcome`` says what was kept."""
+    free = free_bytes(path)
+    return WriteFailed(f"{what} {path}: writing it failed ({exc.strerror or exc}"
+                       + (f"; {format_bytes(free)} free there" if free is not None else "") + f"); {outcome}", hint)
+
+
 def _remove(tmp: str | None) -> None:
     if tmp is not None:
         try:
@@ -117,4 +122,4 @@ def _remove(tmp: str | None) -> None:
             pass
 
 
-__all__ = ["check_output_path", "free_bytes", "write_file_atomic", "write_text_atomic"]
+__all__ = ["check_output_path", "free_bytes", "write_failed", "write_file_atomic", "write_text_atomic"]

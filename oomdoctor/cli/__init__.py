@@ -19,6 +19,7 @@ from oomdoctor.cli import tune as _tune  # noqa: E402,F401
 from oomdoctor.cli import train as _train  # noqa: E402,F401
 from oomdoctor.cli import explain as _explain  # noqa: E402,F401
 from oomdoctor.cli import models as _models  # noqa: E402,F401
+from oomdoctor.cli import keys as _keys  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:
