@@ -76,9 +76,10 @@ def check_output_path(path: str | os.PathLike, *, what: str = "--output", overwr
 
 
 def write_file_atomic(path: str | os.PathLike, data: str | bytes, *, what: str = "--output", overwrite: bool = False,
-                      example: str = "plan.yaml") -> Path:
+                      example: str = "plan.yaml", hint: str | None = None) -> Path:
     """Write ``data`` (text as UTF-8) to ``path`` atomically after :func:`check_output_path`; WriteFailed (exit 74)
-    when the write fails, with nothing left behind. Returns the path written."""
+    when the write fails, with nothing left behind (``hint``: what to do then; default: free space or choose another
+    path). Returns the path written."""
     out = check_output_path(path, what=what, overwrite=overwrite, example=example)
     existed = out.exists()
     tmp = None
@@ -94,7 +95,8 @@ def write_file_atomic(path: str | os.PathLike, data: str | bytes, *, what: str =
         _remove(tmp)
         raise write_failed(what, out, exc,
                            "nothing was written" + (", the file already there is unchanged" if existed else ""),
-                           f"free some space or choose another {what} path, and run the command again") from None
+                           hint or f"free some space or choose another {what} path, and run the command again"
+                           ) from None
     except BaseException:
         _remove(tmp)
         raise

@@ -9,22 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from oomdoctor.cli import main
 from oomdoctor.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, ConfigErrors
-from train_util import TINY_YAML, cli, tiny_cfg, write_yaml
+from train_util import TINY_YAML, cli, run_main, tiny_cfg, write_yaml
 
 LLAMA = "meta-llama/Llama-2-7b-hf"
 TINY = "bundled:tiny/model/config.json"
-
-
-def run_cli(args, capsys):
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ---------------------------------------------------------------------------------------------- absurd sizes
@@ -32,7 +21,7 @@ def run_cli(args, capsys):
 
 def test_a_sequence_beyond_the_models_positions_is_refused_before_pricing(capsys):
     for verb in (["diagnose", LLAMA], ["tune", LLAMA, "--gpu-mem", "24GB", "--verify", "none"]):
-        code, out, err = run_cli(verb + ["--seq-len", "10000000"], capsys)
+        code, out, err = run_main(verb + ["--seq-len", "10000000"], capsys)
         assert code == EXIT_BAD_INPUT, err
         assert "--seq-len 10,000,000 is beyond the 4,096 positions" in err and "Traceback" not in err
         assert "--seq-len 4096 or less" in err and not out and "ranking" not in err
@@ -51,7 +40,7 @@ def test_the_position_limit_counts_rope_scaling_and_relative_positions():
 
 def test_tune_seq_len_max_stops_at_the_models_positions(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_cli(["tune", TINY, "--gpu-mem", "80GB", "--seq-len", "max", "--no-tiled-mlp", "--verify",
+    code, out, err = run_main(["tune", TINY, "--gpu-mem", "80GB", "--seq-len", "max", "--no-tiled-mlp", "--verify",
                               "none", "--json"], capsys)
     assert code == 0, err
     d = json.loads(out)
@@ -63,16 +52,28 @@ def test_an_absurd_micro_batch_is_priced_in_closed_form(capsys):
     longest-context search answers that no plan fits."""
     pins = ["--method", "lora", "--precision", "bf16-mixed", "--optimizer", "adamw", "--gradient-checkpointing",
             "--attn", "sdpa", "--loss", "standard", "--lora-r", "8", "--no-tiled-mlp"]
-    code, out, err = run_cli(["diagnose", LLAMA, "--micro-batch", "1000000000000", "--gpu-mem", "24GB", "--json"]
+    code, out, err = run_main(["diagnose", LLAMA, "--micro-batch", "1000000000000", "--gpu-mem", "24GB", "--json"]
                              + pins, capsys)
     assert code == 0, err
     (plan,) = json.loads(out)["plans"]
-    one = json.loads(run_cli(["diagnose", LLAMA, "--micro-batch", "1", "--json"] + pins, capsys)[1])["plans"][0]
+    one = json.loads(run_main(["diagnose", LLAMA, "--micro-batch", "1", "--json"] + pins, capsys)[1])["plans"][0]
     assert plan["fits"] is False
     assert 0.99e12 < plan["memory"]["activations_bytes"] / one["memory"]["activations_bytes"] < 1.01e12
-    code, _, err = run_cli(["tune", LLAMA, "--gpu-mem", "24GB", "--seq-len", "max", "--micro-batch",
+    code, _, err = run_main(["tune", LLAMA, "--gpu-mem", "24GB", "--seq-len", "max", "--micro-batch",
                             "1000000000000", "--verify", "none"] + pins[:7], capsys)
     assert code == EXIT_DOES_NOT_FIT and "no plan fits" in err and "Traceback" not in err
+
+
+def test_an_absurd_global_batch_is_planned_without_factoring_it():
+    """--global-batch 10**18: the micro-batch is a divisor up to what fits, found among those (trial division up to
+    10**9 before: no answer in minutes)."""
+    from oomdoctor.plan.batch import choose_micro_batch, divisors
+    from oomdoctor.tune.tuner import tune
+
+    assert divisors(10**18, upto=10) == [1, 2, 4, 5, 8, 10] and divisors(36, upto=10) == [1, 2, 3, 4, 6, 9]
+    assert choose_micro_batch(400, 10**18).micro_batch == 400
+    r = tune(TINY, gpu_mem=10**9, seq_len=64, global_batch=10**18, gpu=None, verify_mode="none")
+    assert r.plan.micro_batch * r.plan.grad_accum == 10**18 and r.plan.micro_batch <= 1024
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -88,7 +89,7 @@ def _config(tmp_path, name: str, **changes) -> str:
 
 
 def test_a_model_kind_transformers_does_not_know_says_so(tmp_path, capsys):
-    code, _, err = run_cli(["diagnose", _config(tmp_path, "blorp", model_type="blorpformer")], capsys)
+    code, _, err = run_main(["diagnose", _config(tmp_path, "blorp", model_type="blorpformer")], capsys)
     assert code == EXIT_BAD_INPUT and "Traceback" not in err
     assert "model_type 'blorpformer' is not a kind of model transformers" in err
     assert "pip install -U transformers" in err and "oomdoctor models" in err
@@ -171,16 +172,16 @@ def test_a_negative_max_steps_is_refused_in_code_too(tmp_path):
 def test_keys_lists_every_train_key_with_its_meaning(capsys):
     from oomdoctor.train.config.schema import DATASET_KEYS, MODEL_KEYS, TOP_KEYS
 
-    code, out, _ = run_cli(["keys", "--json"], capsys)
+    code, out, _ = run_main(["keys", "--json"], capsys)
     assert code == 0
     docs = {d["key"]: d for d in json.loads(out)["keys"]}
     assert set(docs) == ({k.name for k in TOP_KEYS} | {f"model.{k.name}" for k in MODEL_KEYS}
                          | {f"dataset.{k.name}" for k in DATASET_KEYS})
     assert all(d["help"] for d in docs.values())
     assert "per_device_train_batch_size" in docs["micro_batch_size"]["aliases"]
-    code, out, _ = run_cli(["keys", "packing"], capsys)
+    code, out, _ = run_main(["keys", "packing"], capsys)
     assert code == 0 and "dataset.packing" in out and "learning_rate" not in out
-    code, _, err = run_cli(["keys", "nosuchkey"], capsys)
+    code, _, err = run_main(["keys", "nosuchkey"], capsys)
     assert code == EXIT_BAD_INPUT and "no train key matches" in err
 
 

@@ -9,24 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-from oomdoctor.cli import main
 from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput
 from oomdoctor.plan import Plan, validate
-from train_util import cli, tiny_cfg
+from train_util import cli, run_main, tiny_cfg
 
 TINY = "bundled:tiny/model/config.json"
 OVERHEADS = ("allocator_slack", "cuda_context", "cublas_workspace", "nccl_buffers")
-
-
-def run_cli(args, capsys):
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("engine", ["analytic", "simulate"])
@@ -59,7 +48,7 @@ def test_measure_and_unknown_devices_are_refused(tiny_spec):
 def test_diagnose_device_cpu_prices_live_tensor_bytes_and_says_so(capsys):
     args = ["diagnose", TINY, "--method", "full", "--precision", "fp32", "--optimizer", "adamw", "--seq-len", "64",
             "--micro-batch", "4", "--mem", "8MB", "--json"]
-    code, out, err = run_cli(args + ["--device", "cpu"], capsys)
+    code, out, err = run_main(args + ["--device", "cpu"], capsys)
     assert code == 0, err
     d = json.loads(out)
     assert d["device"] == "cpu" and d["budget"]["counted"] == "peak_allocated"
@@ -68,12 +57,12 @@ def test_diagnose_device_cpu_prices_live_tensor_bytes_and_says_so(capsys):
         assert plan["fits"] is (plan["memory"]["peak_allocated_bytes"] <= 8 * 10**6)
     plan = d["plans"][0]
     assert plan["fits"] is True
-    code, out, _ = run_cli(args, capsys)  # the same card as a GPU: its CUDA context alone is 512 MiB
+    code, out, _ = run_main(args, capsys)  # the same card as a GPU: its CUDA context alone is 512 MiB
     gpu = json.loads(out)
     assert gpu["device"] == "cuda" and not any(p["fits"] for p in gpu["plans"])
-    code, out, _ = run_cli(["diagnose", TINY, "--device", "cpu", "--seq-len", "64"], capsys)
+    code, out, _ = run_main(["diagnose", TINY, "--device", "cpu", "--seq-len", "64"], capsys)
     assert code == 0 and "RAM budget: none given" in out
-    code, _, err = run_cli(["diagnose", TINY, "--device", "tpu"], capsys)
+    code, _, err = run_main(["diagnose", TINY, "--device", "tpu"], capsys)
     assert code == 2 and "--device 'tpu'" in err
 
 
@@ -104,9 +93,9 @@ def test_tune_for_a_small_cpu_budget_then_train_runs_on_the_cpu_within_it(tmp_pa
     monkeypatch.chdir(tmp_path)
     base = ["tune", TINY, "--mem", "48MB", "--seq-len", "64", "--global-batch", "16", "--dataset",
             "bundled:tiny/train.jsonl"]
-    code, _, err = run_cli(base + ["--verify", "none"], capsys)
+    code, _, err = run_main(base + ["--verify", "none"], capsys)
     assert code == 3 and "no plan fits" in err
-    code, out, err = run_cli(base + ["--device", "cpu", "--json", "-o", str(tmp_path / "cpu.yaml")], capsys)
+    code, out, err = run_main(base + ["--device", "cpu", "--json", "-o", str(tmp_path / "cpu.yaml")], capsys)
     assert code == 0, err
     d = json.loads(out)
     assert d["device"] == "cpu" and d["verification"] == "simulate" and d["memory"]["cuda_context_bytes"] == 0

@@ -1131,7 +1131,9 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
 
     if run.dist.is_main:
         write_file_atomic(out_dir / "summary.json", json.dumps(res.to_dict(), indent=1, default=str),
-                          what="summary", overwrite=True)
+                          what="summary", overwrite=True,
+                          hint=f"the model and the last checkpoint are in place: free space, then "
+                               f"`{run.command} --resume` writes the summary")
         from oomdoctor.train.restart import clear
 
         clear(out_dir)  # the restarts are recorded in summary.json and the checkpoints

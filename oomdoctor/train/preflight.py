@@ -6,7 +6,7 @@
 
 * ``model``: transformers must accept the config the run builds — a ``model_type`` it knows, values its config class
   takes (``oomdoctor.model.inventory.transformers_config``) — for a config file, a bundled id or a local weights
-  directory (a hub id is read on the training machine);
+  directory (a hub id is the training machine's to download: checked when its config is readable here);
 * ``seq_len``: within the model's positions (:attr:`ModelSpec.position_limit`: the rule diagnose and tune apply);
 * ``max_steps``: at least 1, or unset (``-1``/null: ``num_train_epochs`` decides) — for a config built in code too;
 * ``dataset``: with ``packing``, the dataset must fill one row of ``seq_len`` tokens. Its sequences are tokenized as
@@ -30,22 +30,27 @@ def _problem(key: str | None, exc: BadInput) -> str:
     return (f"{key}: " if key else "") + exc.message + (f" ({exc.hint})" if exc.hint else "")
 
 
-def _model_problems(cfg: TrainConfig) -> list[str]:
-    """transformers' verdict on the model config, then the positions ``seq_len`` needs."""
+def _model_problems(cfg: TrainConfig, notes: list[str]) -> list[str]:
+    """transformers' verdict on the model config, then the positions ``seq_len`` needs. A hub id whose config is not
+    readable here (offline) is the training machine's to download: a note, not a problem."""
     from oomdoctor.model.inventory import transformers_config
     from oomdoctor.model.load import load_config, load_spec
 
     key = "model.path" if cfg.model.init == "pretrained" else "model.config"
     ref = cfg.model_ref
+    local = cfg.model.init == "random" or Path(ref).expanduser().exists()
     try:
-        if cfg.model.init == "random" or Path(ref).expanduser().exists():
+        if local:
             raw, _, _ = load_config(ref)
             if "model_type" not in raw:
                 return [f"{key}: {ref}: the config has no model_type"]
             transformers_config(raw, ref)
         spec = load_spec(ref)
     except BadInput as exc:
-        return [_problem(key, exc)]
+        if local:
+            return [_problem(key, exc)]
+        notes.append(f"seq_len not checked against the model's positions: {exc.message}")
+        return []
     try:
         spec.check_seq_len(cfg.seq_len, "seq_len")
     except BadInput as exc:
@@ -106,7 +111,7 @@ def check(cfg: TrainConfig, *, source: str = "train config", tokenizer: Any = No
     """Every problem of the module docstring at once (ConfigErrors naming ``source``); returns notes (what could
     not be checked here). ``tokenizer``: the run's, already loaded (else loaded here when the check needs it)."""
     notes: list[str] = []
-    problems = _model_problems(cfg)
+    problems = _model_problems(cfg, notes)
     steps = _max_steps_problem(cfg)
     if steps:
         problems.append(steps)

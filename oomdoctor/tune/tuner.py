@@ -288,7 +288,7 @@ def verify(
     Returns (candidate, verified plan, trials). The plan is None when every trial failed or the trial budget ran
     out; an ``error`` outcome (the probe could not run at all) stops verification with plan None."""
     trials: list[Trial] = []
-    allowed = divisors(global_batch) if global_batch else range(1, micro_limit + 1)
+    allowed = divisors(global_batch, upto=micro_limit) if global_batch else range(1, micro_limit + 1)
     for cand in candidates:
         if not cand.fits or len(trials) >= max_trials:
             continue
