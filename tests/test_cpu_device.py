@@ -103,7 +103,8 @@ def test_tune_for_a_small_cpu_budget_then_train_runs_on_the_cpu_within_it(tmp_pa
     assert not d["command"].startswith("PYTORCH_CUDA_ALLOC_CONF")
     text = (tmp_path / "cpu.yaml").read_text()
     assert "\ndevice: cpu" in text and "\ngpu_mem: 48000000B" in text
-    p = cli("train", tmp_path / "cpu.yaml", "--max-steps", "2", "--json", "--overwrite")
+    (tmp_path / "cpu.yaml").write_text(text.replace("\noutput_dir: runs/train", f"\noutput_dir: {tmp_path / 'run'}"))
+    p = cli("train", tmp_path / "cpu.yaml", "--max-steps", "2", "--json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert s["device"] == "cpu" and s["cap_bytes"] == 48 * 10**6 and s["oom_recoveries"] == 0
