@@ -20,6 +20,7 @@ from oomdoctor.cli import train as _train  # noqa: E402,F401
 from oomdoctor.cli import explain as _explain  # noqa: E402,F401
 from oomdoctor.cli import models as _models  # noqa: E402,F401
 from oomdoctor.cli import targets as _targets  # noqa: E402,F401
+from oomdoctor.cli import keys as _keys  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

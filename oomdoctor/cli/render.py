@@ -30,10 +30,16 @@ def model_line(report) -> str:
 
 
 def capacity_line(report) -> str:
+    cpu = report.device == "cpu"
     if report.capacity_bytes is None:
-        return "card: none given and no GPU found (pass --gpu-mem 24GB for fit verdicts)"
+        return ("RAM budget: none given (pass --mem 8GB for fit verdicts on the CPU)" if cpu else
+                "card: none given and no GPU found (pass --gpu-mem 24GB for fit verdicts)")
     b = report.budget
     cap = b.capacity_bytes
+    if cpu:
+        return (f"RAM budget: {format_bytes(cap, binary=False)} = {format_bytes(cap)} (--mem), a CPU run: a plan fits "
+                f"when its live tensor bytes (peak alloc) are at most that minus the margin, "
+                f"{format_bytes(b.margin_bytes)}")
     where = "--gpu-mem" if b.source == "--gpu-mem" else f"NVML: {report.gpu.name}, free memory"
     return (f"card: {format_bytes(cap, binary=False)} = {format_bytes(cap)} ({where}); a plan fits when its resident "
             f"peak (paged optimizer state excluded) is at most that minus the margin, {format_bytes(b.margin_bytes)}")
@@ -47,7 +53,7 @@ def plan_table(report) -> Table:
     host = any(r.memory.host_per_node for r in report.results)
     t = Table(
         title=f"Training memory per plan, GiB  (micro-batch {first.micro_batch} x {first.seq_len} tokens{ranks}, "
-        f"engine: {report.engine})",
+        f"engine: {report.engine}, device: {report.device})",
         header_style="bold",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
@@ -148,7 +154,9 @@ def print_diagnose(report) -> None:
         "[dim]weights: stored weights incl. quantization constants and LoRA adapters; grads: trainable only; "
         "optim: optimizer states (paged: unified memory); activ.: saved for backward; logits: logits + fp32 "
         "upcast + loss; other: AMP weight copies + temporaries; peak alloc: tensor bytes (max_memory_allocated); "
-        "peak dev: + allocator slack, CUDA context, cuBLAS workspace (what nvidia-smi shows).[/]"
+        + ("peak dev: = peak alloc on the CPU (no CUDA context, workspace or allocator cache).[/]"
+           if report.device == "cpu" else
+           "peak dev: + allocator slack, CUDA context, cuBLAS workspace (what nvidia-smi shows).[/]")
     )
     if any(r.plan.world_size > 1 for r in report.results):
         console.print("[dim]several GPUs: every number is one GPU's (the largest rank); weights/grads include the "

@@ -13,7 +13,7 @@ import typer
 from oomdoctor.cli.app import app
 from oomdoctor.cli.output import emit_json
 
-HELP = """Train from a YAML config (what `oomdoctor tune` writes; see configs/train/ and docs/train.md).
+HELP = """Train from a YAML config (what `oomdoctor tune` writes; `oomdoctor keys` lists every key with its meaning).
 
 Every technique in the config is really applied (precision, bitsandbytes 4/8-bit + LoRA, gradient checkpointing,
 the optimizer, optimizer/activation offload). When a micro-batch runs out of memory it is split in two and both
@@ -32,7 +32,8 @@ micro-batch, --max-restarts). offload_params: true runs FSDP2 with CPU offload, 
 DeepSpeed ZeRO (pip install 'oomdoctor[deepspeed]'): same loop, checkpoints and OOM restarts as fsdp.
 
 Exit codes: 0 done / fits, 2 bad input (every config problem listed), 3 does not fit, 4 OOM not recoverable,
-130 interrupted (checkpoint saved).
+74 a checkpoint or output could not be written (disk full: the previous checkpoint is intact), 130 interrupted
+(checkpoint saved).
 """
 HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
 
@@ -249,7 +250,8 @@ def train(
     config: str = typer.Argument(..., help="train YAML (e.g. configs/train/tiny-cpu.yaml)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and estimate only: exit 0 fits, 3 does not"),
     gpu_mem: Optional[str] = typer.Option(
-        None, "--gpu-mem", help="memory budget, e.g. 24GB / 24GiB: dry-run verdict; caps the run (CPU: live bytes)"
+        None, "--gpu-mem", "--mem", help="memory budget of the device, e.g. 24GB / 24GiB: the dry-run verdict; caps "
+                                         "the run (on the CPU: its live tensor bytes)"
     ),
     engine: str = typer.Option("analytic", "--engine", help="estimator: analytic | simulate | measure"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in output_dir"),
@@ -310,6 +312,9 @@ def train(
 
         cfg = resolve_topology(cfg, world)  # one message here rather than one per rank
     if not dry_run and (nproc > 1 or nnodes) and not launched:
+        from oomdoctor.train.preflight import check
+
+        check(cfg, source=config)  # one message here rather than one per rank
         rest = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else [config]
         if max_restarts is None:
             from oomdoctor.plan.plan import SHARDED
@@ -320,7 +325,7 @@ def train(
     if dry_run:  # priced per rank, for the world size the launch flags (or the config) give
         from oomdoctor.train.dryrun import dry_run as do_dry
 
-        d = do_dry(cfg, gpu_mem=cap, engine=engine)
+        d = do_dry(cfg, gpu_mem=cap, engine=engine, source=config)
         if json_out:
             emit_json({"config": config, **d.to_dict()}, indent=1)
         else:
@@ -337,7 +342,7 @@ def train(
     job = restart.job()
     try:
         res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, overwrite=overwrite, engine=engine,
-                        on_event=rep, command=f"oomdoctor train {config}")  # --json: oomdoctor.cli.output
+                        on_event=rep, command=f"oomdoctor train {config}", source=config)  # --json: cli.output
     except OomDoctorError as exc:
         if _failed_because_of_a_peer(cfg, job):
             raise typer.Exit(restart.earlier_failure(job) or 1) from None

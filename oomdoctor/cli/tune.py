@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from oomdoctor.cli.app import app
-from oomdoctor.cli.options import offload_option, pins_from, plan_option
+from oomdoctor.cli.options import device_option, mem_option, offload_option, pins_from, plan_option
 from oomdoctor.cli.output import emit_json
 
 HELP = """Pick the training plan that fits, the largest micro-batch, and the gradient accumulation that keeps
@@ -25,6 +25,10 @@ no gradient checkpointing > checkpointing), then the fastest; --prefer speed ran
 Verification: on a GPU a child process runs 2 real steps at --seq-len (steps down on OOM); without one, the
 simulated engine replays the Hugging Face step on fake tensors, and the output says so.
 
+CPU runs: --device cpu --mem 8GB plans a run on the CPU: priced without CUDA's context, cuBLAS workspace and
+allocator slack, the live tensors within --mem (the same option as --gpu-mem), verified by the simulated engine; the
+config says device: cpu and caps the run there.
+
 Several GPUs: --gpus N (--gpus-per-node M) prices one rank per plan and climbs the strategies cheapest first: DDP
 when it fits, then FSDP (HSDP across nodes), CPU offload last with the host RAM per node it needs; DeepSpeed
 ZeRO-2/3 only with --strategy zero2|zero3. --global-batch is the batch over every GPU (micro-batch x accumulation x
@@ -36,7 +40,8 @@ HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
 @app.command(help=HELP)
 def tune(
     model: str = typer.Argument(..., help="HF id (e.g. meta-llama/Llama-2-7b-hf), model dir, or config.json"),
-    gpu_mem: Optional[str] = typer.Option(None, help="card size: 24GB (10^9), 24GiB (2^30), 24000MiB; default: NVML"),
+    gpu_mem: Optional[str] = mem_option("the local GPU's free memory (NVML); required with --device cpu"),
+    device: str = device_option(),
     host_mem: Optional[str] = typer.Option(None, help="CPU RAM of the training machine, which offload plans must fit "
                                                       "(512GB); default: this machine's"),
     seq_len: Optional[str] = typer.Option(
@@ -90,11 +95,13 @@ def tune(
     launch: bool = typer.Option(False, "--launch", help="run `oomdoctor train` on the written config right away"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
+    from oomdoctor.engines import DEVICES
     from oomdoctor.errors import BadInput
-    from oomdoctor.tune.emit import EMIT_TARGETS, write_emitted
+    from oomdoctor.files import check_output_path
+    from oomdoctor.tune.emit import EMIT_TARGETS, default_emit_path, write_emitted
     from oomdoctor.tune.ranking import PREFERS
     from oomdoctor.tune.tuner import tune as run_tune
-    from oomdoctor.tune.tuner import write_config
+    from oomdoctor.tune.tuner import default_output_path, write_config
     from oomdoctor.units import parse_size
 
     if emit not in EMIT_TARGETS:
@@ -103,6 +110,8 @@ def tune(
         raise BadInput(f"--launch runs `oomdoctor train`; with --emit {emit} run the command tune prints")
     if prefer not in PREFERS:
         raise BadInput(f"--prefer {prefer!r}: use quality or speed")
+    if device not in DEVICES:
+        raise BadInput(f"--device {device!r}: use one of {', '.join(DEVICES)}")
     seq: int | str | None = seq_len
     if seq_len is not None and seq_len != "max":
         if not seq_len.isdigit() or int(seq_len) < 1:
@@ -123,9 +132,9 @@ def tune(
         world_size=world_size, strategy=strategy, shard_group=shard_group,
         reshard_after_forward=reshard_after_forward, bucket_size=bucket_size,
     )
-    if output is not None and os.path.exists(output) and not force:
-        raise BadInput(f"--output {output} exists; not overwriting it",
-                       "pass --force to replace it, or another --output path")
+    # the file is written after the search: a path that cannot take it is refused now, not minutes later
+    check_output_path(output if output is not None else default_output_path() if emit == "oomdoctor"
+                      else default_emit_path(emit), overwrite=force)
     if not as_json:
         typer.echo("searching plans with the analytic memory model...", err=True)
     if micro_batch is not None:
@@ -133,7 +142,8 @@ def tune(
     if emit != "oomdoctor":  # search and price only what that trainer runs, as it runs it
         pins["trainer"] = emit
     result = run_tune(model, gpu_mem=cap, seq_len=seq, global_batch=global_batch, method=method, prefer=prefer,
-                      margin=margin, pins=pins, verify_mode=verify, gpus_per_node=gpus_per_node, host_mem=host)
+                      margin=margin, pins=pins, verify_mode=verify, gpus_per_node=gpus_per_node, host_mem=host,
+                      device=device)
     written = None
     if emit == "oomdoctor":
         path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)
@@ -170,8 +180,10 @@ def _print(r, written=None) -> None:
     p, m = r.plan, r.memory
     n = r.spec.num_params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+    cpu = r.device == "cpu"
     con.print(f"[bold]{r.spec.name}[/]  {size} params  seq_len {r.seq_len}  "
-              f"capacity {format_bytes(r.capacity_bytes)} ({r.capacity_source}), margin "
+              f"{'CPU run, RAM for tensors' if cpu else 'capacity'} {format_bytes(r.capacity_bytes)} "
+              f"({r.capacity_source}), margin "
               f"{format_bytes(r.budget.margin_bytes)} -> budget {format_bytes(r.budget_bytes)}")
     con.print(f"\n[bold green]plan[/]  {p.label()}")
     eff = f"effective batch {p.effective_batch}" + (" (exact)" if r.batch.exact and r.global_batch else "")
@@ -179,7 +191,8 @@ def _print(r, written=None) -> None:
     con.print(f"      micro-batch {p.micro_batch} x gradient accumulation {p.grad_accum}{gpus} = {eff}; "
               f"largest micro-batch that fits: {r.batch.max_micro_batch}")
     evictable = f" (+ {format_bytes(m.paged_optimizer)} paged optimizer state, evictable)" if m.paged_optimizer else ""
-    con.print(f"      predicted resident peak {format_bytes(r.budget.needed(m))}{evictable} ({m.peak_phase}) of "
+    con.print(f"      predicted {'live tensor' if cpu else 'resident'} peak {format_bytes(r.budget.needed(m))}{evictable} "
+              f"({m.peak_phase}) of "
               f"{format_bytes(r.budget_bytes)} budget; engine {m.engine}")
     if r.throughput:
         con.print(f"      est. throughput ~{r.throughput.tokens_per_s:,.0f} tokens/s ({r.throughput.profile}; "
@@ -239,5 +252,6 @@ def _print(r, written=None) -> None:
         con.print(f"run:  [bold]{written.command}[/]", soft_wrap=True)
         return
     con.print(f"run:  [bold]{r.command}[/]", soft_wrap=True)
-    con.print(f"      (PYTORCH_CUDA_ALLOC_CONF={r.alloc_conf}: expandable segments cut fragmentation, "
-              "the 'reserved but unallocated' part of OOM messages)")
+    if not cpu:
+        con.print(f"      (PYTORCH_CUDA_ALLOC_CONF={r.alloc_conf}: expandable segments cut fragmentation, "
+                  "the 'reserved but unallocated' part of OOM messages)")

@@ -298,7 +298,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     peak_phase = max(phases, key=lambda p: phases[p][0])
     peak_alloc, comps = phases[peak_phase]
     transient = comps["activations"] + comps["logits"] + comps["temporaries"] + comps["master_weights"]
-    slack = rt.allocator_slack_bytes(_persistent_tensors(c, opt), transient) if device == "cuda" else 0
+    slack = rt.allocator_slack_bytes(c, _persistent_tensors(c, opt), transient)
     cublas = rt.cublas_workspace_bytes(c)
     ctx_bytes = rt.cuda_context_bytes(c)
     nccl = rt.nccl_buffer_bytes(c)

@@ -40,16 +40,35 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k
 _LAYER_RE = re.compile(r"\.(layers|h|blocks|layer)\.(\d+)\.")
 
 
-def _config(cfg: dict, name: str):
-    from transformers import AutoConfig
+def transformers_config(cfg: dict, name: str):
+    """The transformers config of ``cfg`` (a config.json's dict), as ``AutoConfig`` builds it; BadInput when
+    transformers refuses it: a ``model_type`` it does not know (a model newer than the installed transformers, or one
+    that needs its own code), or values its config class rejects (the key and why, in one line)."""
+    import transformers
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     mt = cfg["model_type"]
+    version = transformers.__version__
+    if mt not in CONFIG_MAPPING:
+        raise BadInput(f"{name}: model_type {mt!r} is not a kind of model transformers {version} knows, so oomdoctor "
+                       "cannot price or train it",
+                       f"check model_type in the config.json; if the model is newer than transformers {version}, "
+                       "`pip install -U transformers`; models that need their own code (trust_remote_code) are not "
+                       "supported; `oomdoctor models` lists the bundled configs")
     kw = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(mt, **kw)
     except Exception as exc:  # noqa: BLE001 - ValueError, KeyError, huggingface_hub's StrictDataclassError...
-        raise BadInput(f"{name}: model_type {mt!r}: transformers cannot build this config ({exc})",
-                       "check model_type, or upgrade transformers if the model is newer than it") from None
+        raise BadInput(f"{name}: transformers {version} refuses this {mt} config: {_reason(exc)}",
+                       "fix that key in the config.json, or start from a bundled config (`oomdoctor models`)") from None
+
+
+def _reason(exc: Exception, limit: int = 200) -> str:
+    """transformers' refusal in one line: the innermost line of its message (StrictDataclass errors nest the field's
+    own error last), at most ``limit`` characters."""
+    lines = [ln.strip() for ln in str(exc).strip("'\"").splitlines() if ln.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def auto_model_class(config):
@@ -250,7 +269,7 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
     import json
 
     cfg = json.loads(cfg_items[0])
-    config = _config(cfg, name)
+    config = transformers_config(cfg, name)
     model = _meta_model(config, name)
     tc = config.get_text_config()
     head = model.get_output_embeddings()

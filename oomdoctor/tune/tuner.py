@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput, DoesNotFit
 from oomdoctor.files import free_path, write_text_atomic
 from oomdoctor.gpu import GpuInfo, detect_gpu, host_ram_bytes
@@ -37,7 +38,7 @@ from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_b
 from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.plan.targets import refusals
 from oomdoctor.plan.techniques import DEFAULTS, TECHNIQUES
-from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, analytic_estimator, longest_seq_len,
+from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, longest_seq_len,
                                         verify_and_refine)
 from oomdoctor.tune.ranking import Candidate, fidelity_key
 from oomdoctor.memory.sharding import node_host_bytes
@@ -136,6 +137,8 @@ class TuneResult:
     """The GPUs planned for (``--gpus``, ``--gpus-per-node``)."""
     strategies: list[StrategyTrial] = field(default_factory=list)
     """The strategies tried for the chosen plan's stack, cheapest first, up to the chosen one (N > 1)."""
+    device: str = "cuda"
+    """The device the plan is priced for and emitted for: ``cuda`` or ``cpu`` (``--device``)."""
 
     @property
     def host_per_node_bytes(self) -> int:
@@ -157,9 +160,10 @@ class TuneResult:
 
     @property
     def command(self) -> str:
-        """The exact command that runs the emitted config."""
+        """The exact command that runs the emitted config (a GPU run with the recommended allocator setting)."""
         path = self.config_path or DEFAULT_OUTPUT
-        return f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} oomdoctor train {shlex.quote(path)}{self.launch_flags}"
+        env = f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} " if self.device == "cuda" else ""
+        return f"{env}oomdoctor train {shlex.quote(path)}{self.launch_flags}"
 
     @property
     def launch_flags(self) -> str:
@@ -174,7 +178,8 @@ class TuneResult:
         writes."""
         plan, measured = self.plan, self.measured_peak_bytes
         return (
-            f"Tuned for {self.spec.name} on {format_bytes(self.capacity_bytes)} ({self.capacity_source}), margin "
+            f"Tuned for {self.spec.name} on {format_bytes(self.capacity_bytes)} ({self.capacity_source}"
+            f"{', a CPU run' if self.device == 'cpu' else ''}), margin "
             f"{format_bytes(self.budget.margin_bytes)}, seq_len {self.seq_len}.",
             f"Plan: {plan.label()}; micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation = effective "
             f"batch {plan.effective_batch}.",
@@ -195,6 +200,7 @@ class TuneResult:
         plan["label"] = self.plan.label()
         return {
             "model": {"name": s.name, "model_type": s.model_type, "params": s.num_params, "source": s.source},
+            "device": self.device,
             "capacity_bytes": self.capacity_bytes,
             "capacity_source": self.capacity_source,
             "margin_bytes": self.budget.margin_bytes,
@@ -229,19 +235,18 @@ class TuneResult:
 # ---------------------------------------------------------------------------------------------- verification
 
 
-def simulate_prober(spec: ModelSpec, budget: Budget, predicted: Callable[[Plan], int]) -> Prober:
-    """Verification without a GPU: ``estimate(spec, plan, "simulate")`` (the real HF step on fake tensors), judged by
-    ``budget.fits``."""
+def simulate_prober(spec: ModelSpec, budget: Budget, predicted: Callable[[Plan], int],
+                    device: str = "cuda") -> Prober:
+    """Verification without a GPU: ``estimate(spec, plan, "simulate", device)`` (the real HF step on fake tensors),
+    judged by ``budget.fits``."""
 
     def run(plan: Plan, micro: int) -> Trial:
-        from oomdoctor.engines import estimate
-
         p = plan.with_(micro_batch=micro)
         t0 = time.perf_counter()
         try:
             with warnings.catch_warnings():  # transformers deprecation chatter from the replayed step
                 warnings.simplefilter("ignore")
-                mem = estimate(spec, p, "simulate")
+                mem = estimate(spec, p, "simulate", device)
         except Exception as exc:  # noqa: BLE001 - any simulator failure is reported, not fatal
             return Trial(micro, p.grad_accum, "error", "simulate", p.label(), predicted(p),
                          seconds=time.perf_counter() - t0, message=f"{type(exc).__name__}: {exc}"[:500])
@@ -300,7 +305,7 @@ def verify(
     Returns (candidate, verified plan, trials). The plan is None when every trial failed or the trial budget ran
     out; an ``error`` outcome (the probe could not run at all) stops verification with plan None."""
     trials: list[Trial] = []
-    allowed = divisors(global_batch) if global_batch else range(1, micro_limit + 1)
+    allowed = divisors(global_batch, upto=micro_limit) if global_batch else range(1, micro_limit + 1)
     for cand in candidates:
         if not cand.fits or len(trials) >= max_trials:
             continue
@@ -338,7 +343,8 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
                     profile: HardwareProfile, prefer: str, host_ram: int | None,
                     world_size: int = 1) -> tuple[Plan, int]:
     """The plan that fits the longest sequence (micro-batch ``pins["micro_batch"]`` or 1) and that length: every
-    candidate plan's longest sequence by bisection (:func:`longest_seq_len`; offload plans only within ``host_ram``
+    candidate plan's longest sequence by bisection (:func:`longest_seq_len`, up to the model's positions,
+    :attr:`ModelSpec.position_limit`; offload plans only within ``host_ram``
     bytes of CPU RAM, None: unchecked), the longest wins, ties broken by the quality tier, then by the untiled MLP.
     Tiled MLPs (unless pinned off): the longest plan on the device and the longest offloaded one are bisected again
     with their MLPs tiled (each power of two a block replay, seconds: not every candidate) when the longest sequence
@@ -353,7 +359,9 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
     def host_fits(p: Plan, mem) -> bool:  # an offload plan's host share must fit this machine's RAM
         return host_ram is None or node_host_bytes(mem.host_per_node, p) <= host_ram
 
-    def longest_of(plans: list[Plan], start: int = SEQ_STEP, limit: int = MAX_SEQ_LEN) -> list[tuple[int, Plan]]:
+    reach = min(MAX_SEQ_LEN, spec.position_limit or MAX_SEQ_LEN)  # never past the model's positions
+
+    def longest_of(plans: list[Plan], start: int = SEQ_STEP, limit: int = reach) -> list[tuple[int, Plan]]:
         found = [(longest_seq_len(spec, p, budget, estimator, micro_batch=micro, start=start, limit=limit,
                                   accept=host_fits), p) for p in plans]
         return [(s, p.with_(seq_len=s, micro_batch=micro, grad_accum=1)) for s, p in found if s > 0]
@@ -370,7 +378,7 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
         # TILED_REACH times it (a few block replays per plan instead of one per power of two up to MAX_SEQ_LEN)
         tiled = [hit for s, p in finalists.values()
                  for hit in longest_of([p.with_(tiled_mlp=True)], start=s,
-                                       limit=min(MAX_SEQ_LEN, max(s, SEQ_STEP) * TILED_REACH))]
+                                       limit=min(reach, max(s, SEQ_STEP) * TILED_REACH))]
         found = tiled if tiled_pin else found + tiled
     if not found:
         raise DoesNotFit(f"no plan fits {budget.describe()} even at {SEQ_STEP} tokens per sequence",
@@ -392,13 +400,14 @@ def tune(
     margin: str | float | int | None = None,
     pins: dict[str, Any] | None = None,
     verify_mode: str = "auto",
-    estimator: Estimator = analytic_estimator,
+    estimator: Estimator | None = None,
     probe_steps: int = 2,
     max_trials: int = 6,
     gpu: GpuInfo | None | bool = True,
     micro_limit: int = DEFAULT_MICRO_LIMIT,
     gpus_per_node: int | None = None,
     host_mem: int | None = None,
+    device: str = "cuda",
 ) -> TuneResult:
     """Find the plan for ``model`` (see the module docstring). ``pins["world_size"]`` (``--gpus``) plans for that
     many GPUs (``gpus_per_node`` per node, default one node): each technique stack climbs the strategy ladder
@@ -406,21 +415,33 @@ def tune(
     (:func:`longest_context`), then the plan for it. ``margin``: what ``oomdoctor.plan.budget.parse_margin``
     reads (None: the default margin). ``gpu=True`` queries NVML, ``None``/``False`` means "no GPU" (tests), a
     :class:`GpuInfo` is used as given. ``host_mem``: the training machine's CPU RAM in bytes, which offload plans must fit
-    (``--host-mem``; None: this machine's)."""
+    (``--host-mem``; None: this machine's). ``device="cpu"``: a plan for a CPU run — priced without CUDA's context,
+    workspace and allocator slack, ``gpu_mem`` the RAM its live tensors may fill (no NVML, no GPU verification); the
+    emitted config says ``device: cpu``. ``estimator``: None prices with the analytic engine on ``device``."""
     if verify_mode not in VERIFY_MODES:
         raise BadInput(f"--verify {verify_mode!r}: use one of {', '.join(VERIFY_MODES)}")
+    if verify_mode == "gpu" and device == "cpu":
+        raise BadInput("--verify gpu probes a CUDA GPU; --device cpu plans a CPU run",
+                       "use --verify simulate (fake-tensor replay) or none")
     if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
                                      or global_batch < 1):
         raise BadInput(f"--global-batch must be a positive integer, got {global_batch!r}")
     spec = load_spec(model) if isinstance(model, str) else model
     model_ref = model if isinstance(model, str) else spec.name
-    gpu_info: GpuInfo | None = detect_gpu() if gpu is True else (gpu or None)
-    budget = resolve_budget(gpu_mem, margin, gpu_info)
+    on_cpu = device == "cpu"
+    gpu_info: GpuInfo | None = None if on_cpu else detect_gpu() if gpu is True else (gpu or None)
+    budget = resolve_budget(gpu_mem, margin, gpu_info, on_cpu=on_cpu)
+    if budget is None and on_cpu:
+        raise BadInput("--device cpu: tune needs the RAM the run may fill with tensors",
+                       "pass it with --mem, e.g. `oomdoctor tune MODEL --device cpu --mem 8GB`")
     if budget is None:
         raise BadInput(
             "no --gpu-mem given and no NVIDIA GPU found (NVML): tune needs to know how much memory to plan for",
             "pass the card's memory, e.g. `oomdoctor tune MODEL --gpu-mem 24GB`",
         )
+    if estimator is None:
+        def estimator(s: ModelSpec, p: Plan) -> MemoryBreakdown:
+            return estimate(s, p, "analytic", device)
     capacity = budget.capacity_bytes
     notes = list(budget.notes)
     host_ram = host_mem if host_mem is not None else host_ram_bytes()
@@ -433,22 +454,21 @@ def tune(
     rank_batch = _rank_batch(global_batch, topo.world_size)
     profile = profile_for(gpu_info.name if gpu_info else None)
     seq_max = seq_len == "max"
+    if isinstance(seq_len, int):
+        spec.check_seq_len(seq_len, "--seq-len")
     if seq_max:
         best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer, host_ram,
                                         topo.world_size)
         all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES
                          if t.name not in NOT_PINNED_BY_MAX + TOPOLOGY_FIELDS})
         notes.append(f"--seq-len max: {seq_len:,} tokens at micro-batch {best.micro_batch} is the longest sequence "
-                     f"any plan fits ({best.label()}; searched in steps of {SEQ_STEP} tokens)")
-        if spec.context_note(seq_len, "the longest sequence"):
-            notes.append(spec.context_note(seq_len, "the longest sequence"))
+                     f"any plan fits ({best.label()}; searched in steps of {SEQ_STEP} tokens"
+                     + (f" up to the model's {spec.position_limit:,} positions)" if spec.position_limit else ")"))
     elif isinstance(seq_len, str):
         raise BadInput(f"--seq-len {seq_len!r}: give a number of tokens or max")
     if seq_len is None:
         seq_len = min(Plan().seq_len, spec.max_position_embeddings or Plan().seq_len)
         notes.append(f"no --seq-len: planning for {seq_len} tokens per sequence (the longest batch sets the peak)")
-    elif not seq_max and spec.context_note(seq_len, "--seq-len"):
-        notes.append(spec.context_note(seq_len, "--seq-len"))
     if global_batch is None:
         notes.append("no --global-batch: the effective batch is the largest micro-batch that fits (accumulation 1); "
                      "pass --global-batch to keep it fixed")
@@ -509,7 +529,7 @@ def tune(
     verification = "none"
     if mode != "none":
         prober = (gpu_prober(model_ref, spec, capacity, predicted_peak, steps=probe_steps) if mode == "gpu"
-                  else simulate_prober(spec, budget, predicted_peak))
+                  else simulate_prober(spec, budget, predicted_peak, device))
         cand, vplan, trials = verify(result.fitting, prober, global_batch=rank_batch, limit=budget.limit_bytes,
                                      capacity=capacity, predicted_peak=predicted_peak, max_trials=max_trials,
                                      micro_limit=micro_limit)
@@ -531,7 +551,7 @@ def tune(
                          prefer=prefer, margin=margin, pins={**all_pins, **topo_pins}, verify_mode=verify_mode,
                          estimator=estimator, probe_steps=probe_steps, max_trials=max_trials,
                          gpu=gpu_info if gpu_info else False, micro_limit=micro_limit, gpus_per_node=gpus_per_node,
-                         host_mem=host_mem)
+                         host_mem=host_mem, device=device)
             again.notes.insert(0, f"--seq-len max: the memory model's longest sequence, {seq_len:,} tokens, failed "
                                   f"verification by {mode}; {shorter:,} tokens (calibrated by the verified peak) is "
                                   "the plan")
@@ -565,7 +585,7 @@ def tune(
     return TuneResult(
         spec=spec, budget=budget, gpu=gpu_info, prefer=prefer, seq_len=seq_len, global_batch=global_batch, plan=plan, memory=memory,
         batch=batch, throughput=throughput, search=result, trials=trials, verification=verification, notes=notes,
-        topology=topo, strategies=strategies,
+        topology=topo, strategies=strategies, device=device,
     )
 
 
@@ -676,9 +696,11 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
             kwargs["tokenizer"] = tokenizer
     kwargs.setdefault("dataset", dataset or SAMPLE_DATASET)
     kwargs.setdefault("gpu_mem", result.capacity_bytes)
+    if result.device == "cpu":  # priced for the CPU: the run goes there, gpu_mem caps its live tensor bytes
+        kwargs.setdefault("device", "cpu")
     cfg = config_from_plan(ref, result.plan, **kwargs)
     lines = ["Written by `oomdoctor tune`."] + list(result.summary_lines()) + [
-        f"Run: PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} oomdoctor train THIS.yaml"]
+        "Run: " + result.command.replace(shlex.quote(result.config_path or DEFAULT_OUTPUT), "THIS.yaml")]
     if not dataset and "dataset" not in extra:
         lines.append(f"dataset.path is the bundled sample ({SAMPLE_DATASET}): point it at your data.")
     if config_only and not tokenizer:
