@@ -232,6 +232,44 @@ def _trainer_construction(plan: "Plan", device: str):
         torch.accelerator.current_accelerator = orig_accel
 
 
+# ============================================================================ the engine
+
+
+#: Who runs the step, for notes.
+TRAINER_NAMES = {"trl": "TRL's SFTTrainer", "hf": "transformers' Trainer"}
+
+
+def simulate_trainer(spec: "ModelSpec", plan: "Plan", **kwargs):
+    """``oomdoctor.engines.simulate.simulate_plan`` with the trainer's own step (:func:`trainer_run`) replayed:
+    2 and 3 blocks, extrapolated (``kwargs`` as ``simulate_plan``'s)."""
+    import dataclasses
+    import functools
+
+    from oomdoctor.engines.simulate import simulate_plan
+    from oomdoctor.plan.targets import version_notes
+
+    why = not_replayed(plan)
+    if why:
+        raise BadInput(f"the simulated engine cannot replay this plan's trainer: {why}", "use --engine analytic")
+    notes: list[str] = []
+    res = simulate_plan(spec, plan, run=functools.partial(trainer_run, notes=notes), **kwargs)
+    extra = (f"replayed {TRAINER_NAMES[plan.trainer]}'s own step, built from the emitted {plan.trainer} file",)
+    res.breakdown = dataclasses.replace(res.breakdown, notes=res.breakdown.notes + extra
+                                        + tuple(dict.fromkeys(notes)) + tuple(version_notes(plan)))
+    return res
+
+
+def estimate_trainer(spec: "ModelSpec", plan: "Plan"):
+    """``estimate(spec, plan, "simulate")`` for a plan another trainer runs: its own step replayed
+    (:func:`simulate_trainer`), or, where it cannot be (:func:`not_replayed`), the analytic price with a note."""
+    from oomdoctor.engines.simulate import analytic_with_note
+
+    why = not_replayed(plan)
+    if why:
+        return analytic_with_note(spec, plan, why)
+    return simulate_trainer(spec, plan).breakdown
+
+
 # ============================================================================ the replay
 
 
@@ -730,4 +768,5 @@ class _NoStreams:
         return None
 
 
-__all__ = ["REPLAYED", "build", "document_data", "model_loader", "not_replayed", "trainer_run"]
+__all__ = ["REPLAYED", "build", "document_data", "estimate_trainer", "model_loader", "not_replayed", "simulate_trainer",
+           "trainer_run"]

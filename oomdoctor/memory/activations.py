@@ -238,18 +238,19 @@ def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_save
         if not c.is_adapted(name):
             continue
         t = tokens * m_tok(c, m)
-        a_bytes = 2 if c.mixed else 4
+        a_bytes = 2 if c.autocast else c.adapter_b  # lora_A's output
         if p > 0:
-            d_bytes = 2 if c.mixed else 4  # dropout output (fp32), re-cast to bf16 by autocast in mixed
+            # the dropout output (in the adapter's dtype), re-cast to bf16 by autocast
+            d_bytes = 2 if c.autocast else c.adapter_b
             total += t * i * (d_bytes + c.mask_b)
         elif adapter_reads_input(c, name, x_bytes):
             shared_x = True
-        elif c.mixed:
+        elif c.autocast:
             # per-module bf16 cast of the input that lora_A saves: autocast's cast of an fp32 input, or of peft's
             # fp32 copy of a 16-bit one (``_cast_input_dtype`` to the fp32 adapter's dtype)
             total += 2 * t * i
         else:
-            total += 4 * t * i  # per-module fp32 copy from _cast_input_dtype
+            total += c.adapter_b * t * i  # per-module copy to the adapter's dtype (_cast_input_dtype)
         total += a_bytes * t * r
     if shared_x and not already_saved:
         total += x_bytes * tokens * max(m_tok(c, m) * i for _n, i, _o, m in consumers)
@@ -258,15 +259,16 @@ def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_save
 
 def adapter_reads_input(c: Ctx, name: str, x_bytes: int) -> bool:
     """Whether module ``name``'s LoRA adapter saves its input X (of ``x_bytes``) itself, no copy made: no dropout,
-    and bf16 adapters reading a bf16 input (FSDP2 mixed precision), a bitsandbytes LoRA layer under CUDA autocast
-    reading a 16-bit input, or lora_A reading an fp32 input outside autocast (Identity dropout, no cast)."""
+    and neither peft nor autocast casts X — peft copies X to the adapter's dtype unless they match (or a
+    bitsandbytes LoRA layer under CUDA autocast skips the copy), autocast casts an fp32 input to bf16; bf16 adapters
+    reading a bf16 input (FSDP2 mixed precision, TRL's QLoRA) read it as it is."""
     if c.plan.lora_dropout > 0:
         return False
     if c.gathered_in_compute_dtype:
         return True
-    if c.mixed:
-        return x_bytes != 4 and _bnb_skips_input_cast(c, name)
-    return x_bytes == 4
+    if x_bytes != c.adapter_b and not (c.autocast and _bnb_skips_input_cast(c, name)):
+        return False  # peft's copy to the adapter's dtype
+    return not (c.autocast and x_bytes == 4)
 
 
 def _bnb_skips_input_cast(c: Ctx, name: str) -> bool:
@@ -348,7 +350,7 @@ def eager_forward_transient(c: Ctx) -> int:
 def adapter_out_bytes(c: Ctx) -> int:
     """Bytes per output element a LoRA module's forward holds at once: the base output, lora_B's output and its
     scaled copy — in the compute dtype under autocast, else the latter two fp32."""
-    return 3 * c.ab if c.mixed else c.ab + 8
+    return 3 * c.ab if c.autocast else c.ab + 2 * c.adapter_b
 
 
 def adapted_mlp_inputs(c: Ctx, roles: LayerRoles) -> list[tuple[int, int, bool]]:
@@ -670,7 +672,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         mab = mab_global(c, roles)
         mlp += (3 if gated else 1) * mab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
         mlp += act_extra_tensors(spec) * mab * T * I  # activations composed of several pointwise ops
-        if c.mixed and mab == 2 and activation_name(spec) in POW_ACTS:
+        if c.autocast and mab == 2 and activation_name(spec) in POW_ACTS:
             # autocast: pow saves the fp32 cast of its input (not the bf16 input), and tanh's output, 1 + tanh are
             # fp32 (0.5·x stays bf16): 4 + 4 + 4 + 2 bytes per element, not 4 x 2 (measured on Phi-2 with the
             # simulated engine: -8 % for a full bf16-mixed fine-tune before)
@@ -713,7 +715,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         for w_in, w, first in adapted_mlp_inputs(c, roles):
             later = mlp_after if first else mab_global(c, roles) * T * w + down
             moment = int(adapter_out_bytes(c) * T * w - later + 2 * rb * T * h)
-            if not c.mixed and rb != 4 and plan.lora_dropout > 0:
+            if not c.mixed and rb != 4 and plan.lora_dropout > 0 and c.adapter_b == 4:
                 moment += 4 * T * w_in
             mlp_adapter_fwd = max(mlp_adapter_fwd, moment)
         # the down adapter's forward in block 0's recompute, after every MLP save, next to the base output and the
@@ -727,9 +729,9 @@ def layer_activations(c: Ctx) -> LayerActs:
         # plans_vs_simulate.py --grid tests)
         w_down = max((i for n, i, _o, _m in roles.mlp_out if c.is_adapted(n)), default=0)
         mab, dropout = mab_global(c, roles), plan.lora_dropout > 0
-        copies = (1 if mab == 2 and (c.mixed or dropout) else 0) + (1 if c.mixed and dropout else 0)
+        copies = (1 if mab == 2 and (c.autocast or dropout) else 0) + (1 if c.autocast and dropout else 0)
         if w_down and c.adapter_b == 4 and copies:
-            product = 2 * T * w_down if mab == 2 and not c.mixed else 0
+            product = 2 * T * w_down if mab == 2 and not c.autocast else 0
             mlp_adapter_fwd = max(mlp_adapter_fwd,
                                   int(copies * 4 * T * w_down + product + ab * T * h + 2 * rb * T * h))
 
@@ -760,7 +762,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         # the MLP intermediate down's adapter saves is MatMul8bitLt's ctx input too: down's backward does not free it
         # (Llama-3.2-1B cut to 4 blocks, int8 QLoRA bf16 with the chunked loss at 4k tokens: -2.8 % before)
         mlp_b += mab_global(c, roles) * T * I
-    if not gated and c.mixed and mab_global(c, roles) == 2 and activation_name(spec) in POW_ACTS:
+    if not gated and c.autocast and mab_global(c, roles) == 2 and activation_name(spec) in POW_ACTS:
         # autocast gelu_new: the backward of 0.5·x (bf16) times the fp32 tanh branch holds the incoming bf16
         # gradient, its fp32 cast, both fp32 products and the bf16 cast of one: 16 bytes per element (traced op by
         # op on a replayed Phi block), fc2's saved input already freed
@@ -819,9 +821,9 @@ def layer_activations(c: Ctx) -> LayerActs:
         for _n, i, o, m in roles.attn_in + roles.attn_out + roles.mlp_in + roles.mlp_out:
             if c.is_adapted(_n):
                 t = T * (m if m > 1 else 1)
-                n_out_grads = 1 if ab == 4 and not c.mixed else 2  # an fp32 grad needs no cast copy
+                n_out_grads = 1 if ab == 4 and not c.autocast else 2  # an fp32 grad needs no cast copy
                 out_b = 4 * n_out_grads
-                if c.mixed:
+                if c.autocast:
                     # under autocast the adapter's matmuls run in ab: the output grad and its scaled copy are ab,
                     # not fp32 (measured with the simulated engine on Phi-3 shapes; no Llama grid cell moves)
                     out_b = 2 * ab

@@ -113,7 +113,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         # Non-reentrant checkpointing drops the saved casts; the autocast cache keeps the trainable ones for the
         # forward only. Forward end: trainable casts (cached) + the head's; backward: one block's + the head's.
         trainable_casts = (c.cast_lora_numel * 2) if not c.full else M_all
-        M_fwd = min(M_all, trainable_casts + M_head) if c.mixed else 0
+        M_fwd = min(M_all, trainable_casts + M_head) if c.autocast else 0
         M_top = M_layer
     else:
         M_fwd = M_all
@@ -132,7 +132,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         # time, a transient — without checkpointing: a checkpointed block packs only its input, and its recompute
         # (outside save_on_cpu) keeps its saves on the device (Llama-3.2-1B blocks at 16k tokens: +1 % before).
         trainable_casts = (c.cast_lora_numel * 2) if not c.full else M_all
-        M_fwd = min(M_all, trainable_casts) if c.mixed else 0
+        M_fwd = min(M_all, trainable_casts) if c.autocast else 0
         M_loss = 0
         if not gc:  # a checkpointed block's recompute runs in backward, outside save_on_cpu: its casts stay
             M_top = M_bottom = 0
