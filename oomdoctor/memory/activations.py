@@ -965,7 +965,9 @@ def final_saved(c: Ctx, measured: BlockSaves | None = None) -> int:
     else:
         total = 0
     head = [(g.name, g.in_features, g.out_features, 1.0) for g in spec.groups if g.name in HEAD_NAMES]
-    if c.plan.loss == "chunked" and spec.arch_kind == "decoder":
+    if c.plan.trainer == "trl" and spec.arch_kind == "decoder":
+        pass  # TRL's fused head saves its own compact copy of the hidden states (logits.trl_fused_head)
+    elif c.plan.loss == "chunked" and spec.arch_kind == "decoder":
         # oomdoctor.execute.loss: each checkpointed chunk keeps its slice of the final hidden states (a view) as
         # its input, so the whole tensor lives until the last chunk's backward (on the host under
         # offload_activations, which packs the checkpoints' inputs too); the head saves nothing itself

@@ -58,6 +58,8 @@ class LogitsMemory:
 
 def logits_memory(c: Ctx) -> LogitsMemory:
     spec = c.spec
+    if c.plan.trainer == "trl" and spec.arch_kind == "decoder":
+        return trl_fused_head(c)
     if spec.arch_kind == "encoder":
         n = max(spec.num_labels, 2) * c.B * 4
         return LogitsMemory(3 * n, n, 3 * n, n)
@@ -95,3 +97,67 @@ def logits_memory(c: Ctx) -> LogitsMemory:
             # half of that
             bwd += 4 * V * spec.hidden_size
     return LogitsMemory(fwd, saved, bwd, lb * T * V)
+
+
+#: TRL 1.16 ``trainer/utils.py`` ``_CHUNKED_LOGPROB_CHUNK_SIZE``: vocabulary columns per projection tile.
+TRL_VOCAB_CHUNK = 32768
+#: TRL 1.16 ``kernels/chunked_logprob.py`` ``TOKEN_CHUNK_SIZE``: token rows per projection tile.
+TRL_TOKEN_CHUNK = 4096
+#: fp32 per-token buffers ``_ChunkedLogProbFunction.forward`` allocates before its tiles (running max, sum of
+#: exponentials, its x- and square-weighted sums, sum of logits, max before the target, target logit).
+TRL_TOKEN_BUFFERS = 7
+
+
+def trl_fused_head(c: Ctx) -> LogitsMemory:
+    """TRL's fused LM head, SFTTrainer's only loss (trl 1.16), as its CUDA path allocates it — what the replay of its
+    own step (``engines/trainers.py``) runs, op by op.
+
+    ``trainer/utils.py`` ``add_fused_lm_head._fused_forward`` (lines 1599-1665): the backbone's last hidden states
+    minus the last position and the labels minus the first; ``mask = labels != -100``; on a Triton device only the
+    valid positions are scored (``compact``): ``hidden_states[mask]`` (a copy, N x h in the residual dtype) and
+    ``labels[mask]`` (int64); after the function each requested output (log-probs, entropy: fp32; is_top1: bool) is
+    scattered back into a (B, S - 1) tensor (``masked_scatter``). N = B·(S - 1): every label of a full batch is
+    valid but the one the shift drops.
+
+    ``kernels/chunked_logprob.py`` ``_ChunkedLogProbFunction`` (lines 311-465): forward — 7 fp32 per-token buffers,
+    one ``[min(N, TOKEN_CHUNK_SIZE), chunk_size]`` tile buffer in the compute dtype (the autocast dtype, else the
+    hidden states' — its width is the chunk size even for a smaller vocabulary), per token chunk the hidden rows cast
+    to the compute dtype (a copy unless already in it; the previous chunk's is alive while the next is made), per
+    vocabulary chunk the weight rows cast (a temporary of the ``mm`` call); saves the compact hidden states, the
+    weight, the targets, ``log_z`` and the entropy (fp32, N each). Backward — fp32 zero-filled gradients of the
+    compact hidden states (and of the weight when the head trains), a new tile buffer, the same casts (the weight
+    chunk is a named variable: the previous one is alive while the next is made), ``_addmm_fp32`` into the fp32
+    accumulators (CUDA: ``addmm(out_dtype=float32)``, no temporaries); at the return, with the last chunks and the
+    tile buffer still alive, the gradients cast to the hidden states' / the weight's dtype (a copy unless fp32).
+    The incoming gradient is one fp32 value per valid token (``masked_scatter``'s backward). The Triton kernels
+    write into the buffers above and allocate nothing.
+
+    ``forward_peak``: beyond the blocks' and the final norm's saves, the final norm's output (alive in the fused
+    forward) and everything above at the tile loop's costliest moment. ``saved``: what the function and the mask
+    keep into backward. ``backward_peak``: those, the incoming gradient, the fp32 gradients, the tile buffer and the
+    costliest of the loop's and the return's moments. No head module runs: no autocast copy of the head weight
+    (``parameters.amp_weight_copy_bytes``) and nothing saved by a head (``activations.final_saved``)."""
+    spec = c.spec
+    h, V = spec.hidden_size, spec.vocab_size
+    N = c.B * max(c.S - 1, 0)
+    n0 = min(N, TRL_TOKEN_CHUNK)
+    n1 = min(max(N - n0, 0), TRL_TOKEN_CHUNK)  # the second token chunk's rows
+    n_last = N - TRL_TOKEN_CHUNK * ((N - 1) // TRL_TOKEN_CHUNK) if N else 0
+    c1 = min(V, TRL_VOCAB_CHUNK)
+    c2 = min(max(V - c1, 0), TRL_VOCAB_CHUNK)
+    c_last = V - TRL_VOCAB_CHUNK * ((V - 1) // TRL_VOCAB_CHUNK)
+    cd = 2 if c.autocast else c.ab  # compute dtype: autocast's, else the hidden states' (fp32 plans: 4)
+    hb = c.rb  # the final norm's output: the hidden states the head reads
+    wb = c.wb  # the head weight's dtype
+    hc = cd if hb != cd else 0  # bytes of a hidden-chunk cast (0: no copy)
+    wc = cd if wb != cd else 0  # bytes of a weight-chunk cast
+    tile = n0 * TRL_VOCAB_CHUNK * cd
+    kept = N * (1 + 8 + 4 + 4) + N * h * hb  # mask, targets, log_z, entropy, compact hidden states
+    fwd_loop = max(hc * n0 + wc * c1, hc * (n0 + n1)) * h
+    forward = hb * c.T * h + kept - 8 * N + TRL_TOKEN_BUFFERS * 4 * N + tile + fwd_loop
+    grads = 4 * N * h + (4 * V * h if c.full else 0)
+    bwd_loop = max(hc * n0 + wc * (c1 + c2), hc * (n0 + n1) + wc * c_last) * h
+    bwd_return = (hc * n_last + wc * c_last) * h + (hb * N * h if hb != 4 else 0) + (
+        wb * V * h if c.full and wb != 4 else 0)
+    backward = kept + 4 * N + grads + tile + max(bwd_loop, bwd_return)
+    return LogitsMemory(forward, kept, backward, tile)
