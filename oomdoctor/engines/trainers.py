@@ -423,7 +423,8 @@ class _TrainerLoop:
             if self.trl:
                 stack.enter_context(_trl_cuda_paths(self.lb))
                 if self.plan.offload_activations:
-                    _OffloadOnHost(self.trainer.maybe_activation_offload_context, self.model, self.lb)
+                    stack.enter_context(_OffloadOnHost(self.trainer.maybe_activation_offload_context, self.model,
+                                                       self.lb))
             stack.enter_context(self.instruments)
             self.trainer.train()
         return self.instruments.stats(self.step_peaks)
@@ -659,17 +660,17 @@ def _full_batch_cls():
 
 class _OffloadOnHost:
     """Adapts TRL's ``OffloadActivations`` (built with the CPU as its accelerator) to a replay on the CPU (module
-    docstring): its pack/unpack hooks run as written, inside a mode where the pinned host tensors they allocate are
-    host memory (outside ``lb``, counted as ``cpu_offloaded`` at their peak), a host tensor moved back ``to`` the
-    device is a tracked copy, streams/events/``record_stream`` do nothing, and a fake storage's data pointer is its
-    identity."""
+    docstring), while entered: its pack/unpack hooks run as written, inside a mode where the pinned host tensors they
+    allocate are host memory (outside ``lb``, counted as ``cpu_offloaded`` at their peak) and a host tensor moved
+    back ``to`` the device is a tracked copy; streams, events and ``record_stream`` do nothing; a fake storage's data
+    pointer is its identity."""
 
     def __init__(self, ctx, model, lb):
-        self.lb = lb
-        self.live = 0
-        self.peak = 0
         from torch.utils.weak import WeakIdKeyDictionary
 
+        self.ctx, self.model, self.lb = ctx, model, lb
+        self.live = 0
+        self.peak = 0
         self.host = WeakIdKeyDictionary()
         streams = _NoStreams()
         ctx.device_module = streams
@@ -678,16 +679,33 @@ class _OffloadOnHost:
         pack, unpack = ctx.pack_hook, ctx.unpack_hook
         ctx.pack_hook = lambda t: self._run(pack, t)
         ctx.unpack_hook = lambda i: self._run(unpack, i)
-        with self._pointers():
-            ctx.update_model_params(model)  # on a GPU the model is there before the context is built
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> "_OffloadOnHost":
+        import torch
+
+        st = self._stack = ExitStack()
+        orig_ptr, orig_record = torch.UntypedStorage.data_ptr, torch.Tensor.record_stream
+
+        def data_ptr(storage):
+            return storage._cdata if storage.device.type == "meta" else orig_ptr(storage)
+
+        torch.UntypedStorage.data_ptr = data_ptr
+        torch.Tensor.record_stream = lambda *a, **k: None
+        st.callback(setattr, torch.UntypedStorage, "data_ptr", orig_ptr)
+        st.callback(setattr, torch.Tensor, "record_stream", orig_record)
+        self.ctx.update_model_params(self.model)  # on a GPU the model is there before the context is built
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
 
     def _run(self, fn, arg):
-        with self._pointers(), _host_copies_mode(self)():
+        with _host_copies_mode(self)():
             return fn(arg)
 
     def new_host(self, t) -> None:
-        n = t.untyped_storage().nbytes()
-        self.lb.ignore(t)
+        n = t.untyped_storage().nbytes()  # made under lb.paused: never counted (copies into it allocate nothing)
         self.host[t] = True
         self.live += n
         self.peak = max(self.peak, self.live)
@@ -696,22 +714,6 @@ class _OffloadOnHost:
 
     def _freed(self, n: int) -> None:
         self.live -= n
-
-    @contextmanager
-    def _pointers(self):
-        """``UntypedStorage.data_ptr`` of a fake (meta-backed) storage: the storage's identity, not 0."""
-        import torch
-
-        orig = torch.UntypedStorage.data_ptr
-
-        def data_ptr(st):
-            return st._cdata if st.device.type == "meta" else orig(st)
-
-        torch.UntypedStorage.data_ptr = data_ptr
-        try:
-            yield
-        finally:
-            torch.UntypedStorage.data_ptr = orig
 
 
 def _host_copies_mode(offload: _OffloadOnHost):

@@ -388,6 +388,63 @@ def offload_repacks(c: Ctx) -> int:
     return int(total + weights * (2 if c.mixed else c.wb))
 
 
+def trl_offload_kept(c: Ctx) -> int:
+    """Bytes one block keeps on the device under TRL's activation offloading without checkpointing (trl 1.16
+    ``models/activation_offloading.py`` ``OffloadActivations.pack_tensor``, lines 197-232): a tensor saved again
+    while its first save is still in the forward stash (the last ``max_fwd_stash_size`` = 5 packs) is not copied
+    again but kept — the device tensor itself, until backward unpacks it. That is every tensor a block saves twice in
+    a row: an RMSNorm's fp32 input (saved by ``pow`` and by ``mul``) and its ``rsqrt`` (by ``rsqrt`` and ``mul``),
+    and an input several linears save as it is (a full fine-tune's q/k/v and gate/up outside autocast; LoRA adapters
+    reading the input itself). Parameters (and views of them) are never copied; everything else goes to the host
+    once. Traced pack by pack on a replayed TRL step (``engines/trainers.py``)."""
+    spec, T, h = c.spec, c.T, c.spec.hidden_size
+    roles = layer_roles(spec)
+    total = 0
+    if spec.norm_kind == "rms":
+        qk = spec.num_heads * spec.head_dim + spec.num_kv_heads * spec.head_dim if c.sums.head_dim_norms_per_layer else 0
+        total += 4 * T * (c.sums.hidden_norms_per_layer * h + qk) + RMS_STATS_BYTES * T * (
+            c.sums.hidden_norms_per_layer + (spec.num_heads + spec.num_kv_heads) * (1 if qk else 0))
+    for x_bytes, consumers in ((c.rb, roles.attn_in), (c.rb, roles.mlp_in)):
+        if c.full:
+            savers = 0 if c.mixed and x_bytes == 4 else len(consumers)  # autocast: each saves its own cast
+        else:
+            savers = sum(1 for n, *_x in consumers if c.is_adapted(n) and adapter_reads_input(c, n, x_bytes))
+        total += x_bytes * T * h if savers >= 2 else 0
+    return int(total)
+
+
+def trl_offload_final_kept(c: Ctx) -> int:
+    """The final norm's twice-saved tensors under TRL's offloading (:func:`trl_offload_kept`): its fp32 input and
+    ``rsqrt`` stay on the device."""
+    if c.spec.norm_kind != "rms":
+        return 0
+    return (4 * c.spec.hidden_size + RMS_STATS_BYTES) * c.T
+
+
+def trl_offload_down_moment(c: Ctx, roles: LayerRoles) -> int:
+    """What a dense gated MLP's forward holds at its down projection under TRL's offloading without checkpointing:
+    the forward stash (the last 5 packs) still holds the activation's and up's outputs (saved by the product) and,
+    with LoRA on down, its dropout mask and lora_A's saved input, on top of what the running code references — the
+    product, the base output, the block input, the residual, the norm output and the embedding output; with LoRA
+    on down, peft's fp32 copy of a 16-bit product and the fp32 dropout output. Traced op by op on a replayed TRL
+    step (Llama-3.1-8B cut to 2 blocks, LoRA bf16 at 2k tokens)."""
+    spec, T, h, I = c.spec, c.T, c.spec.hidden_size, c.spec.intermediate_size
+    if spec.num_experts or spec.mlp_kind != "gated" or not roles.mlp_out:
+        return 0
+    mab = mab_global(c, roles)
+    held = 4 * c.rb * T * h + c.ab * T * h + mab * T * I  # block input, residual, norm out, embeddings; base out
+    stash = 2 * mab * T * I  # the activation's and up's outputs
+    if c.full:
+        return int(held + stash + mab * T * I)  # down saves the product itself: in the stash too
+    if not any(c.is_adapted(n) for n, *_x in roles.mlp_out):
+        return int(held + stash)
+    dropout = c.plan.lora_dropout > 0
+    copies = (1 if mab != c.adapter_b else 0) + (1 if dropout else 0)  # peft's copy, the dropout output
+    saved_in = 2 if c.autocast else c.adapter_b  # lora_A's saved input (autocast recasts it)
+    stash += (c.mask_b if dropout else 0) * T * I + saved_in * T * I
+    return int(held + stash + copies * c.adapter_b * T * I)
+
+
 def m_tok(c: Ctx, m: float) -> float:
     """Token multiplier of a group with ``m`` instances per layer: dense groups see every token once per instance."""
     return m
@@ -710,7 +767,7 @@ def layer_activations(c: Ctx) -> LayerActs:
     # activation are saved: only its own output and down's saves are still to come. Bytes beyond the block's
     # ``saved``; measured tensor by tensor with the simulated engine on Phi-3 shapes (fused gate_up, 2I wide) and on
     # Llama-3.2-1B blocks at 16k tokens (up's adapter in the top block's recompute: -6 % before).
-    mlp_adapter_fwd = 0
+    mlp_adapter_fwd = down_fwd = 0
     if not c.full and roles.mlp_in and not spec.num_experts:
         for w_in, w, first in adapted_mlp_inputs(c, roles):
             later = mlp_after if first else mab_global(c, roles) * T * w + down
@@ -734,10 +791,17 @@ def layer_activations(c: Ctx) -> LayerActs:
             product = 2 * T * w_down if mab == 2 and not c.autocast else 0
             mlp_adapter_fwd = max(mlp_adapter_fwd,
                                   int(copies * 4 * T * w_down + product + ab * T * h + 2 * rb * T * h))
+            if c.autocast and not c.mixed and not plan.gradient_checkpointing:
+                # bf16 weights under a foreign trainer's autocast (Ctx.autocast), in the forward: the 16-bit product
+                # (down's input, which only lora_A's cast of peft's fp32 copy saves) is alive next to those copies,
+                # and so are the block input (the decoder's reference), the residual, the norm output and the
+                # embedding output (the model's ``inputs_embeds``). Traced op by op on a replayed TRL step
+                # (Llama-3.1-8B cut to 2 blocks, LoRA bf16 at 2k tokens: -2.1 % before)
+                down_fwd = int(copies * 4 * T * w_down + mab * T * w_down + ab * T * h + 4 * rb * T * h)
 
     # forward transients: gated product inputs + output, mixed-precision fp32 rotary copies, LoRA fp32 branch
     # outputs, eager scores.
-    fwd_t = 2 * rb * T * h + ab * T * I * ktok
+    fwd_t = max(2 * rb * T * h + ab * T * I * ktok, down_fwd)
     if c.mixed:
         fwd_t = max(fwd_t, 4 * T * (qd + kvd))
     if not c.full and c.lora_groups:
@@ -750,6 +814,8 @@ def layer_activations(c: Ctx) -> LayerActs:
         fwd_t = max(fwd_t, eager_forward_transient(c) * B * nh * S * S)
     if plan.offload_activations and not plan.gradient_checkpointing:
         fwd_t = max(fwd_t, offloaded_mlp_forward(c, roles))
+        if plan.trainer == "trl":  # TRL's own offloading: its forward stash (trl_offload_down_moment)
+            fwd_t = max(fwd_t, trl_offload_down_moment(c, roles))
 
     # backward extras: MLP grads (3 intermediate-sized grads at the product's backward, next to the residual's
     # grad, which is the MLP output's: one hidden-sized grad, not two — +2.5 % on QLoRA blocks at 16k tokens before)
