@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from oomdoctor.memory import parameters as prm
+from oomdoctor.memory.logits import fused_head
 from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx, experts_implementation
 from oomdoctor.model.spec import ModelSpec
 
@@ -1031,8 +1032,8 @@ def final_saved(c: Ctx, measured: BlockSaves | None = None) -> int:
     else:
         total = 0
     head = [(g.name, g.in_features, g.out_features, 1.0) for g in spec.groups if g.name in HEAD_NAMES]
-    if c.plan.trainer == "trl" and spec.arch_kind == "decoder":
-        pass  # TRL's fused head saves its own compact copy of the hidden states (logits.trl_fused_head)
+    if fused_head(c.plan) and spec.arch_kind == "decoder":
+        pass  # a fused head saves what it needs itself (logits.trl_fused_head, logits.liger_fused_linear_ce)
     elif c.plan.loss == "chunked" and spec.arch_kind == "decoder":
         # oomdoctor.execute.loss: each checkpointed chunk keeps its slice of the final hidden states (a view) as
         # its input, so the whole tensor lives until the last chunk's backward (on the host under

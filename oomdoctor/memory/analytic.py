@@ -231,7 +231,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
 
     # forward: end of forward (loss) or the last block's working set
     fwd_extra_logits, M_at_loss = lg.forward_peak, M_fwd
-    if plan.loss == "chunked" and spec.arch_kind == "decoder" and c.mixed and not c.full and plan.trainer != "trl":
+    if plan.loss == "chunked" and spec.arch_kind == "decoder" and c.mixed and not c.full and not lgt.fused_head(plan):
         # the frozen head's cast is neither cached by autocast nor saved by a checkpointed chunk: it lives through
         # one chunk's matmul, in forward and in each chunk's recompute, which runs on the device even when the
         # saved activations are offloaded (traced with the simulated engine)

@@ -56,10 +56,24 @@ class LogitsMemory:
     """Bytes of the head's output (the logits in the compute dtype; one chunk's under the chunked loss)."""
 
 
+#: Trainers whose chunked loss is Liger's fused linear cross-entropy (``use_liger_kernel`` / axolotl's Liger plugin /
+#: ``apply_liger_kernel_to_<model>`` in a user's script: ``oomdoctor.plan.targets``), by the liger-kernel version
+#: priced (axolotl 0.19 pins 0.8.1).
+LIGER_TRAINERS: dict[str, str] = {"hf": "0.8.5", "accelerate": "0.8.5", "axolotl": "0.8.1"}
+
+
+def fused_head(plan) -> bool:
+    """Whether the loss reads the LM head's weight directly and never runs the head module (TRL's fused LM head,
+    Liger's fused linear cross-entropy): no autocast copy of the whole head weight, nothing saved by a head."""
+    return plan.trainer == "trl" or (plan.loss == "chunked" and plan.trainer in LIGER_TRAINERS)
+
+
 def logits_memory(c: Ctx) -> LogitsMemory:
     spec = c.spec
     if c.plan.trainer == "trl" and spec.arch_kind == "decoder":
         return trl_fused_head(c)
+    if fused_head(c.plan) and spec.arch_kind == "decoder":
+        return liger_fused_linear_ce(c)
     if spec.arch_kind == "encoder":
         n = max(spec.num_labels, 2) * c.B * 4
         return LogitsMemory(3 * n, n, 3 * n, n)
@@ -161,3 +175,44 @@ def trl_fused_head(c: Ctx) -> LogitsMemory:
         wb * V * h if c.full and wb != 4 else 0)
     backward = kept + 4 * N + grads + tile + max(bwd_loop, bwd_return)
     return LogitsMemory(forward, kept, backward, tile)
+
+
+def liger_chunk_tokens(tokens: int, hidden: int, vocab: int, version: str = "0.8.5") -> int:
+    """Tokens per chunk of Liger's fused linear cross-entropy (liger-kernel ``ops/fused_linear_cross_entropy.py``
+    ``fused_linear_cross_entropy_forward``: ``next_power_of_2(cdiv(BT, cdiv(V, H)))``, capped at BT since 0.8.5)."""
+    c = chunk_tokens(tokens, hidden, vocab)
+    return min(c, tokens) if version != "0.8.1" else c
+
+
+def liger_fused_linear_ce(c: Ctx) -> LogitsMemory:
+    """Liger's fused linear cross-entropy (``LigerForCausalLMLoss`` -> ``LigerFusedLinearCrossEntropyFunction``),
+    the chunked loss of the HF Trainer (``use_liger_kernel``), axolotl's Liger plugin and an accelerate script, as
+    its CUDA path allocates — by formula from liger-kernel's source (Triton kernels cannot run here; research note
+    /work/notes/research-axolotl-liger.md §14, liger-kernel 0.8.5 ``ops/fused_linear_cross_entropy.py`` lines
+    95-415, 0.8.1 lines 55-270; ``transformers/model/loss_utils.py`` lines 67-106).
+
+    BT = B·S tokens (the labels are padded, then shifted); the gradients are computed in the forward, chunk by chunk:
+    ``grad_input`` (zeros like the hidden states, BT x h), ``grad_weight`` (zeros like the head weight, in its
+    dtype: ``accum_dtype`` is None on these paths) when the head trains, ``loss_1d`` (fp32) and ``target_mask``
+    (bool) per token, and one logits chunk of ``c`` tokens (:func:`liger_chunk_tokens`) in the matmul's dtype (the
+    autocast dtype, else the hidden states'), turned into its gradient in place by the cross-entropy kernel. 0.8.5
+    reuses one chunk buffer and updates ``grad_weight`` with ``addmm(out=)`` (sm >= 8: no temporary); 0.8.1
+    allocates each chunk while the previous one is referenced (two alive) and, for a 16-bit ``grad_weight``, adds
+    ``mm(...).float()`` (V x h in the matmul's dtype and in fp32). Under autocast with fp32 weights the head weight
+    is cast per chunk (V x h, 16-bit) and ``grad_logits @ weight`` lands in a 16-bit temporary before the fp32
+    ``grad_input`` (c x h). Kept into backward: ``grad_input`` and ``grad_weight`` (the backward only scales them in
+    place). Assumed: an Ampere-or-newer GPU, ``grad_weight`` handed to ``.grad`` without a copy."""
+    spec = c.spec
+    h, V, T = spec.hidden_size, spec.vocab_size, c.T
+    version = LIGER_TRAINERS[c.plan.trainer]
+    chunk = liger_chunk_tokens(T, h, V, version)
+    bx, bl, bw = c.rb, (2 if c.autocast else c.ab), c.wb
+    gw = bw * V * h if c.full else 0
+    kept = bx * T * h + gw  # grad_input, grad_weight
+    logits = chunk * V * bl
+    extra = (2 * V * h + bl * chunk * h) if c.mixed else 0  # the head weight's cast, grad_input's chunk
+    if version == "0.8.1":
+        tw = (bl + 4) * V * h if c.full and bw != 4 else 0
+        logits = max(2 * logits, logits + tw) + bl * chunk * h
+    forward = bx * T * h + kept + 5 * T + logits + extra
+    return LogitsMemory(forward, kept, kept, chunk * V * bl)

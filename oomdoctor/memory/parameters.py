@@ -5,6 +5,7 @@ LoRA adapters, and AMP's low-precision weight copies. Pure functions of (ModelSp
 from __future__ import annotations
 
 from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx
+from oomdoctor.memory.logits import fused_head
 from oomdoctor.memory.lora import adapter_bytes
 
 #: bitsandbytes 4-bit: one absmax per block of 64 weights (``quantize_4bit`` default blocksize; QLoRA paper §2,
@@ -124,8 +125,8 @@ def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
         base_layer = s.linear_numel * 2
     wrapped = {g.name.split(".")[-1] for g in c.lora_groups if g.module == PARAM_WRAPPER}
     base_layer += 2 * L * sum(n for name, n in expert_stacks(c).items() if name not in wrapped)
-    # TRL's fused LM head never runs the head module: it casts vocabulary chunks itself (logits.trl_fused_head)
-    head = head_weight_numel(c) * 2 if c.plan.trainer != "trl" else 0
+    # a fused head (TRL's, Liger's) never runs the head module: it casts the weight itself (logits.fused_head)
+    head = head_weight_numel(c) * 2 if not fused_head(c.plan) else 0
     if layers is None:
         return base_layer + head + adapters
     return int((base_layer + adapters) * layers / L)
