@@ -19,32 +19,29 @@ BATCH = dict(micro_batch=2, seq_len=256, lora_dropout=0.05)
 
 #: method x precision each trainer runs (TRL: 4-bit only in pure bf16, its adapters bf16 on a quantized base, no k-bit
 #: preparation; the HF script: with and without peft's k-bit preparation, int8).
-TRL_PLANS = {
+BOTH = {
     "full fp32": dict(method="full", precision="fp32"),
     "full bf16-mixed": dict(method="full", precision="bf16-mixed"),
     "full bf16": dict(method="full", precision="bf16"),
     "lora fp32": dict(method="lora", precision="fp32"),
     "lora bf16-mixed": dict(method="lora", precision="bf16-mixed"),
     "lora bf16": dict(method="lora", precision="bf16"),
-    "qlora nf4 bf16": dict(method="qlora", precision="bf16"),
     "lora bf16 GC": dict(method="lora", precision="bf16", gradient_checkpointing=True),
+}
+TRL_PLANS = {
+    **BOTH,
+    "qlora nf4 bf16": dict(method="qlora", precision="bf16"),
     "lora bf16 offload": dict(method="lora", precision="bf16", offload_activations=True),
     "full bf16-mixed offload GC": dict(method="full", precision="bf16-mixed", offload_activations=True,
                                        gradient_checkpointing=True),
     "full bf16 adamw-8bit": dict(method="full", precision="bf16", optimizer="adamw-8bit"),
 }
 HF_PLANS = {
-    "full fp32": dict(method="full", precision="fp32"),
-    "full bf16-mixed": dict(method="full", precision="bf16-mixed"),
-    "full bf16": dict(method="full", precision="bf16"),
-    "lora fp32": dict(method="lora", precision="fp32"),
-    "lora bf16-mixed": dict(method="lora", precision="bf16-mixed"),
-    "lora bf16": dict(method="lora", precision="bf16"),
+    **BOTH,
     "qlora nf4 bf16-mixed": dict(method="qlora", precision="bf16-mixed"),
     "qlora nf4 bf16 k-bit prep": dict(method="qlora", precision="bf16", kbit_upcast=True),
     "qlora nf4 bf16 no prep": dict(method="qlora", precision="bf16", kbit_upcast=False, adapter_dtype="bf16"),
     "qlora int8 bf16-mixed": dict(method="qlora", quant="int8", precision="bf16-mixed"),
-    "lora bf16 GC": dict(method="lora", precision="bf16", gradient_checkpointing=True),
 }
 
 

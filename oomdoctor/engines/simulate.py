@@ -527,5 +527,5 @@ def analytic_with_note(spec: "ModelSpec", plan: "Plan", why: str) -> MemoryBreak
     return dataclasses.replace(bd, notes=bd.notes + (f"{why}: analytic estimate",))
 
 
-__all__ = ["analytic_with_note", "simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run", "real_cpu_run", "random_sharded_model",
-           "fake_process_group", "extrapolate_from", "not_simulated"]
+__all__ = ["analytic_with_note", "simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run",
+           "real_cpu_run", "random_sharded_model", "fake_process_group", "extrapolate_from", "not_simulated"]

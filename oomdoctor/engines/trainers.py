@@ -58,12 +58,10 @@ Where the trainer's CUDA and CPU code paths differ, the replay follows CUDA (bes
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 import weakref
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from oomdoctor.errors import BadInput
@@ -86,7 +84,7 @@ def not_replayed(plan: "Plan") -> str | None:
     if plan.trainer == "accelerate":
         return "an accelerate launch config runs the user's train.py, which cannot be replayed"
     if plan.trainer not in REPLAYED:
-        return None
+        return "oomdoctor's own step is the executor's (oomdoctor.engines.simulate.simulate_plan)"
     if plan.trainer == "hf" and plan.loss == "chunked":
         return "Liger's fused linear cross-entropy (use_liger_kernel) runs Triton kernels, which need a CUDA GPU"
     if plan.strategy not in ("single", "ddp"):
@@ -203,12 +201,12 @@ def build(spec: "ModelSpec", plan: "Plan", num_layers: int | None, *, device: st
     load = model_loader(spec, plan, num_layers, device, seed, notes)
     kw = dict(load=load, tokenizer=_tokenizer(), train_dataset=_rows(plan), **_overrides(plan, output_dir))
     builder = trl.build_trainer if plan.trainer == "trl" else hf.build_trainer
-    with _trainer_construction(plan, device):
+    with _trainer_construction():
         return builder(data, **kw)
 
 
 @contextmanager
-def _trainer_construction(plan: "Plan", device: str):
+def _trainer_construction():
     """While a trainer is built: a meta model stays on meta (materialized once built, :func:`trainer_run`), and TRL's
     activation offloading finds the CPU as its accelerator (its device code then runs on the CPU,
     :class:`_OffloadOnHost`)."""
@@ -248,9 +246,6 @@ def simulate_trainer(spec: "ModelSpec", plan: "Plan", **kwargs):
     from oomdoctor.engines.simulate import simulate_plan
     from oomdoctor.plan.targets import version_notes
 
-    why = not_replayed(plan)
-    if why:
-        raise BadInput(f"the simulated engine cannot replay this plan's trainer: {why}", "use --engine analytic")
     notes: list[str] = []
     res = simulate_plan(spec, plan, run=functools.partial(trainer_run, notes=notes), **kwargs)
     extra = (f"replayed {TRAINER_NAMES[plan.trainer]}'s own step, built from the emitted {plan.trainer} file",)
@@ -300,7 +295,7 @@ def trainer_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, 
             stack.enter_context(fake)
             stack.enter_context(_fake_gaps())
             stack.enter_context(balanced_routing(spec, plan))
-            stack.enter_context(_FullBatch.mode())
+            stack.enter_context(_full_batch_cls()())
             model.to_empty(device="cpu")
             _retie(model)
         trainer.accelerator.device_placement = False  # the model is on its device already (module docstring)
@@ -372,7 +367,7 @@ class _TrainerLoop:
 
         tr.compute_loss, tr.accelerator.backward = compute_loss_, backward_
         tr._clip_grad_norm, tr._get_grad_norm = clip_, grad_norm_
-        tr.add_callback(_StepEvents(self))
+        tr.add_callback(_step_events_cls()(self))
         tr._inner_training_loop = self._inner_loop
 
     def _open_step(self) -> None:
@@ -453,10 +448,6 @@ def _step_events_cls():
             self.loop._close_step()
 
     return StepEvents
-
-
-def _StepEvents(loop: _TrainerLoop):  # noqa: N802 - a class made on first use (transformers imported lazily)
-    return _step_events_cls()(loop)
 
 
 # ============================================================================ CUDA paths
@@ -596,16 +587,9 @@ def _trl_cuda_paths(lb):
 # ============================================================================ data-dependent answers
 
 
-class _FullBatch:
-    """Answers what fake tensors cannot know, as a full, unpadded batch would (module docstring): boolean masks
-    select every element; ``isnan``/``isinf`` are false; other scalars read back are 1 / true."""
-
-    @staticmethod
-    def mode():
-        return _full_batch_cls()()
-
-
 def _full_batch_cls():
+    """A dispatch mode answering what fake tensors cannot know as a full, unpadded batch would (module docstring):
+    boolean masks select every element; ``isnan``/``isinf`` are false; other scalars read back are 1 / true."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import TorchDispatchMode

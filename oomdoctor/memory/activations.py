@@ -402,9 +402,10 @@ def trl_offload_kept(c: Ctx) -> int:
     roles = layer_roles(spec)
     total = 0
     if spec.norm_kind == "rms":
-        qk = spec.num_heads * spec.head_dim + spec.num_kv_heads * spec.head_dim if c.sums.head_dim_norms_per_layer else 0
+        heads = spec.num_heads + spec.num_kv_heads if c.sums.head_dim_norms_per_layer else 0
+        qk = heads * spec.head_dim
         total += 4 * T * (c.sums.hidden_norms_per_layer * h + qk) + RMS_STATS_BYTES * T * (
-            c.sums.hidden_norms_per_layer + (spec.num_heads + spec.num_kv_heads) * (1 if qk else 0))
+            c.sums.hidden_norms_per_layer + heads)
     for x_bytes, consumers in ((c.rb, roles.attn_in), (c.rb, roles.mlp_in)):
         if c.full:
             savers = 0 if c.mixed and x_bytes == 4 else len(consumers)  # autocast: each saves its own cast
@@ -788,6 +789,10 @@ def layer_activations(c: Ctx) -> LayerActs:
         w_down = max((i for n, i, _o, _m in roles.mlp_out if c.is_adapted(n)), default=0)
         mab, dropout = mab_global(c, roles), plan.lora_dropout > 0
         copies = (1 if mab == 2 and (c.autocast or dropout) else 0) + (1 if c.autocast and dropout else 0)
+        if c.autocast and any(c.is_adapted(n) and _bnb_skips_input_cast(c, n) for n, *_x in roles.mlp_out):
+            # a bitsandbytes down under CUDA autocast: peft makes no copy of the product; the dropout output is in
+            # the product's dtype, a transient only when fp32 (a 16-bit one is what lora_A saves)
+            copies = 1 if dropout and mab == 4 else 0
         if w_down and c.adapter_b == 4 and copies:
             product = 2 * T * w_down if mab == 2 and not c.autocast else 0
             mlp_adapter_fwd = max(mlp_adapter_fwd,
