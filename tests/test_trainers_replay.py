@@ -208,3 +208,18 @@ def test_trainer_replay_extrapolates_from_2_and_3_blocks(scaled):
     bd = estimate(spec, plan, "simulate")
     assert bd.peak_allocated == trainer_run(spec, plan).peak
     assert any("TRL's SFTTrainer" in n for n in bd.notes) and any("extrapolated" in n for n in bd.notes)
+
+
+@pytest.mark.slow
+def test_replay_leaves_bitsandbytes_overrides_as_found(scaled):
+    """The Trainer registers a 32-bit override for embeddings in bitsandbytes' process-wide manager, keyed by
+    (group, index) positions: a replay restores it, or the next 8-bit optimizer in the process (tune verifies many
+    plans) would keep fp32 states for whichever parameter sits at those positions."""
+    from bitsandbytes.optim.optimizer import GlobalOptimManager
+
+    from oomdoctor.engines.trainers import trainer_run
+
+    mng = GlobalOptimManager.get_instance()
+    before = (dict(mng.index2config), dict(mng.pid2config), len(mng.module_weight_config_triple))
+    trainer_run(scaled, _plan("hf", dict(method="full", precision="bf16", optimizer="adamw-8bit")))
+    assert (dict(mng.index2config), dict(mng.pid2config), len(mng.module_weight_config_triple)) == before

@@ -502,15 +502,12 @@ def device_overheads(spec, plan, transient_bytes: int) -> dict:
 
 
 def estimate_simulated(spec: "ModelSpec", plan: "Plan") -> MemoryBreakdown:
-    """Entry point of ``oomdoctor.memory.estimate(spec, plan, "simulate")``. Plans the simulation cannot run
+    """Entry point of ``oomdoctor.engines.estimate(spec, plan, "simulate")`` for ``trainer: oomdoctor`` (another
+    trainer's step: ``oomdoctor.engines.trainers.estimate_trainer``). Plans the simulation cannot run
     (:func:`not_simulated`: DeepSpeed ZeRO, parameter offload) get the analytic estimate, with a note."""
     from oomdoctor.plan import validate
 
     plan = validate(plan)
-    if plan.trainer != "oomdoctor":
-        from oomdoctor.engines.trainers import estimate_trainer
-
-        return estimate_trainer(spec, plan)
     why = not_simulated(plan)
     if why:
         return analytic_with_note(spec, plan, why)

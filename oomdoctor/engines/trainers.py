@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import warnings
 import weakref
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable
@@ -413,8 +414,11 @@ class _TrainerLoop:
                                        backbone=self.backbone)
         self._wrap()
         with ExitStack() as stack:
+            stack.enter_context(warnings.catch_warnings())
+            # transformers logs the embeddings it keeps in 32-bit by their data pointers (fake tensors: 0)
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             stack.enter_context(_cuda_kernel_defaults())
-            stack.enter_context(_bnb_paged_buffers(self.lb))
+            stack.enter_context(_bnb_optimizers(self.lb))
             if self.trl:
                 stack.enter_context(_trl_cuda_paths(self.lb))
                 if self.plan.offload_activations:
@@ -498,17 +502,22 @@ def _cuda_kernel_defaults():
 
 
 @contextmanager
-def _bnb_paged_buffers(lb):
+def _bnb_optimizers(lb):
     """bitsandbytes optimizers allocate their state as on CUDA: paged buffers of >= 1e5 elements in unified memory
-    (``execute.optim.replayed_state_buffer``)."""
+    (``execute.optim.replayed_state_buffer``). The Trainer's 32-bit override of embedding weights under an 8-bit
+    optimizer goes into bitsandbytes' process-wide ``GlobalOptimManager``, keyed by parameter ids and (group, index)
+    positions: restored afterwards, or the next optimizer built in this process would inherit it."""
     try:
-        from bitsandbytes.optim.optimizer import Optimizer8bit
+        from bitsandbytes.optim.optimizer import GlobalOptimManager, Optimizer8bit
     except ImportError:  # pragma: no cover - bitsandbytes is a dependency
         yield
         return
     from oomdoctor.execute.optim import replayed_state_buffer
 
     orig = Optimizer8bit.get_state_buffer
+    mng = GlobalOptimManager.get_instance()
+    saved = (dict(mng.pid2config), dict(mng.index2config), list(mng.module_weight_config_triple),
+             mng.uses_config_override)
 
     def get_state_buffer(self, p, dtype=None):
         import torch
@@ -520,6 +529,7 @@ def _bnb_paged_buffers(lb):
         yield
     finally:
         Optimizer8bit.get_state_buffer = orig
+        mng.pid2config, mng.index2config, mng.module_weight_config_triple, mng.uses_config_override = saved
 
 
 class _Launch:
