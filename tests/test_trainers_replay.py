@@ -223,3 +223,18 @@ def test_replay_leaves_bitsandbytes_overrides_as_found(scaled):
     before = (dict(mng.index2config), dict(mng.pid2config), len(mng.module_weight_config_triple))
     trainer_run(scaled, _plan("hf", dict(method="full", precision="bf16", optimizer="adamw-8bit")))
     assert (dict(mng.index2config), dict(mng.pid2config), len(mng.module_weight_config_triple)) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer,name", [("trl", "qlora nf4 bf16"), ("hf", "qlora nf4 bf16 no prep")])
+def test_engines_agree_on_a_deeper_model(trainer, name):
+    """Through ``engines.estimate``: the analytic engine (whose bf16-adapter blocks are the formulas' for a foreign
+    trainer, not a measurement of oomdoctor's own step) against the trainer's replay extrapolated to 8 blocks."""
+    from oomdoctor.engines import estimate
+    from oomdoctor.model.load import spec_from_config
+
+    spec = spec_from_config(dict(SCALED, num_hidden_layers=8), name="llama-7b-scaled-8")
+    plans = TRL_PLANS if trainer == "trl" else HF_PLANS
+    plan = _plan(trainer, dict(plans[name], gradient_checkpointing=True))
+    analytic, simulate = estimate(spec, plan, "analytic").peak_allocated, estimate(spec, plan, "simulate").peak_allocated
+    assert abs(analytic - simulate) <= 0.02 * simulate, (analytic, simulate)
