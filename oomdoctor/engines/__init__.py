@@ -3,8 +3,9 @@
 ``estimate(spec, plan, engine=...)``: ``analytic`` (formulas, sub-millisecond, no torch for the families they were
 written for; for blocks the formulas do not know, what they save is measured by replaying them once per model and
 knobs, seconds to minutes, then cached on disk: ``engines/blocks.py``), ``simulate`` (the real HF step
-replayed on fake tensors; for ``world_size`` > 1 one rank: FSDP on a fake process group, DDP as the single step plus
-its gradient bucket, ZeRO and parameter offload by the analytic formulas, with a note) and ``measure`` (the real step
+replayed on fake tensors — for ``trainer: trl|hf`` that trainer's own step, ``engines/trainers.py`` —; for
+``world_size`` > 1 one rank: FSDP on a fake process group, DDP as the single step plus its gradient bucket, ZeRO and
+parameter offload by the analytic formulas, with a note) and ``measure`` (the real step
 on the local CUDA GPU). Multi-GPU numbers are per rank.
 """
 
@@ -35,6 +36,10 @@ def estimate(spec, plan, engine: str = "analytic", device: str = "cuda") -> Memo
 
         blocks = block_saves(spec, plan) if measures_blocks(spec, plan) else None
         return estimate_analytic(spec, plan, device=device, blocks=blocks)
+    if engine == "simulate" and plan.trainer != "oomdoctor":
+        from oomdoctor.engines.trainers import estimate_trainer  # the trainer's own step (TRL, HF Trainer)
+
+        return estimate_trainer(spec, plan, device)
     if engine == "simulate":
         from oomdoctor.engines.simulate import estimate_simulated
 

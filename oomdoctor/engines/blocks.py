@@ -53,8 +53,9 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     """Whether the analytic engine prices ``spec``'s blocks from a measurement: decoder types without a hand builder
     (``model/architectures.BUILDERS``, whose blocks the formulas were written for) and not in :data:`FORMULA_TYPES`
     (transformers' eager experts included, up to :data:`EAGER_REPLAY_MAX_EXPERTS`: a balanced router sizes their
-    tokens in the replay, ``engines/routing``), and every plan with bf16 adapters (the formulas follow peft's fp32 ones)
-    or a tiled MLP (``execute/tiled``: the formulas price whole-sequence MLPs). The measured plan runs on one device
+    tokens in the replay, ``engines/routing``), and every plan with bf16 adapters run by oomdoctor's executor (for
+    another trainer's bf16 adapters, TRL's QLoRA, the formulas price the adapter dtype as that trainer's replay runs
+    it: ``engines/trainers``) or a tiled MLP (``execute/tiled``: the formulas price whole-sequence MLPs). The measured plan runs on one device
     without offload (:func:`measured_plan`), so every topology and plan is measurable."""
     from oomdoctor.execute.build import runs_eager_experts
     from oomdoctor.model.architectures import BUILDERS
@@ -64,19 +65,21 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     if spec.num_experts > EAGER_REPLAY_MAX_EXPERTS and runs_eager_experts(spec, plan):
         return False
     formulas = spec.model_type in BUILDERS or spec.model_type in FORMULA_TYPES
-    return not formulas or (plan.uses_lora and plan.adapter_dtype == "bf16") or plan.tiled_mlp
+    bf16_adapters = plan.uses_lora and plan.adapter_dtype == "bf16" and plan.trainer == "oomdoctor"
+    return not formulas or bf16_adapters or plan.tiled_mlp
 
 
 def measured_plan(plan: "Plan") -> "Plan":
     """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision, attention,
     checkpointing, tiled MLP, sequence length rounded up to a power of two, LoRA targets/head/rank/dropout/dtype
     (with ``lora_on_head`` peft gets explicit names, which changes its MoE conversion in the blocks), int8 or
-    4-bit): micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation,
+    4-bit, the trainer: pure bf16 runs under autocast outside oomdoctor's own step): micro-batch 1 (the second
+    measurement runs it at 2), one GPU, no offload; the optimizer, accumulation,
     topology, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks and take their
     defaults (one cache entry for them all)."""
     from oomdoctor.plan.techniques import DEFAULTS
 
-    keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant", "tiled_mlp")
+    keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant", "tiled_mlp", "trainer")
     if plan.uses_lora:
         keep += ("lora_r", "lora_dropout", "lora_targets", "lora_on_head", "adapter_dtype")
     canonical = {k: v for k, v in DEFAULTS.items() if k not in keep and k in Plan.__dataclass_fields__}
@@ -184,6 +187,7 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
     from oomdoctor.execute.build import find_layers, make_batch
     from oomdoctor.execute.step import TrainStep
     from oomdoctor.execute.tracking import LiveBytes
+    from oomdoctor.memory.context import runs_autocast
 
     q, p = replay_depth(spec, plan)
     built = _meta_model(spec, plan, q + p + 1 if p else None, True)
@@ -207,7 +211,7 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
 
         # what a block saves: activations, and without autocast the casts of its parameters too (peft's bf16 copies
         # of fp32 expert adapters, ``ParamWrapper``); under autocast weight casts are AMP copies, priced as such
-        saved_categories = ("activations",) if plan.precision.endswith("-mixed") else ("activations", "master_weights")
+        saved_categories = ("activations",) if runs_autocast(plan) else ("activations", "master_weights")
 
         def storage_id(t) -> tuple[int, int] | None:
             key = t.untyped_storage()._cdata

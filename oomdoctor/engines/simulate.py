@@ -281,11 +281,14 @@ def _extrapolate_categories(c2: dict, c4: dict, la: int, lb_: int, n: int, total
 
 
 def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", timeline: bool = False,
-                  round_to: int = 512, timeline_layers: str = "full", device: str = "cuda") -> SimulationResult:
+                  round_to: int = 512, timeline_layers: str = "full", device: str = "cuda",
+                  run=None) -> SimulationResult:
     """Simulate ``plan`` on ``spec``, its device overheads those of ``device`` (:func:`device_overheads`). ``layers="auto"`` simulates 2 and 3 blocks (whole periods for periodic blocks)
     and extrapolates (else the full model); ``"full"`` always simulates every block. ``timeline=True`` also records
     the memory curve for plots: of the full model (``timeline_layers="full"``, one more replay of every block) or of
-    the 3-block model (``"sample"``, fast, not the real peak)."""
+    the 3-block model (``"sample"``, fast, not the real peak). ``run(spec, plan, num_layers, *, timeline, round_to)
+    -> RunStats`` replays one model (default :func:`simulate_run`, the executor's step; the trainers' replay passes
+    ``oomdoctor.engines.trainers.trainer_run``)."""
     from oomdoctor.plan import validate
 
     plan = validate(plan)
@@ -294,13 +297,14 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
         raise BadInput(f"the simulated engine cannot run this plan: {why}", "use --engine analytic")
     if plan.strategy == "fsdp" and _has_process_group():
         return _in_subprocess(simulate_plan, spec, plan, layers=layers, timeline=timeline, round_to=round_to,
-                              timeline_layers=timeline_layers, device=device)
+                              timeline_layers=timeline_layers, device=device, run=run)
     t0 = time.perf_counter()
     n = spec.num_layers
     period = layer_period(spec, plan) if layers == "auto" else None
     extrap = period is not None and n % period == 0 and n > (extrapolate_from(plan)[1] + 1) * period
     try:
-        return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1, timeline_layers, device)
+        return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1, timeline_layers, device,
+                              run or simulate_run)
     except BadInput:
         raise
     except Exception as exc:  # noqa: BLE001 - an op or model path the replay cannot run: say so, point to analytic
@@ -337,12 +341,13 @@ def _call_reporting(fn, args, kwargs):
 
 
 def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: int, t0: float,
-                   period: int = 1, timeline_layers: str = "full", device: str = "cuda") -> SimulationResult:
+                   period: int = 1, timeline_layers: str = "full", device: str = "cuda",
+                   run=simulate_run) -> SimulationResult:
     base = extrapolate_from(plan)
     if extrap:
         la, lb_ = base[0] * period, base[1] * period
-        r2 = simulate_run(spec, plan, la, timeline=False, round_to=round_to)
-        r4 = simulate_run(spec, plan, lb_, timeline=False, round_to=round_to)
+        r2 = run(spec, plan, la, timeline=False, round_to=round_to)
+        r4 = run(spec, plan, lb_, timeline=False, round_to=round_to)
         runs = (r2, r4)
         ex = lambda a, b: max(_extrapolate(a, b, r2.layers, r4.layers, n), 0)  # noqa: E731
         phase_peaks, phase_cats = {}, {}
@@ -360,16 +365,16 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         stored = ex(r2.param_bytes, r4.param_bytes)
         ref = r4
     else:
-        r = simulate_run(spec, plan, None, timeline=timeline, round_to=round_to)
+        r = run(spec, plan, None, timeline=timeline, round_to=round_to)
         runs = (r,)
         phase_peaks, phase_cats, external, adapter, ref = r.phase_peaks, r.phase_categories, r.external, r.adapter_bytes, r
         trainable, stored = r.trainable_bytes, r.param_bytes
     tl_run = ref
     if timeline and extrap and timeline_layers == "full":
         # a plot needs the real curve: one more replay of every block (slower: ~N/5 times the extrapolated cost)
-        tl_run = simulate_run(spec, plan, None, timeline=True, round_to=round_to)
+        tl_run = run(spec, plan, None, timeline=True, round_to=round_to)
     elif timeline and extrap:
-        tl_run = simulate_run(spec, plan, base[1] * period, timeline=True, round_to=round_to)
+        tl_run = run(spec, plan, base[1] * period, timeline=True, round_to=round_to)
     notes = []
     timeline_samples = tl_run.timeline
     if plan.strategy == "ddp":
@@ -492,7 +497,8 @@ def device_overheads(spec, plan, transient_bytes: int, device: str = "cuda") -> 
 
 
 def estimate_simulated(spec: "ModelSpec", plan: "Plan", device: str = "cuda") -> MemoryBreakdown:
-    """Entry point of ``oomdoctor.engines.estimate(spec, plan, "simulate", device)``. Plans the simulation cannot run
+    """Entry point of ``oomdoctor.engines.estimate(spec, plan, "simulate", device)`` for ``trainer: oomdoctor``
+    (another trainer's step: ``oomdoctor.engines.trainers.estimate_trainer``). Plans the simulation cannot run
     (:func:`not_simulated`: DeepSpeed ZeRO, parameter offload) get the analytic estimate, with a note. The replay's
     tensors follow CUDA's autocast and kernels on either device; ``device`` sets what surrounds them."""
     from oomdoctor.plan import validate
@@ -500,14 +506,19 @@ def estimate_simulated(spec: "ModelSpec", plan: "Plan", device: str = "cuda") ->
     plan = validate(plan)
     why = not_simulated(plan)
     if why:
-        import dataclasses
-
-        from oomdoctor.engines import estimate
-
-        bd = estimate(spec, plan, "analytic", device)
-        return dataclasses.replace(bd, notes=bd.notes + (f"{why}: analytic estimate",))
+        return analytic_with_note(spec, plan, why, device)
     return simulate_plan(spec, plan, device=device).breakdown
 
 
-__all__ = ["simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run", "real_cpu_run", "random_sharded_model",
-           "fake_process_group", "extrapolate_from", "not_simulated"]
+def analytic_with_note(spec: "ModelSpec", plan: "Plan", why: str, device: str = "cuda") -> MemoryBreakdown:
+    """The analytic estimate of a plan the simulated engine cannot run, with a note saying why."""
+    import dataclasses
+
+    from oomdoctor.engines import estimate
+
+    bd = estimate(spec, plan, "analytic", device)
+    return dataclasses.replace(bd, notes=bd.notes + (f"{why}: analytic estimate",))
+
+
+__all__ = ["analytic_with_note", "simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run",
+           "real_cpu_run", "random_sharded_model", "fake_process_group", "extrapolate_from", "not_simulated"]

@@ -252,40 +252,48 @@ def quantize_model_standin(model, plan, *, head_name: str = "lm_head", device: s
 
     Flags the model ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` (what peft reads to pick its bnb LoRA layers).
     """
-    import torch
-
     from oomdoctor.execute.dtypes import torch_dtype
 
+    return quantize_standin(model, quant=plan.quant, compute_dtype=torch_dtype(plan.compute_dtype),
+                            double_quant=plan.double_quant, head_name=head_name, device=device, decompose=decompose)
+
+
+def quantize_standin(model, *, quant: str, compute_dtype, double_quant: bool, head_name: str = "lm_head",
+                     device: str = "meta", decompose: bool = True) -> int:
+    """:func:`quantize_model_standin` from the quantization settings themselves (``quant``: int8, nf4 or fp4;
+    ``compute_dtype``: the torch dtype 4-bit layers compute and dequantize in), as a ``BitsAndBytesConfig`` gives
+    them to ``from_pretrained``; returns how many linears were replaced."""
+    import torch
+
     L4, L8 = standin_classes()
-    compute = torch_dtype(plan.compute_dtype)
     replaced = 0
     for name, mod in list(model.named_modules()):
         for child_name, child in list(mod.named_children()):
             if type(child) is not torch.nn.Linear or child_name == head_name:
                 continue
-            if plan.quant == "int8":
+            if quant == "int8":
                 new = L8(child.in_features, child.out_features, child.bias is not None, device=device)
             else:
                 new = L4(
                     child.in_features,
                     child.out_features,
                     child.bias is not None,
-                    compute_dtype=compute,
-                    quant_type=plan.quant,
-                    double_quant=plan.double_quant,
-                    quant_dtype=compute,
+                    compute_dtype=compute_dtype,
+                    quant_type=quant,
+                    double_quant=double_quant,
+                    quant_dtype=compute_dtype,
                     device=device,
                     decompose=decompose,
                 )
             setattr(mod, child_name, new)
             replaced += 1
-    _mark_quantized(model, plan)
+    _mark_quantized(model, quant)
     return replaced
 
 
-def _mark_quantized(model, plan) -> None:
+def _mark_quantized(model, quant: str) -> None:
     """The flags transformers sets on a bnb-loaded model (peft and the Trainer read them)."""
-    if plan.quant == "int8":
+    if quant == "int8":
         model.is_loaded_in_8bit = True
     else:
         model.is_loaded_in_4bit = True
@@ -337,6 +345,7 @@ def quantized_storage_bytes(model: Any, granularity: int = 1) -> int:
 
 __all__ = [
     "quantize_model_standin",
+    "quantize_standin",
     "standin_classes",
     "quant_bytes_4bit",
     "quant_bytes_int8",
@@ -377,5 +386,5 @@ def quantize_model_real(model, plan, *, head_name: str = "lm_head", device: str 
             new = new.to(device)  # bnb quantizes on the move to the device
             setattr(mod, child_name, new)
             replaced += 1
-    _mark_quantized(model, plan)
+    _mark_quantized(model, plan.quant)
     return replaced

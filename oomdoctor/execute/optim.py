@@ -111,17 +111,26 @@ def _bnb_optimizer(groups: list, plan: "Plan", lr: float, betas: tuple, eps: flo
         """bnb optimizer whose paged buffers are counted as unified memory (outside the allocator)."""
 
         def get_state_buffer(self, p, dtype=torch.float32):
-            if paged and p.numel() >= PAGED_MIN_NUMEL and lb is not None:
-                with lb.paused():
-                    buf = torch.zeros_like(p, dtype=dtype, device=p.device)
-                lb.ignore(buf, external="paged_optimizer")
-                return buf
-            return torch.zeros_like(p, dtype=dtype, device=p.device)
+            return replayed_state_buffer(p, dtype, paged, lb)
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # bnb builds its quantization maps from data (real tensors, shared by all params)
         return ReplayedPaged(groups, is_paged=False, **kw)
+
+
+def replayed_state_buffer(p, dtype, paged: bool, lb: Any):
+    """A bitsandbytes optimizer state buffer as bnb allocates it on CUDA (``Optimizer8bit.get_state_buffer``): in
+    unified memory when the optimizer is paged and the tensor has >= :data:`PAGED_MIN_NUMEL` elements — made outside
+    the tracker ``lb`` and counted as ``paged_optimizer`` —, else on the device."""
+    import torch
+
+    if paged and p.numel() >= PAGED_MIN_NUMEL and lb is not None:
+        with lb.paused():
+            buf = torch.zeros_like(p, dtype=dtype, device=p.device)
+        lb.ignore(buf, external="paged_optimizer")
+        return buf
+    return torch.zeros_like(p, dtype=dtype, device=p.device)
 
 
 class CPUOffloadOptimizer:
@@ -271,8 +280,8 @@ def activation_offload(enabled: bool, device_type: str) -> ContextManager:
 
 
 __all__ = ["OptimizerArgs", "PAGED_MIN_NUMEL", "make_optimizer", "make_plan_optimizer", "param_groups",
-           "CPUOffloadOptimizer", "make_scheduler", "activation_offload", "HostActivationOffload",
-           "scheduler_target"]
+           "replayed_state_buffer", "CPUOffloadOptimizer", "make_scheduler", "activation_offload",
+           "HostActivationOffload", "scheduler_target"]
 
 
 def _optimizer_base():

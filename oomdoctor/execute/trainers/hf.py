@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from oomdoctor.execute.trainers.common import (Document, DocumentRequest, common_notes, dataset_kwargs, hf_optim,
                                                lora_targets, precision, training_args_topology)
@@ -104,12 +104,11 @@ def training_arguments(doc: dict[str, Any], **overrides: Any):
     return args
 
 
-def load_model(doc: dict[str, Any]):
-    """Step 1-3 of the recipe: the model as the Trainer gets it (quantized, prepared, peft-wrapped)."""
+def from_pretrained_kwargs(doc: dict[str, Any]) -> dict[str, Any]:
+    """Step 1's ``from_pretrained`` kwargs: ``model_init_kwargs`` (a dtype name as the torch dtype, ``"auto"`` as
+    given) and the ``BitsAndBytesConfig`` of ``quantization_config``."""
     import torch
-    from transformers import AutoConfig, BitsAndBytesConfig
-
-    from oomdoctor.model.inventory import auto_model_class
+    from transformers import BitsAndBytesConfig
 
     kwargs = dict(doc.get("model_init_kwargs") or {})
     if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
@@ -120,7 +119,20 @@ def load_model(doc: dict[str, Any]):
         if isinstance(q.get("bnb_4bit_compute_dtype"), str):
             q["bnb_4bit_compute_dtype"] = getattr(torch, q["bnb_4bit_compute_dtype"])
         kwargs["quantization_config"] = BitsAndBytesConfig(**q)
-    name = doc["model_name_or_path"]
+    return kwargs
+
+
+def load_model(doc: dict[str, Any], load: Callable[[str, dict[str, Any]], Any] | None = None):
+    """Step 1-3 of the recipe: the model as the Trainer gets it (quantized, prepared, peft-wrapped). ``load(model_id,
+    from_pretrained_kwargs)`` replaces step 1's ``from_pretrained`` (the simulated engine builds the same model on
+    the meta device)."""
+    from transformers import AutoConfig
+
+    from oomdoctor.model.inventory import auto_model_class
+
+    name, kwargs = doc["model_name_or_path"], from_pretrained_kwargs(doc)
+    if load is not None:
+        return prepare_model(load(name, kwargs), doc)
     model = auto_model_class(AutoConfig.from_pretrained(name)).from_pretrained(name, **kwargs)
     return prepare_model(model, doc)
 
@@ -156,10 +168,11 @@ def load_data(doc: dict[str, Any], tokenizer, dataset: str | None = None):
                     remove_columns=data.column_names)
 
 
-def build_trainer(doc: dict[str, Any], *, model=None, tokenizer=None, train_dataset=None, **overrides: Any):
-    """The Trainer of the recipe (module docstring) for ``doc``; ``model`` / ``tokenizer`` / ``train_dataset``
-    replace steps 1-3 / the tokenizer load / step 4 (the simulated engine passes a model built on fake tensors and
-    batches of the plan's shape), ``overrides`` replace TrainingArguments keys."""
+def build_trainer(doc: dict[str, Any], *, model=None, load: Callable[[str, dict[str, Any]], Any] | None = None,
+                  tokenizer=None, train_dataset=None, **overrides: Any):
+    """The Trainer of the recipe (module docstring) for ``doc``; ``model`` replaces steps 1-3 (a prepared model),
+    ``load`` step 1 only (:func:`load_model`), ``tokenizer`` / ``train_dataset`` the tokenizer load / step 4,
+    ``overrides`` TrainingArguments keys (``use_cpu=True``)."""
     from transformers import AutoTokenizer, DataCollatorForLanguageModeling, Trainer
 
     args = training_arguments(doc, **overrides)
@@ -168,7 +181,7 @@ def build_trainer(doc: dict[str, Any], *, model=None, tokenizer=None, train_data
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if model is None:
-        model = load_model(doc)
+        model = load_model(doc, load)
     if train_dataset is None:
         train_dataset = load_data(doc, tokenizer)
     return Trainer(model=model, args=args, train_dataset=train_dataset,
@@ -208,5 +221,5 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["COMMAND", "EXTRA_KEYS", "LIGER_LOSS_ONLY", "build_trainer", "document", "load_data", "load_model", "main", "prepare_model",
-           "training_arguments"]
+__all__ = ["COMMAND", "EXTRA_KEYS", "LIGER_LOSS_ONLY", "build_trainer", "document", "from_pretrained_kwargs",
+           "load_data", "load_model", "main", "prepare_model", "training_arguments"]
