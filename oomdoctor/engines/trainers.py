@@ -202,8 +202,16 @@ def build(spec: "ModelSpec", plan: "Plan", num_layers: int | None, *, device: st
     load = model_loader(spec, plan, num_layers, device, seed, notes)
     kw = dict(load=load, tokenizer=_tokenizer(), train_dataset=_rows(plan), **_overrides(plan, output_dir))
     builder = trl.build_trainer if plan.trainer == "trl" else hf.build_trainer
-    with _trainer_construction():
-        return builder(data, **kw)
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
+
+    shown = is_progress_bar_enabled()
+    disable_progress_bar()  # TRL tokenizes the replay's few rows: no progress bars for them
+    try:
+        with _trainer_construction():
+            return builder(data, **kw)
+    finally:
+        if shown:
+            enable_progress_bar()
 
 
 @contextmanager
