@@ -58,9 +58,14 @@ class BuiltModel:
 
 
 def config_with_layers(cfg: dict, num_layers: int | None) -> dict:
-    """A copy of ``cfg`` with ``num_layers`` transformer blocks (per-layer lists such as ``layer_types`` cut/extended
-    periodically); a multimodal config's blocks are its ``text_config``'s. ``None`` keeps the original."""
-    out = dict(cfg)
+    """A deep copy of ``cfg`` with ``num_layers`` transformer blocks (per-layer lists such as ``layer_types``
+    cut/extended periodically); a multimodal config's blocks are its ``text_config``'s. ``None`` keeps the original
+    count. Deep: transformers edits nested dicts in place (it adds ``rope_theta`` to ``rope_scaling``), which would
+    change the spec's config and with it every cache key derived from it (engines/blocks.py measured each block
+    plan twice per process)."""
+    from copy import deepcopy
+
+    out = deepcopy(cfg)
     if num_layers is None:
         return out
     if isinstance(out.get("text_config"), dict) and not any(k in out for k in LAYER_KEYS):
