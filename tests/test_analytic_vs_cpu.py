@@ -332,17 +332,26 @@ BNB_MODELS = {"llama": TINY, "qwen2": dict(_SMALL, model_type="qwen2", num_key_v
                                            max_position_embeddings=4096)}
 
 
-@pytest.fixture(scope="module")
-def bnb_weights(tmp_path_factory):
-    """Random weights of each :data:`BNB_MODELS` config saved once (bitsandbytes quantizes while loading them)."""
+def save_random_weights(cfg: dict, path) -> None:
+    """Random weights of ``cfg`` saved to ``path`` (bitsandbytes quantizes while loading them)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = {}
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def bnb_plan(quant: str, gc: bool, upcast: bool) -> Plan:
+    """The pure-bf16 QLoRA plans compared on a real bitsandbytes step: micro-batch 2 x 64 tokens."""
+    return validate(Plan(method="qlora", quant=quant, precision="bf16", seq_len=64, micro_batch=2,
+                         gradient_checkpointing=gc, kbit_upcast=upcast))
+
+
+@pytest.fixture(scope="module")
+def bnb_weights(tmp_path_factory):
+    out = {name: tmp_path_factory.mktemp(f"bnb-{name}") for name in BNB_MODELS}
     for name, cfg in BNB_MODELS.items():
-        torch.manual_seed(0)
-        config = AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
-        out[name] = tmp_path_factory.mktemp(f"bnb-{name}")
-        AutoModelForCausalLM.from_config(config).save_pretrained(out[name])
+        save_random_weights(cfg, out[name])
     return out
 
 
@@ -355,8 +364,7 @@ def test_qlora_bf16_with_and_without_kbit_upcast_matches_real_cpu_step(bnb_weigh
     spec = build_spec(cfg, f"tiny-{model}")
     peaks = {}
     for up in (True, False):
-        plan = validate(Plan(method="qlora", quant=quant, precision="bf16", seq_len=64, micro_batch=2,
-                             gradient_checkpointing=gc, kbit_upcast=up))
+        plan = bnb_plan(quant, gc, up)
         real = measure_bnb_cpu_step(cfg, plan, bnb_weights[model])
         assert real["norm_dtype"] == (torch.float32 if up else torch.bfloat16)
         est = estimate_analytic(spec, plan, device="cpu").peak_allocated

@@ -64,7 +64,7 @@ class Candidate:
     rank: int | None = None
     """1 = chosen; None for plans that do not fit."""
     why_not: str | None = None
-    """Why a plan whose device memory fits is still out (the host RAM an offload needs)."""
+    """Why a plan whose device memory fits is still out (the host RAM its offload or paged optimizer states need)."""
 
     @property
     def fits(self) -> bool:

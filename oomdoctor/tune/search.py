@@ -117,7 +117,7 @@ def price(
     """One plan priced at micro-batch 1 and, when it fits ``budget``, sized (largest micro-batch, exact
     accumulation for the per-rank ``global_batch``). ``host_ram``: bytes of host RAM per node; an offload plan
     whose host share for ``gpus_per_node`` ranks (default: every rank on one node) exceeds it does not fit, paged
-    optimizer states the card cannot hold counted (:func:`paged_spill_per_node`)."""
+    optimizer states the card cannot hold counted (:func:`host_bytes`)."""
     trace = trace if trace is not None else SearchTrace()
     # optimizer in backward cannot accumulate: the micro-batch alone must reach the global batch
     oib = plan.optimizer_in_backward and global_batch is not None
@@ -132,21 +132,22 @@ def price(
                                  f"{choice.micro_batch} fits")
     if oib:
         choice = BatchChoice(choice.max_micro_batch, global_batch, 1, global_batch)
-    host = node_host_bytes(mem.host_per_node, plan, gpus_per_node) + paged_spill_per_node(mem, budget, plan,
-                                                                                        gpus_per_node)
+    host = host_bytes(mem, budget, plan, gpus_per_node)
     if host_ram is not None and host > host_ram:
         return Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
-                         why_not=f"offload needs {format_bytes(host)} of host RAM per node, the machine has "
-                                 f"{format_bytes(host_ram)}")
+                         why_not=f"needs {format_bytes(host)} of host RAM per node (what it offloads, paged "
+                                 f"optimizer states the card cannot hold), the machine has {format_bytes(host_ram)}")
     sized = plan.with_(micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
     return Candidate(sized, mem, choice, estimate_throughput(spec, sized, profile, mem))
 
 
-def paged_spill_per_node(mem, budget: Budget, plan: Plan, gpus_per_node: int | None = None) -> int:
-    """Host RAM a node's bitsandbytes paged optimizer states take: what of them does not fit the card next to the
-    resident peak (CUDA unified memory pages the rest out to the host), for every rank on the node."""
+def host_bytes(mem, budget: Budget, plan: Plan, gpus_per_node: int | None = None) -> int:
+    """Host RAM one node needs for ``plan`` (``mem`` its breakdown): what it offloads, plus the bitsandbytes paged
+    optimizer states the card cannot hold next to the resident peak (CUDA unified memory pages them out to the
+    host), for every rank on the node (``gpus_per_node``; default: every rank on one node)."""
     spill = max(0, mem.paged_optimizer - max(budget.headroom(mem), 0))
-    return spill * min(gpus_per_node or plan.world_size, plan.world_size)
+    ranks = min(gpus_per_node or plan.world_size, plan.world_size)
+    return node_host_bytes(mem.host_per_node, plan, gpus_per_node) + spill * ranks
 
 
 def rank(cands: list[Candidate], budget: Budget, prefer: Prefer = "quality", evaluations: int = 0) -> SearchResult:
@@ -219,4 +220,5 @@ def tiling_could_help(spec: ModelSpec, c: Candidate, best: Candidate | None, bud
     return budget.needed(mem) - freeable <= budget.limit_bytes
 
 
-__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "price", "rank", "search", "tiling_could_help"]
+__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "host_bytes", "price", "rank", "search",
+           "tiling_could_help"]

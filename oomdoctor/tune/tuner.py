@@ -41,7 +41,7 @@ from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, analy
 from oomdoctor.tune.ranking import Candidate, fidelity_key
 from oomdoctor.memory.sharding import node_host_bytes
 from oomdoctor.memory.context import tiled_mlp_refusal, tiling_applies
-from oomdoctor.tune.search import SearchResult, enumerate_candidates, price, rank, search
+from oomdoctor.tune.search import SearchResult, enumerate_candidates, host_bytes, price, rank, search
 from oomdoctor.tune.strategies import TOPOLOGY_FIELDS, StrategyTrial, Topology, ladder, topology, trials
 from oomdoctor.tune.throughput import HardwareProfile, Throughput, estimate_throughput, profile_for
 from oomdoctor.units import format_bytes
@@ -344,9 +344,9 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
                     profile: HardwareProfile, prefer: str, host_ram: int | None,
                     world_size: int = 1) -> tuple[Plan, int]:
     """The plan that fits the longest sequence (micro-batch ``pins["micro_batch"]`` or 1) and that length: every
-    candidate plan's longest sequence by bisection (:func:`longest_seq_len`; offload plans only within ``host_ram``
-    bytes of CPU RAM, None: unchecked), the longest wins, ties broken by the quality tier, then by the untiled MLP.
-    Tiled MLPs (unless pinned off; one GPU, a model that runs them: ``memory.context.tiled_mlp_refusal``): each
+    candidate plan's longest sequence by bisection (:func:`longest_seq_len`; offload and paged-optimizer plans only
+    within ``host_ram`` bytes of CPU RAM, ``search.host_bytes``; None: unchecked), the longest wins, ties broken by
+    the quality tier, then by the untiled MLP. Tiled MLPs (unless pinned off; one GPU, a model that runs them: ``memory.context.tiled_mlp_refusal``): each
     :func:`tiling_finalists` plan is bisected again with its MLPs tiled, from its untiled length up to
     :data:`TILED_REACH` times it (each power of two a block replay, seconds, cached per block shape) — unless one
     more step does not fit tiled (tiles gain it nothing) or its reach cannot beat a tiled plan already found;
@@ -358,8 +358,8 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
                                  Plan(seq_len=SEQ_STEP), bf16_supported=profile.bf16,
                                  chunked_loss=spec.arch_kind == "decoder")
 
-    def host_fits(p: Plan, mem) -> bool:  # an offload plan's host share must fit this machine's RAM
-        return host_ram is None or node_host_bytes(mem.host_per_node, p) <= host_ram
+    def host_fits(p: Plan, mem) -> bool:  # what it offloads or pages out must fit this machine's RAM
+        return host_ram is None or host_bytes(mem, budget, p) <= host_ram
 
     def at(p: Plan, s: int) -> Plan:
         return p.with_(seq_len=s, micro_batch=micro, grad_accum=1)
