@@ -73,15 +73,19 @@ def measured_plan(plan: "Plan") -> "Plan":
     """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision, attention,
     checkpointing, tiled MLP, sequence length rounded up to a power of two, LoRA targets/head/rank/dropout/dtype
     (with ``lora_on_head`` peft gets explicit names, which changes its MoE conversion in the blocks), int8 or
-    4-bit, the trainer: pure bf16 runs under autocast outside oomdoctor's own step): micro-batch 1 (the second
-    measurement runs it at 2), one GPU, no offload; the optimizer, accumulation,
-    topology, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks and take their
-    defaults (one cache entry for them all)."""
+    4-bit, in pure bf16 whether peft's k-bit preparation upcasts the quantized base's norms and biases to fp32
+    (``kbit_upcast``: the blocks' dtypes), the trainer: pure bf16 runs under autocast outside oomdoctor's own step):
+    micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation, topology,
+    LoRA's scale, the 4-bit data type, double quantization and the upcast of an fp32-loaded base (a no-op) do not
+    touch the blocks and take their defaults (one cache entry for them all)."""
+    from oomdoctor.memory.context import upcast_changes_bytes
     from oomdoctor.plan.techniques import DEFAULTS
 
     keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant", "tiled_mlp", "trainer")
     if plan.uses_lora:
         keep += ("lora_r", "lora_dropout", "lora_targets", "lora_on_head", "adapter_dtype")
+    if upcast_changes_bytes(plan):
+        keep += ("kbit_upcast",)
     canonical = {k: v for k, v in DEFAULTS.items() if k not in keep and k in Plan.__dataclass_fields__}
     if plan.quant == "fp4":
         canonical["quant"] = "nf4"  # same shapes, same dequantized compute

@@ -296,11 +296,25 @@ def int8_inputs(c: Ctx, roles: LayerRoles, *, gc_kept: bool = False) -> list[tup
 
 def int8_held_only(c: Ctx) -> int:
     """Bytes of a block's LLM.int8() inputs only ``MatMul8bitLt``'s ctx keeps (no save holds that tensor): part of
-    what the block keeps without checkpointing, on the device even with activations offloaded."""
+    what the block keeps without checkpointing, on the device even with activations offloaded. The output
+    projection's input is SDPA's saved output where :func:`attn_saves_output` (Llama blocks in pure bf16 without the
+    k-bit upcast, or with LoRA dropout: +16 KiB per block of tiny Llama at 128 tokens over the replay before)."""
     if c.quant != "int8":
         return 0
-    return sum(x_bytes * c.T * width for x_bytes, width, consumers in int8_inputs(c, layer_roles(c.spec))
-               if not _saves_input_itself(c, x_bytes, consumers))
+    roles = layer_roles(c.spec)
+    return sum(x_bytes * c.T * width for x_bytes, width, consumers in int8_inputs(c, roles)
+               if not _saves_input_itself(c, x_bytes, consumers)
+               and not (consumers == roles.attn_out and attn_saves_output(c)))
+
+
+def attn_saves_output(c: Ctx) -> bool:
+    """Whether the output projection's input is the very tensor SDPA/flash saved (its output, reshaped as a view).
+    Partial rotary concatenates the rotated and passed parts of q: q reaches SDPA contiguous in (B, heads, S, hd),
+    flash lays its output out like the query (CUDA ``mha_fwd``'s ``empty_like(q)``, the CPU kernel alike), and the
+    ``transpose(1, 2).contiguous()`` before the output projection copies it (measured tensor by tensor on replayed
+    Phi blocks; other models' q keeps the projection's (B, S, heads, hd) layout). Eager attention's output is a
+    fresh contiguous copy."""
+    return effective_attn(c.spec, c.plan.attn) != "eager" and c.spec.model_type not in CONCATENATED_QUERY
 
 
 def _saves_input_itself(c: Ctx, x_bytes: int, consumers) -> bool:
@@ -661,11 +675,7 @@ def layer_activations(c: Ctx) -> LayerActs:
             # while rotary made new q/k — unless autocast casts v for SDPA: a bitsandbytes qkv under autocast
             # returns fp32 (traced on replayed Phi-3-mini blocks, QLoRA: 25 MB per block at 2k tokens over before)
             inner += ab * T * (qd + kv_w / 2)
-        # partial rotary concatenates the rotated and passed parts of q: q reaches SDPA contiguous in (B, heads, S,
-        # hd), flash lays its output out like the query (CUDA ``mha_fwd``'s ``empty_like(q)``, the CPU kernel
-        # alike), and the ``transpose(1, 2).contiguous()`` before the output projection copies it (measured tensor
-        # by tensor on replayed Phi blocks; other models' q keeps the projection's (B, S, heads, hd) layout)
-        out_saved_by_attn = spec.model_type not in CONCATENATED_QUERY
+        out_saved_by_attn = attn_saves_output(c)
     att += n_att * inner
     already = out_saved_by_attn or (attn_impl == "eager" and c.full and not c.mixed)  # eager: the copy is in inner
     out_saved = consumers_saved(c, T, ab, roles.attn_out, already_saved=already)

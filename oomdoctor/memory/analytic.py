@@ -32,7 +32,7 @@ from oomdoctor.memory import parameters as prm
 from oomdoctor.memory import runtime as rt
 from oomdoctor.memory import sharding as shd
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
-from oomdoctor.memory.context import Ctx, make_ctx
+from oomdoctor.memory.context import Ctx, make_ctx, upcast_to_fp32
 from oomdoctor.memory.lora import adapter_bytes
 from oomdoctor.plan import Plan
 from oomdoctor.model.spec import ModelSpec
@@ -72,7 +72,7 @@ def _loss_packed(c: Ctx, lg: lgt.LogitsMemory, M_head: int) -> int:
     final = act.norm_saved(c, h, c.T, c.rb) + (4 * c.T * h if c.spec.norm_kind == "rms" else 0)
     if c.plan.loss == "chunked":
         return final + c.rb * c.T * h
-    weight = M_head if c.mixed else prm.head_weight_numel(c) * (4 if c.quant is not None else c.wb)
+    weight = M_head if c.mixed else prm.head_weight_numel(c) * c.wb
     return final + 2 * lg.saved + weight
 
 
@@ -355,10 +355,10 @@ def _notes(c: Ctx, measured_blocks: bool) -> list[str]:
             "LoRA on an fp32 base under autocast: every frozen linear's bf16 cast is saved for backward "
             "(counted as AMP weight copies); load the base in bf16 (precision bf16) to avoid it"
         )
-    if c.quant is not None and plan.precision == "bf16":
+    if upcast_to_fp32(plan):
         notes.append(
             "QLoRA in pure bf16: prepare_model_for_kbit_training upcasts embeddings, norms and the head to fp32, "
-            "so activations run in fp32 (priced like fp32 QLoRA)"
+            "so activations run in fp32 (priced like fp32 QLoRA); --no-kbit-upcast keeps them bf16"
         )
     if measured_blocks:
         notes.append(f"{spec.model_type}: what its blocks save for backward is measured by replaying their code on "

@@ -52,10 +52,11 @@ def base_weight_bytes(c: Ctx) -> int:
 
     Unquantized weights take ``c.wb`` bytes each. With bitsandbytes, every ``nn.Linear`` but the output head is
     quantized (transformers' ``get_keys_to_not_convert`` keeps the head); embeddings, norms and biases stay in the
-    weight dtype. The plan's weight dtype for ``*-mixed`` is fp32, so peft's ``prepare_model_for_kbit_training``
-    (which upcasts every non-4-bit fp16/bf16 parameter to fp32, peft ``utils/other.py``) changes nothing there; for
-    pure ``bf16`` we assume it is not applied (the non-quantized modules stay bf16). Sizes: ZeRO paper (Rajbhandari
-    et al. 2020) §3.1 "model states" (2 bytes/param fp16, 4 bytes fp32).
+    weight dtype ``c.wb``. The plan's weight dtype for ``*-mixed`` is fp32, so peft's
+    ``prepare_model_for_kbit_training`` (which upcasts every non-4-bit fp16/bf16 parameter to fp32, peft
+    ``utils/other.py``) changes nothing there; in pure ``bf16`` it makes them fp32 (``c.wb`` = 4,
+    ``context.upcast_to_fp32``) unless ``kbit_upcast: false`` skips it (bf16). Sizes: ZeRO paper (Rajbhandari et al.
+    2020) §3.1 "model states" (2 bytes/param fp16, 4 bytes fp32).
     """
     s = c.sums
     if c.quant is None:

@@ -42,8 +42,8 @@ from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, longe
                                         verify_and_refine)
 from oomdoctor.tune.ranking import Candidate, fidelity_key
 from oomdoctor.memory.sharding import node_host_bytes
-from oomdoctor.memory.context import tiling_applies
-from oomdoctor.tune.search import SearchResult, enumerate_candidates, price, rank, search
+from oomdoctor.memory.context import tiled_mlp_refusal, tiling_applies
+from oomdoctor.tune.search import SearchResult, enumerate_candidates, host_bytes, price, rank, search
 from oomdoctor.tune.strategies import TOPOLOGY_FIELDS, StrategyTrial, Topology, ladder, topology, trials
 from oomdoctor.tune.throughput import HardwareProfile, Throughput, estimate_throughput, profile_for
 from oomdoctor.units import format_bytes
@@ -339,16 +339,40 @@ TILED_REACH = 4
 NOT_PINNED_BY_MAX = ("micro_batch", "grad_accum", "seq_len")
 
 
+def tiling_finalists(found: list[tuple[int, Plan]]) -> list[tuple[int, Plan]]:
+    """The plans ``--seq-len max`` tries with tiled MLPs: of each group of plans that differ only in what does not
+    grow with the sequence (the optimizer, its implementation, double quantization: constant bytes), the one with
+    the longest untiled sequence — tiles save the same bytes per token across a group, so its longest plan stays
+    its longest tiled. Longest first; the optimizer in backward cannot run tiles. Groups, not a couple of overall
+    finalists: a plan that reaches less untiled can reach more tiled (its MLP the larger share of what grows), and a
+    pinned knob would find it (Llama-3.3-70B QLoRA on 80 GB: 33,792 tokens unpinned, 89,728 with --tiled-mlp)."""
+    from dataclasses import replace
+
+    from oomdoctor.plan.techniques import DEFAULTS
+
+    best: dict[Plan, tuple[int, Plan]] = {}
+    for s, p in found:
+        if p.optimizer_in_backward:
+            continue
+        key = replace(p, optimizer=DEFAULTS["optimizer"], optimizer_impl=DEFAULTS["optimizer_impl"],
+                      double_quant=False, seq_len=SEQ_STEP)
+        if s > best.get(key, (0, p))[0]:
+            best[key] = (s, p)
+    return sorted(best.values(), key=lambda sp: -sp[0])
+
+
 def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estimator: Estimator,
                     profile: HardwareProfile, prefer: str, host_ram: int | None,
                     world_size: int = 1) -> tuple[Plan, int]:
     """The plan that fits the longest sequence (micro-batch ``pins["micro_batch"]`` or 1) and that length: every
     candidate plan's longest sequence by bisection (:func:`longest_seq_len`, up to the model's positions,
-    :attr:`ModelSpec.position_limit`; offload plans only within ``host_ram``
-    bytes of CPU RAM, None: unchecked), the longest wins, ties broken by the quality tier, then by the untiled MLP.
-    Tiled MLPs (unless pinned off): the longest plan on the device and the longest offloaded one are bisected again
-    with their MLPs tiled (each power of two a block replay, seconds: not every candidate) when the longest sequence
-    is long enough for tiles to pay (``memory.context.tiling_applies``); pinned on, only tiled plans count.
+    :attr:`ModelSpec.position_limit`; offload and paged-optimizer plans only
+    within ``host_ram`` bytes of CPU RAM, ``search.host_bytes``; None: unchecked), the longest wins, ties broken by
+    the quality tier, then by the untiled MLP. Tiled MLPs (unless pinned off; one GPU, a model that runs them: ``memory.context.tiled_mlp_refusal``): each
+    :func:`tiling_finalists` plan is bisected again with its MLPs tiled, from its untiled length up to
+    :data:`TILED_REACH` times it (each power of two a block replay, seconds, cached per block shape) — unless one
+    more step does not fit tiled (tiles gain it nothing) or its reach cannot beat a tiled plan already found;
+    pinned on, only tiled plans count. No single pinned knob finds a longer sequence (tests/test_search_pins.py).
     DoesNotFit when no plan fits even one step of tokens."""
     micro = int(pins.get("micro_batch", 1))
     tiled_pin = pins.get("tiled_mlp")
@@ -356,29 +380,35 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
                                  Plan(seq_len=SEQ_STEP), bf16_supported=profile.bf16,
                                  chunked_loss=spec.arch_kind == "decoder", model_type=spec.model_type)
 
-    def host_fits(p: Plan, mem) -> bool:  # an offload plan's host share must fit this machine's RAM
-        return host_ram is None or node_host_bytes(mem.host_per_node, p) <= host_ram
+    def host_fits(p: Plan, mem) -> bool:  # what it offloads or pages out must fit this machine's RAM
+        return host_ram is None or host_bytes(mem, budget, p) <= host_ram
+
+    def at(p: Plan, s: int) -> Plan:
+        return p.with_(seq_len=s, micro_batch=micro, grad_accum=1)
 
     reach = min(MAX_SEQ_LEN, spec.position_limit or MAX_SEQ_LEN)  # never past the model's positions
 
     def longest_of(plans: list[Plan], start: int = SEQ_STEP, limit: int = reach) -> list[tuple[int, Plan]]:
         found = [(longest_seq_len(spec, p, budget, estimator, micro_batch=micro, start=start, limit=limit,
                                   accept=host_fits), p) for p in plans]
-        return [(s, p.with_(seq_len=s, micro_batch=micro, grad_accum=1)) for s, p in found if s > 0]
+        return [(s, at(p, s)) for s, p in found if s > 0]
+
+    def gains(p: Plan, s: int) -> bool:  # one more step fits
+        mem = estimator(spec, at(p, s + SEQ_STEP))
+        return budget.fits(mem) and host_fits(at(p, s + SEQ_STEP), mem)
 
     found = longest_of(plans)
-    longest = max((s for s, _ in found), default=0)
-    if tiled_pin or (tiled_pin is None and world_size == 1 and tiling_applies(spec, longest)):
-        # the longest plan on the device and the longest offloaded one, each with its MLPs tiled
-        finalists: dict[bool, tuple[int, Plan]] = {}
-        for s, p in found:
-            if not p.optimizer_in_backward and s > finalists.get(p.offload_activations, (0, p))[0]:
-                finalists[p.offload_activations] = (s, p)
-        # tiles shrink the MLP's share of the activations, never grow them: from the untiled length up to
-        # TILED_REACH times it (a few block replays per plan instead of one per power of two up to MAX_SEQ_LEN)
-        tiled = [hit for s, p in finalists.values()
-                 for hit in longest_of([p.with_(tiled_mlp=True)], start=s,
-                                       limit=min(reach, max(s, SEQ_STEP) * TILED_REACH))]
+    if tiled_pin or (tiled_pin is None and world_size == 1 and tiled_mlp_refusal(spec) is None):
+        tiled: list[tuple[int, Plan]] = []
+        for s, p in tiling_finalists(found):
+            limit = min(reach, max(s, SEQ_STEP) * TILED_REACH)
+            reached = max((t for t, _ in tiled), default=0)
+            if limit < reached or s + SEQ_STEP > limit:
+                continue
+            tp = p.with_(tiled_mlp=True)
+            if not tiled_pin and not gains(tp, s):
+                continue
+            tiled += longest_of([tp], start=s + SEQ_STEP if not tiled_pin else s, limit=limit)
         found = tiled if tiled_pin else found + tiled
     if not found:
         raise DoesNotFit(f"no plan fits {budget.describe()} even at {SEQ_STEP} tokens per sequence",
@@ -479,7 +509,8 @@ def tune(
                                  model_type=spec.model_type)
     if topo.world_size == 1 and not topo_pins:
         result = search(spec, plans, budget, global_batch=rank_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
-                        profile=profile, micro_limit=micro_limit, host_ram=host_ram)
+                        profile=profile, micro_limit=micro_limit, host_ram=host_ram,
+                        tiles="tiled_mlp" not in all_pins and tiled_mlp_refusal(spec) is None)
         ladders: dict[Plan, list[Candidate]] = {}
     else:
         result, ladders = _climb(spec, plans, budget, topo, topo_pins, global_batch=rank_batch, estimator=estimator,
