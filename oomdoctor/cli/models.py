@@ -17,6 +17,10 @@ HELP = (
 )
 
 
+#: At a terminal narrower than the table, the family column folds past this width, leaving the id the room.
+FAMILY_WIDTH = 16
+
+
 def _b(n: int) -> str:
     """Parameter count in billions (or millions below 1 B), for the table."""
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.0f} M"
@@ -33,21 +37,21 @@ def models(
     if as_json:
         emit_json({"models": rows})
         return
-    from rich.console import Console
+    from rich import box
     from rich.table import Table
 
-    console = Console()
-    console.width = max(console.width, 110)  # the longest row (TinyLlama) needs ~105 columns
+    from oomdoctor.cli.console import PIPED_WIDTH, fold_column, out_console, whole_column
+
+    console = out_console()
     if not rows:
         console.print(f"no bundled model matches {pattern!r}; run `oomdoctor models` for all of them")
         raise typer.Exit(0)
-    from rich import box
-
     t = Table(title=f"Bundled model configs ({len(rows)})", title_justify="left", box=box.SIMPLE_HEAD,
-              pad_edge=False)
-    for col, just in [("id", "left"), ("family", "left"), ("params", "right"), ("layers", "right"),
-                      ("hidden", "right"), ("vocab", "right")]:
-        t.add_column(col, justify=just, overflow="fold", no_wrap=True)
+              pad_edge=False, collapse_padding=True)
+    fold_column(t, "id")  # at a narrow terminal the id folds onto more lines (whole when piped)
+    fold_column(t, "family")
+    for col in ("params", "layers", "hidden", "vocab"):
+        whole_column(t, col, justify="right")
     for r in sorted(rows, key=lambda r: (r["family"], r["params"])):
         fam = r["family"]
         if r["arch_kind"] != "decoder":
@@ -55,6 +59,8 @@ def models(
         if r["experts"]:
             fam += f" (MoE {r['experts']})"
         t.add_row(r["id"], fam, _b(r["params"]), str(r["layers"]), str(r["hidden"]), f"{r['vocab']:,}")
+    if console.measure(t, options=console.options.update_width(PIPED_WIDTH)).maximum > console.width:  # narrow terminal: the family folds first, the id keeps room
+        t.columns[1].max_width = FAMILY_WIDTH
     console.print(t)
     console.print("[dim]heads, KV heads, tied embeddings and aliases (-chat/-Instruct variants of the same shape): "
                   "`oomdoctor models --json`[/]")

@@ -17,6 +17,7 @@ from oomdoctor.memory import MemoryBreakdown
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget, resolve_budget
+from oomdoctor.progress import report
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.model.load import load_spec
 
@@ -126,7 +127,9 @@ def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_
     if note:
         report.notes.append(note)
     headline = {p.method: p for p in reversed(plans)}  # most faithful plan of each method: full advice path
-    for plan in plans:
+    for i, plan in enumerate(plans):
+        if engine != "analytic":  # a replay (or a GPU run) per plan: seconds each
+            report("diagnose", f"pricing {plan.label()} with the {engine} engine", i + 1, len(plans))
         mem = estimate(spec, plan, engine)
         ok = budget.fits(mem) if budget is not None else None
         adv = None

@@ -38,6 +38,7 @@ from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, choose_micro_batch, max_fi
 from oomdoctor.plan.plan import DEEPSPEED, SHARDED
 from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
 from oomdoctor.plan.budget import Budget, resolve_budget
+from oomdoctor.progress import report
 from oomdoctor.train.config import TrainConfig
 from oomdoctor.units import format_bytes
 
@@ -421,7 +422,8 @@ def total_steps(cfg: TrainConfig, n_samples: int, effective_batch: int) -> int:
 
 
 def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> Run:
-    """Budget, data, micro-batch, prediction, model, optimizer, schedule, step and meter of a run."""
+    """Budget, data, micro-batch, prediction, model, optimizer, schedule, step and meter of a run (each stage
+    reported as progress)."""
     import torch
 
     from oomdoctor.execute.load import ModelSource, load_model, load_tokenizer, resolve_device
@@ -448,6 +450,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
         notes.append("fp16 autocast on CPU: GradScaler runs but CPU fp16 matmuls are slow")
     source = ModelSource(path=cfg.model.path, config=cfg.model.config, init=cfg.model.init,
                          tokenizer=cfg.model.tokenizer)
+    report("train", "setting up: loading the tokenizer and tokenizing the dataset")
     tok = load_tokenizer(source)
     data = tokenize(cfg.dataset, tok, cfg.seq_len)
     notes += data.notes
@@ -464,6 +467,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
         raise BadInput(f"global_batch_size {eff} is not divisible by the {info.world_size} processes",
                        f"use a multiple of {info.world_size}")
     total = total_steps(cfg, len(data), eff)
+    report("train", f"setting up: pricing the plan ({engine} engine)")
     plan, memory = _predict(cfg, int(micro), engine, notes)
 
     # the process group only now: the prediction may run the simulate engine, which makes a fake group of its own
@@ -475,6 +479,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
                          adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
     target = "gpu" if device.type == "cuda" else "cpu"
     _check_host_ram(plan, memory, notes)
+    report("train", "setting up: loading the model" + (" (weights from disk)" if cfg.model.path else ""))
     if sharded:
         from oomdoctor.execute.load import load_sharded_model
         from oomdoctor.execute.shard import device_mesh
@@ -485,6 +490,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     else:
         loaded = load_model(source, plan, device, vocab_size=len(tok), seed=cfg.seed,
                             compute_dtype=cfg.bnb_4bit_compute_dtype)
+    report("train", "setting up: the optimizer and the training step")
     optimizer = make_plan_optimizer(loaded.trainable, plan, args, target=target)
     scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=min(cfg.warmup_steps, total),
                                total_steps=total)
