@@ -33,6 +33,15 @@ def out_console() -> Console:
     return con if con.is_terminal else Console(width=PIPED_WIDTH, soft_wrap=True)
 
 
+def table(title: str | None = None, **kw):
+    """A rule-less table (a line under the header), its title on the left: the CLI's tables."""
+    from rich import box
+    from rich.table import Table
+
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                 header_style="bold", **kw)
+
+
 def fold_column(table, name: str, **kw) -> None:
     """A text column (ids, plan labels, component names): folds onto more lines at a narrow terminal's width."""
     table.add_column(name, overflow="fold", **kw)
@@ -47,6 +56,74 @@ def add_columns(table, names: tuple[str, ...], *, text: tuple[str, ...]) -> None
     """Columns ``names``: those in ``text`` fold (:func:`fold_column`), the others stay whole (:func:`whole_column`)."""
     for name in names:
         (fold_column if name in text else whole_column)(table, name)
+
+
+#: Narrowest a folding column may get before a table is printed as one record per row instead.
+FOLD_MIN = 10
+
+
+def print_table(console: Console, table) -> None:
+    """Print ``table`` so that nothing is cut at the console's width (rich alone shrinks every column, numbers
+    included, once the folding ones reach nothing): at its natural width when that fits; else the number columns
+    keep the width of their widest value (their headers wrap) and the folding columns share the rest; when that
+    leaves them less than :data:`FOLD_MIN` columns each, one record per row (a field per line)."""
+    from rich.text import Text
+
+    def width(cell) -> int:
+        return Text.from_markup(cell).cell_len if isinstance(cell, str) else console.measure(cell).maximum
+
+    natural = console.measure(table, options=console.options.update_width(PIPED_WIDTH)).maximum
+    if natural <= console.width:
+        console.print(table)
+        return
+    cells = [max((width(c) for c in col.cells), default=0) for col in table.columns]
+    heads = [width(col.header) for col in table.columns]
+    overhead = natural - sum(max(c, h) for c, h in zip(cells, heads))
+    folding = [col.overflow == "fold" for col in table.columns]
+    whole = [max(c, max((len(w) for w in str(col.header).split()), default=0))
+             for c, col, f in zip(cells, table.columns, folding) if not f]
+    room = console.width - overhead - sum(whole)
+    if room < FOLD_MIN * sum(folding):
+        _print_records(console, table)
+        return
+    wanted = [max(c, h) for c, h, f in zip(cells, heads, folding) if f]
+    shares = iter(_share(room, wanted))
+    narrow = iter(whole)
+    for col, f in zip(table.columns, folding):
+        col.width = next(shares) if f else next(narrow)
+        col.no_wrap = False  # the header may wrap; the values fit the width by construction
+    console.print(table)
+
+
+def _share(room: int, wanted: list[int]) -> list[int]:
+    """``room`` columns split over columns that want ``wanted`` (none gets more than it wants, none less than
+    :data:`FOLD_MIN`): the narrowest are served first."""
+    out = [0] * len(wanted)
+    left, order = room, sorted(range(len(wanted)), key=wanted.__getitem__)
+    for k, i in enumerate(order):
+        fair = left // (len(order) - k)
+        out[i] = max(min(wanted[i], fair), FOLD_MIN)
+        left -= out[i]
+    return out
+
+
+def _print_records(console: Console, table) -> None:
+    """``table`` as one record per row: the title, then for each row a two-column grid of header and value (values
+    fold at the console's width), a blank line between rows."""
+    from rich.table import Table
+
+    if table.title:
+        console.print(table.title)
+    headers = [str(col.header) for col in table.columns]
+    columns = [list(col.cells) for col in table.columns]
+    for row in zip(*columns):
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(no_wrap=True)
+        grid.add_column(overflow="fold")
+        for header, value in zip(headers, row):
+            grid.add_row(header, value)
+        console.print(grid)
+        console.print()
 
 
 class ProgressView:
@@ -97,4 +174,4 @@ def showing_progress() -> Iterator[ProgressView]:
 
 
 __all__ = ["out_console", "showing_progress", "ProgressView", "PIPED_WIDTH", "fold_column", "whole_column",
-           "add_columns"]
+           "add_columns", "print_table", "table", "FOLD_MIN"]

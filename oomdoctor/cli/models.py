@@ -17,10 +17,6 @@ HELP = (
 )
 
 
-#: At a terminal narrower than the table, the family column folds past this width, leaving the id the room.
-FAMILY_WIDTH = 16
-
-
 def _b(n: int) -> str:
     """Parameter count in billions (or millions below 1 B), for the table."""
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.0f} M"
@@ -37,17 +33,13 @@ def models(
     if as_json:
         emit_json({"models": rows})
         return
-    from rich import box
-    from rich.table import Table
-
-    from oomdoctor.cli.console import PIPED_WIDTH, fold_column, out_console, whole_column
+    from oomdoctor.cli.console import fold_column, out_console, print_table, table, whole_column
 
     console = out_console()
     if not rows:
         console.print(f"no bundled model matches {pattern!r}; run `oomdoctor models` for all of them")
         raise typer.Exit(0)
-    t = Table(title=f"Bundled model configs ({len(rows)})", title_justify="left", box=box.SIMPLE_HEAD,
-              pad_edge=False, collapse_padding=True)
+    t = table(f"Bundled model configs ({len(rows)})")
     fold_column(t, "id")  # at a narrow terminal the id folds onto more lines (whole when piped)
     fold_column(t, "family")
     for col in ("params", "layers", "hidden", "vocab"):
@@ -59,8 +51,6 @@ def models(
         if r["experts"]:
             fam += f" (MoE {r['experts']})"
         t.add_row(r["id"], fam, _b(r["params"]), str(r["layers"]), str(r["hidden"]), f"{r['vocab']:,}")
-    if console.measure(t, options=console.options.update_width(PIPED_WIDTH)).maximum > console.width:  # narrow terminal: the family folds first, the id keeps room
-        t.columns[1].max_width = FAMILY_WIDTH
-    console.print(t)
+    print_table(console, t)
     console.print("[dim]heads, KV heads, tied embeddings and aliases (-chat/-Instruct variants of the same shape): "
                   "`oomdoctor models --json`[/]")

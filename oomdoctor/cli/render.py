@@ -6,7 +6,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from oomdoctor.cli.console import fold_column, out_console, whole_column
+from oomdoctor.cli.console import fold_column, out_console, print_table, whole_column
 from oomdoctor.memory.breakdown import LABELS
 from oomdoctor.units import format_bytes, gib
 
@@ -160,7 +160,7 @@ def print_diagnose(report) -> None:
             console.print(f"A smaller model of the same family does: [bold]{sm.model_id}[/] ({sm.params / 1e9:.2f} B) "
                           f"with {sm.plan.label()} at {format_bytes(_needed(report, sm.memory))}.")
         return
-    console.print(plan_table(report, console.width))
+    print_table(console, plan_table(report, console.width))
     if console.width < FULL_TABLE_WIDTH:
         console.print("[dim]states: weights + gradients + optimizer states + AMP weight copies; activ.: activations "
                       "+ logits + temporaries (widen the terminal to 130+ columns for every component).[/]")
@@ -178,7 +178,7 @@ def print_diagnose(report) -> None:
                       "gathered units and communication buckets; peak dev adds NCCL's buffers; host/node: host RAM "
                       "one node needs for offloaded states (every rank on one node).[/]")
     if len(report.results) == 1:
-        console.print(breakdown_table(report.results[0].memory))
+        print_table(console, breakdown_table(report.results[0].memory))
         for note in report.results[0].memory.notes:
             console.print(f"[dim]note: {note}[/]")
     if report.capacity_bytes is None:

@@ -126,14 +126,14 @@ class _Reporter:
 
 
 def _print_dry(d) -> None:
-    from oomdoctor.cli.console import out_console
+    from oomdoctor.cli.console import out_console, print_table
     from oomdoctor.cli.render import breakdown_table
 
     con = out_console()
     ranks = f" x {d.plan.world_size} GPUs" if d.plan.world_size > 1 else ""
     con.print(f"[bold]{d.spec.name}[/]: {d.plan.label()}; micro-batch {d.plan.micro_batch} x {d.plan.grad_accum} "
               f"accumulation{ranks} = effective batch {d.plan.effective_batch}; seq_len {d.plan.seq_len}")
-    con.print(breakdown_table(d.memory))
+    print_table(con, breakdown_table(d.memory))
     if d.eval_memory is not None:
         e = d.eval_memory
         con.print(f"eval phase (per_device_eval_batch_size, no gradients): {d.compared.replace('_', ' ')} "

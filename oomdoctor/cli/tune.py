@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from oomdoctor.cli.app import app
-from oomdoctor.cli.console import add_columns, out_console, showing_progress
+from oomdoctor.cli.console import add_columns, out_console, print_table, showing_progress, table
 from oomdoctor.cli.options import offload_option, pins_from, plan_option
 from oomdoctor.cli.output import emit_json
 
@@ -160,8 +160,6 @@ def tune(
 
 
 def _print(r, written=None) -> None:
-    from rich.table import Table
-
     from oomdoctor.memory.breakdown import LABELS, TENSOR_COMPONENTS
     from oomdoctor.units import format_bytes
 
@@ -189,31 +187,30 @@ def _print(r, written=None) -> None:
     con.print("      " + ", ".join(f"{n} {format_bytes(v)}" for n, v in parts))
 
     if r.strategies:
-        st = Table(title=f"strategies on {r.topology.world_size} GPUs ({r.topology.gpus_per_node} per node), "
-                         "cheapest communication first", title_justify="left")
+        st = table(f"strategies on {r.topology.world_size} GPUs ({r.topology.gpus_per_node} per node), cheapest "
+                   "communication first")
         add_columns(st, ("strategy", "per GPU", "host RAM/node", "verdict"), text=("strategy", "verdict"))
         for s in r.strategies:
             st.add_row(s.label, format_bytes(s.needed_bytes),
                        format_bytes(s.host_per_node_bytes) if s.host_per_node_bytes else "-",
                        "[green]chosen[/]" if s.reason == "chosen" else s.reason)
-        con.print(st)
+        print_table(con, st)
     if r.trials:
-        t = Table(title=f"verification: {r.verification}", title_justify="left")
+        t = table(f"verification: {r.verification}")
         add_columns(t, ("trial", "plan", "micro x accum", "outcome", "predicted", "measured", "time"), text=("plan",))
         for i, tr in enumerate(r.trials, 1):
             t.add_row(str(i), tr.plan_label, f"{tr.micro_batch} x {tr.grad_accum}", tr.outcome,
                       format_bytes(tr.predicted_peak_bytes), format_bytes(tr.measured_peak_bytes),
                       f"{tr.seconds:.1f}s")
-        con.print(t)
+        print_table(con, t)
     else:
         con.print(f"verification: {r.verification}")
 
     shown = r.search.fitting[:6]
     paged = any(c.memory.paged_optimizer for c in shown)
     counted = "resident peak" if r.budget.counted == "resident_device" else "peak allocated"
-    alt = Table(title=f"ranking (fitting plans; {counted} vs the {format_bytes(r.budget_bytes)} budget"
-                      + ("; paged optimizer state is evictable, not counted" if paged else "") + ")",
-                title_justify="left")
+    alt = table(f"ranking (fitting plans; {counted} vs the {format_bytes(r.budget_bytes)} budget"
+                + ("; paged optimizer state is evictable, not counted" if paged else "") + ")")
     cols = ("#", "plan", "max micro", "micro x accum", counted) + (("paged optim.",) if paged else ()) + (
         "host RAM", "est. tok/s")
     add_columns(alt, cols, text=("plan",))
@@ -225,7 +222,7 @@ def _print(r, written=None) -> None:
         cells += [format_bytes(c.memory.cpu_offloaded) if c.memory.cpu_offloaded else "-",
                   f"{c.throughput.tokens_per_s:,.0f}" if c.throughput else "-"]
         alt.add_row(*cells)
-    con.print(alt)
+    print_table(con, alt)
     if r.memory.cpu_offloaded:
         con.print(f"[yellow]the plan offloads to the CPU: it needs {format_bytes(r.host_per_node_bytes)} of host RAM "
                   "per node (checked against this machine's RAM); no on-device plan of its quality tier fits[/]")
