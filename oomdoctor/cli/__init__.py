@@ -11,6 +11,7 @@ import sys
 from oomdoctor.cli.app import app
 from oomdoctor.cli.output import stdout_for_json
 from oomdoctor.errors import OomDoctorError
+from oomdoctor.imports import cheap_imports
 from oomdoctor.noise import quiet_third_party
 
 # Each import registers its command on ``app``.
@@ -24,6 +25,7 @@ from oomdoctor.cli import models as _models  # noqa: E402,F401
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turn our exceptions into one line on stderr and an exit code."""
     quiet_third_party()
+    cheap_imports()
     args = sys.argv[1:] if argv is None else argv
     try:
         with stdout_for_json("--json" in args):  # library chatter goes to stderr, the document to stdout

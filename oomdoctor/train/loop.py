@@ -32,6 +32,7 @@ from oomdoctor.errors import BadInput, Interrupted, UnrecoverableOOM
 from oomdoctor.execute import dist
 from oomdoctor.execute.step import StepHooks
 from oomdoctor.gpu import detect_gpu
+from oomdoctor.imports import cheap_imports
 from oomdoctor.noise import quiet_third_party
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, choose_micro_batch, max_fitting
@@ -924,6 +925,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     Ctrl-C. ``command`` is how the user started the run (named in resume hints)."""
     set_allocator_env()
     quiet_third_party()
+    cheap_imports()
     from oomdoctor.execute.load import quiet_hf
     from oomdoctor.train.rundir import check_space, open_run_dir
 
