@@ -80,7 +80,8 @@ def ours(steps: int, warmup: int, widen: bool) -> tuple[float, int, int]:
 def hf(steps: int, warmup: int, widen: bool, threads: int) -> float:
     """tokens/s of ``transformers.Trainer`` on the same model, rows, batches and thread count."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import (AutoConfig, AutoModelForCausalLM, PrinterCallback, Trainer, TrainerCallback,
+                              TrainingArguments)
 
     from oomdoctor.execute.load import ModelSource, load_tokenizer
     from oomdoctor.train.data import collate, tokenize
@@ -115,8 +116,10 @@ def hf(steps: int, warmup: int, widen: bool, threads: int) -> float:
                                  logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True,
                                  dataloader_num_workers=0, optim="adamw_torch", seed=cfg.seed, disable_tqdm=True,
                                  remove_unused_columns=False)
-        Trainer(model=model, args=args, train_dataset=data.samples, data_collator=collator,
-                callbacks=[Marks()]).train()
+        trainer = Trainer(model=model, args=args, train_dataset=data.samples, data_collator=collator,
+                          callbacks=[Marks()])
+        trainer.remove_callback(PrinterCallback)  # its end-of-run metrics line is not this table
+        trainer.train()
     torch.set_num_threads(before)
     per_step = sum(tokens) / len(tokens) * ACCUM  # every packed row is a full block: each micro-batch the same
     return per_step * steps / (marks[warmup + steps] - marks[warmup])
