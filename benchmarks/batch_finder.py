@@ -205,15 +205,17 @@ def exact_for(micro: int, g: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engine", default="simulate", help="memory model for oomdoctor: analytic | simulate")
+    ap.add_argument("--engine", default=None,
+                    help="memory model for oomdoctor: analytic | simulate (default; analytic with --quick)")
     ap.add_argument("--margin", type=float, default=0.02, help="oomdoctor safety margin (fraction of the cap)")
     ap.add_argument("--global-batch", type=int, default=64, help="effective batch to keep exact")
     ap.add_argument("--steps", type=int, default=2, help="training steps per oomdoctor / accelerate trial")
-    ap.add_argument("--quick", action="store_true", help="fewer cases (for a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="two cases, analytic engine unless given (a smoke run)")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: tiny ops do not gain from threads, and a busy machine stalls them)")
     args = ap.parse_args(argv)
+    args.engine = args.engine or ("analytic" if args.quick else "simulate")
     torch.set_num_threads(args.threads)
 
     from oomdoctor.engines.probe import build_for_probe
@@ -307,7 +309,7 @@ def _table(rows: list[dict], args) -> str:
         "",
         "| model | method | seq | cap | true max | oomdoctor trials (steps) | oomdoctor micro (% true) | "
         f"oomdoctor G={g} | Lightning trials (steps) | Lightning micro (% true) | Lightning fits? | Lightning G exact? | "
-        f"accelerate trials (steps) | accelerate micro (% true) | accelerate G exact? | goal (oomdoctor) | verdict |",
+        "accelerate trials (steps) | accelerate micro (% true) | accelerate G exact? | goal (oomdoctor) | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

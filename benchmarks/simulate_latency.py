@@ -162,8 +162,9 @@ def main(argv=None) -> int:
             row = {"model": mid, "plan": plan.label(), "params": spec.num_params, "seconds": round(dt, 2),
                    "peak_allocated": b.peak_allocated, "peak_phase": b.peak_phase,
                    "layers_simulated": list(r.layers_simulated)}
+            verdict = "PASS" if dt <= GOAL_S else "MISS"
             line = (f"{mid:52s} {plan.label():58s} {spec.num_params / 1e9:7.2f}B {dt:8.2f} {GOAL_S:7.1f} "
-                    f"{'PASS' if dt <= GOAL_S else 'MISS':>7s} {format_bytes(b.peak_allocated):>15s} {b.peak_phase:>14s}")
+                    f"{verdict:>7s} {format_bytes(b.peak_allocated):>15s} {b.peak_phase:>14s}")
             if args.compare:
                 from oomdoctor.engines import estimate
 

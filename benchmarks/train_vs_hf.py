@@ -148,7 +148,8 @@ def main() -> None:
         rows.append((f"{params / 1e6:.2f}M params", threads, tps, hps, tps / hps))
     print(f"{'model':<16}{'threads':>8}{'oomdoctor tok/s':>18}{'HF Trainer tok/s':>18}{'ratio':>8}{'goal':>8}  verdict")
     for name, threads, tps, hps, r in rows:
-        print(f"{name:<16}{threads:>8}{tps:>18,.0f}{hps:>18,.0f}{r:>8.2f}{GOAL:>7.2f}x  {'PASS' if r >= GOAL else 'MISS'}")
+        verdict = "PASS" if r >= GOAL else "MISS"
+        print(f"{name:<16}{threads:>8}{tps:>18,.0f}{hps:>18,.0f}{r:>8.2f}{GOAL:>7.2f}x  {verdict}")
     print(f"\n{a.steps} timed steps after {a.warmup} warm-up steps, median of {a.repeats} alternating run(s) per side; "
           f"machine load {os.getloadavg()[0]:.1f} (1-minute average)")
 

@@ -33,7 +33,7 @@ def out_console() -> Console:
     return con if con.is_terminal else Console(width=PIPED_WIDTH, soft_wrap=True)
 
 
-def table(title: str | None = None, **kw):
+def new_table(title: str | None = None, **kw):
     """A rule-less table (a line under the header), its title on the left: the CLI's tables."""
     from rich import box
     from rich.table import Table
@@ -174,4 +174,4 @@ def showing_progress() -> Iterator[ProgressView]:
 
 
 __all__ = ["out_console", "showing_progress", "ProgressView", "PIPED_WIDTH", "fold_column", "whole_column",
-           "add_columns", "print_table", "table", "FOLD_MIN"]
+           "add_columns", "print_table", "new_table", "FOLD_MIN"]

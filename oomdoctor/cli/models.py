@@ -33,13 +33,13 @@ def models(
     if as_json:
         emit_json({"models": rows})
         return
-    from oomdoctor.cli.console import fold_column, out_console, print_table, table, whole_column
+    from oomdoctor.cli.console import fold_column, new_table, out_console, print_table, whole_column
 
     console = out_console()
     if not rows:
         console.print(f"no bundled model matches {pattern!r}; run `oomdoctor models` for all of them")
         raise typer.Exit(0)
-    t = table(f"Bundled model configs ({len(rows)})")
+    t = new_table(f"Bundled model configs ({len(rows)})")
     fold_column(t, "id")  # at a narrow terminal the id folds onto more lines (whole when piped)
     fold_column(t, "family")
     for col in ("params", "layers", "hidden", "vocab"):

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from oomdoctor.cli.app import app
-from oomdoctor.cli.console import add_columns, out_console, print_table, showing_progress, table
+from oomdoctor.cli.console import add_columns, new_table, out_console, print_table, showing_progress
 from oomdoctor.cli.options import offload_option, pins_from, plan_option
 from oomdoctor.cli.output import emit_json
 
@@ -187,7 +187,7 @@ def _print(r, written=None) -> None:
     con.print("      " + ", ".join(f"{n} {format_bytes(v)}" for n, v in parts))
 
     if r.strategies:
-        st = table(f"strategies on {r.topology.world_size} GPUs ({r.topology.gpus_per_node} per node), cheapest "
+        st = new_table(f"strategies on {r.topology.world_size} GPUs ({r.topology.gpus_per_node} per node), cheapest "
                    "communication first")
         add_columns(st, ("strategy", "per GPU", "host RAM/node", "verdict"), text=("strategy", "verdict"))
         for s in r.strategies:
@@ -196,7 +196,7 @@ def _print(r, written=None) -> None:
                        "[green]chosen[/]" if s.reason == "chosen" else s.reason)
         print_table(con, st)
     if r.trials:
-        t = table(f"verification: {r.verification}")
+        t = new_table(f"verification: {r.verification}")
         add_columns(t, ("trial", "plan", "micro x accum", "outcome", "predicted", "measured", "time"), text=("plan",))
         for i, tr in enumerate(r.trials, 1):
             t.add_row(str(i), tr.plan_label, f"{tr.micro_batch} x {tr.grad_accum}", tr.outcome,
@@ -209,7 +209,7 @@ def _print(r, written=None) -> None:
     shown = r.search.fitting[:6]
     paged = any(c.memory.paged_optimizer for c in shown)
     counted = "resident peak" if r.budget.counted == "resident_device" else "peak allocated"
-    alt = table(f"ranking (fitting plans; {counted} vs the {format_bytes(r.budget_bytes)} budget"
+    alt = new_table(f"ranking (fitting plans; {counted} vs the {format_bytes(r.budget_bytes)} budget"
                 + ("; paged optimizer state is evictable, not counted" if paged else "") + ")")
     cols = ("#", "plan", "max micro", "micro x accum", counted) + (("paged optim.",) if paged else ()) + (
         "host RAM", "est. tok/s")
