@@ -10,6 +10,10 @@ prints the medians, their ratio and the goal:
   transformers"``: goal <= 1.5x;
 * ``oomdoctor models`` against ``oomdoctor --help``: goal <= 3x.
 
+The row "replay's imports alone" is the floor under the tune row: the modules a replay of the step needs (torch,
+transformers' Llama, peft, bitsandbytes under oomdoctor's lazy ``torch.compile``, fake tensors), imported and
+nothing run, against the same yardstick and goal.
+
 Bytecode is written and reused (``PYTHONDONTWRITEBYTECODE`` is dropped, as an installed package has its ``.pyc``
 files) and one untimed run of each command comes first (``--quick``: no warm-up, one run each: a smoke run, the
 numbers are indicative only).
@@ -44,6 +48,12 @@ class Case:
     """Most the command may take, as a multiple of the yardstick."""
 
 
+#: What a replay of Llama's training step imports before it runs anything.
+REPLAY_IMPORTS = ("from oomdoctor.imports import cheap_imports; cheap_imports(); "
+                  "import torch, transformers.models.llama.modeling_llama, peft, bitsandbytes; "
+                  "from torch._subclasses.fake_tensor import FakeTensorMode")
+
+
 def _oomdoctor(*args: str) -> list[str]:
     return [sys.executable, "-m", "oomdoctor", *args]
 
@@ -54,6 +64,8 @@ def cases(out_dir: str) -> list[Case]:
         Case("tune 7B / 24 GB, verified (simulate)",
              _oomdoctor("tune", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB", "--seq-len", "1024",
                         "--global-batch", "32", "--output", os.path.join(out_dir, "plan.yaml"), "--force"),
+             "import torch, transformers", import_torch, 1.5),
+        Case("replay's imports alone (the floor)", [sys.executable, "-c", REPLAY_IMPORTS],
              "import torch, transformers", import_torch, 1.5),
         Case("models", _oomdoctor("models"), "oomdoctor --help", _oomdoctor("--help"), 3.0),
     ]
