@@ -42,8 +42,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not slow"
 
+# Every benchmark in its quick mode (a smoke run of each table against its goal); drop --quick for the real figures.
 bench: $(STAMP)
-	$(PY) benchmarks/latency.py
+	@for b in benchmarks/*.py; do echo "== $$b --quick"; $(PY) $$b --quick || exit 1; done
 
 clean:
 	rm -rf .venv runs .pytest_cache

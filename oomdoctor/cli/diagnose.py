@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from oomdoctor.cli.app import app
+from oomdoctor.cli.console import showing_progress
 from oomdoctor.cli.options import device_option, mem_option, offload_option, pins_from, plan_option
 from oomdoctor.cli.output import emit_json
 
@@ -92,9 +93,11 @@ def diagnose(
     if device not in DEVICES:
         raise BadInput(f"--device {device!r}: use one of {', '.join(DEVICES)}")
     capacity = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
-    report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top, device=device)
-    if plot:
-        _write_plot(report, plot)
+    with showing_progress():
+        report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top,
+                                     device=device)
+        if plot:
+            _write_plot(report, plot)
     if as_json:
         emit_json(report.to_dict())
         return

@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Optional
 
 import typer
 
 from oomdoctor.cli.app import app
+from oomdoctor.cli.console import showing_progress
 from oomdoctor.cli.output import emit_json
+from oomdoctor.progress import report
 
 HELP = """Train from a YAML config (what `oomdoctor tune` writes; `oomdoctor keys` lists every key with its meaning).
 
@@ -52,6 +55,8 @@ class _Reporter:
 
         self.tty = tty
         self.console = Console(stderr=True)
+        self.setup_view = None
+        """The set-up's progress display (``oomdoctor.cli.console.showing_progress``), closed when training starts."""
         self.progress = None
         self.task = None
         self._first: tuple[int, float] | None = None
@@ -59,6 +64,8 @@ class _Reporter:
     def __call__(self, e: dict) -> None:
         kind = e["type"]
         if kind == "start":
+            if self.setup_view is not None:
+                self.setup_view.close()
             line = (f"training on {e['device']}: {e['plan']}; {e['params']:,} params ({e['trainable']:,} trainable); "
                     f"{e['samples']} samples; effective batch {e['effective_batch']} (micro {e['micro_batch']})"
                     + (f"; memory cap {_fmt(e['cap'])}" if e.get("cap") else ""))
@@ -120,15 +127,14 @@ class _Reporter:
 
 
 def _print_dry(d) -> None:
-    from rich.console import Console
-
+    from oomdoctor.cli.console import out_console, print_table
     from oomdoctor.cli.render import breakdown_table
 
-    con = Console()
+    con = out_console()
     ranks = f" x {d.plan.world_size} GPUs" if d.plan.world_size > 1 else ""
     con.print(f"[bold]{d.spec.name}[/]: {d.plan.label()}; micro-batch {d.plan.micro_batch} x {d.plan.grad_accum} "
               f"accumulation{ranks} = effective batch {d.plan.effective_batch}; seq_len {d.plan.seq_len}")
-    con.print(breakdown_table(d.memory))
+    print_table(con, breakdown_table(d.memory))
     if d.eval_memory is not None:
         e = d.eval_memory
         con.print(f"eval phase (per_device_eval_batch_size, no gradients): {d.compared.replace('_', ' ')} "
@@ -325,7 +331,8 @@ def train(
     if dry_run:  # priced per rank, for the world size the launch flags (or the config) give
         from oomdoctor.train.dryrun import dry_run as do_dry
 
-        d = do_dry(cfg, gpu_mem=cap, engine=engine, source=config)
+        with showing_progress():
+            d = do_dry(cfg, gpu_mem=cap, engine=engine, source=config)
         if json_out:
             emit_json({"config": config, **d.to_dict()}, indent=1)
         else:
@@ -334,15 +341,18 @@ def train(
             raise typer.Exit(code=3)
         return
 
-    from oomdoctor.train.loop import train as run_train
-
     from oomdoctor.errors import OomDoctorError
 
     rep = _Reporter(tty=sys.stderr.isatty() and not json_out)
     job = restart.job()
     try:
-        res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, overwrite=overwrite, engine=engine,
-                        on_event=rep, command=f"oomdoctor train {config}", source=config)  # --json: cli.output
+        with showing_progress() if os.environ.get("RANK", "0") == "0" else nullcontext() as rep.setup_view:
+            report("train", "setting up: loading torch and transformers")
+            from oomdoctor.train.loop import train as run_train
+
+            res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, overwrite=overwrite,
+                            engine=engine, on_event=rep, command=f"oomdoctor train {config}",
+                            source=config)  # --json: cli.output
     except OomDoctorError as exc:
         if _failed_because_of_a_peer(cfg, job):
             raise typer.Exit(restart.earlier_failure(job) or 1) from None

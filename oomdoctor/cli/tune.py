@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from oomdoctor.cli.app import app
+from oomdoctor.cli.console import add_columns, new_table, out_console, print_table, showing_progress
 from oomdoctor.cli.options import device_option, mem_option, offload_option, pins_from, plan_option
 from oomdoctor.cli.output import emit_json
 
@@ -135,15 +136,14 @@ def tune(
     # the file is written after the search: a path that cannot take it is refused now, not minutes later
     check_output_path(output if output is not None else default_output_path() if emit == "oomdoctor"
                       else default_emit_path(emit), overwrite=force)
-    if not as_json:
-        typer.echo("searching plans with the analytic memory model...", err=True)
     if micro_batch is not None:
         pins["micro_batch"] = micro_batch
     if emit != "oomdoctor":  # search and price only what that trainer runs, as it runs it
         pins["trainer"] = emit
-    result = run_tune(model, gpu_mem=cap, seq_len=seq, global_batch=global_batch, method=method, prefer=prefer,
-                      margin=margin, pins=pins, verify_mode=verify, gpus_per_node=gpus_per_node, host_mem=host,
-                      device=device)
+    with showing_progress():
+        result = run_tune(model, gpu_mem=cap, seq_len=seq, global_batch=global_batch, method=method, prefer=prefer,
+                          margin=margin, pins=pins, verify_mode=verify, gpus_per_node=gpus_per_node, host_mem=host,
+                          device=device)
     written = None
     if emit == "oomdoctor":
         path = write_config(result, model, output, overwrite=force, dataset=dataset, tokenizer=tokenizer)
@@ -170,13 +170,10 @@ def tune(
 
 
 def _print(r, written=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     from oomdoctor.memory.breakdown import LABELS, TENSOR_COMPONENTS
     from oomdoctor.units import format_bytes
 
-    con = Console(width=None if sys.stdout.isatty() else 160)
+    con = out_console()
     p, m = r.plan, r.memory
     n = r.spec.num_params
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
@@ -203,36 +200,42 @@ def _print(r, written=None) -> None:
     con.print("      " + ", ".join(f"{n} {format_bytes(v)}" for n, v in parts))
 
     if r.strategies:
-        st = Table(title=f"strategies on {r.topology.world_size} GPUs ({r.topology.gpus_per_node} per node), "
-                         "cheapest communication first", title_justify="left")
-        for col in ("strategy", "per GPU", "host RAM/node", "verdict"):
-            st.add_column(col)
+        st = new_table(f"strategies on {r.topology.world_size} GPUs ({r.topology.gpus_per_node} per node), cheapest "
+                   "communication first")
+        add_columns(st, ("strategy", "per GPU", "host RAM/node", "verdict"), text=("strategy", "verdict"))
         for s in r.strategies:
             st.add_row(s.label, format_bytes(s.needed_bytes),
                        format_bytes(s.host_per_node_bytes) if s.host_per_node_bytes else "-",
                        "[green]chosen[/]" if s.reason == "chosen" else s.reason)
-        con.print(st)
+        print_table(con, st)
     if r.trials:
-        t = Table(title=f"verification: {r.verification}", title_justify="left")
-        for col in ("trial", "plan", "micro x accum", "outcome", "predicted", "measured", "time"):
-            t.add_column(col)
+        t = new_table(f"verification: {r.verification}")
+        add_columns(t, ("trial", "plan", "micro x accum", "outcome", "predicted", "measured", "time"), text=("plan",))
         for i, tr in enumerate(r.trials, 1):
             t.add_row(str(i), tr.plan_label, f"{tr.micro_batch} x {tr.grad_accum}", tr.outcome,
                       format_bytes(tr.predicted_peak_bytes), format_bytes(tr.measured_peak_bytes),
                       f"{tr.seconds:.1f}s")
-        con.print(t)
+        print_table(con, t)
     else:
         con.print(f"verification: {r.verification}")
 
-    alt = Table(title="ranking (fitting plans)", title_justify="left")
-    for col in ("#", "plan", "max micro", "micro x accum", "peak", "host RAM", "est. tok/s"):
-        alt.add_column(col)
-    for c in r.search.fitting[:6]:
-        alt.add_row(str(c.rank), c.plan.label(), str(c.batch.max_micro_batch),
-                    f"{c.plan.micro_batch} x {c.plan.grad_accum}", format_bytes(c.memory.peak_device),
-                    format_bytes(c.memory.cpu_offloaded) if c.memory.cpu_offloaded else "-",
-                    f"{c.throughput.tokens_per_s:,.0f}" if c.throughput else "-")
-    con.print(alt)
+    shown = r.search.fitting[:6]
+    paged = any(c.memory.paged_optimizer for c in shown)
+    counted = "resident peak" if r.budget.counted == "resident_device" else "peak allocated"
+    alt = new_table(f"ranking (fitting plans; {counted} vs the {format_bytes(r.budget_bytes)} budget"
+                + ("; paged optimizer state is evictable, not counted" if paged else "") + ")")
+    cols = ("#", "plan", "max micro", "micro x accum", counted) + (("paged optim.",) if paged else ()) + (
+        "host RAM", "est. tok/s")
+    add_columns(alt, cols, text=("plan",))
+    for c in shown:
+        cells = [str(c.rank), c.plan.label(), str(c.batch.max_micro_batch),
+                 f"{c.plan.micro_batch} x {c.plan.grad_accum}", format_bytes(r.budget.needed(c.memory))]
+        if paged:
+            cells.append(format_bytes(c.memory.paged_optimizer) if c.memory.paged_optimizer else "-")
+        cells += [format_bytes(c.memory.cpu_offloaded) if c.memory.cpu_offloaded else "-",
+                  f"{c.throughput.tokens_per_s:,.0f}" if c.throughput else "-"]
+        alt.add_row(*cells)
+    print_table(con, alt)
     if r.memory.cpu_offloaded:
         con.print(f"[yellow]the plan offloads to the CPU: it needs {format_bytes(r.host_per_node_bytes)} of host RAM "
                   "per node (checked against this machine's RAM); no on-device plan of its quality tier fits[/]")

@@ -17,6 +17,7 @@ from oomdoctor.memory import MemoryBreakdown
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget, resolve_budget
+from oomdoctor.progress import report as show_progress
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.model.load import load_spec
 
@@ -133,7 +134,9 @@ def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_
     def priced(s: ModelSpec, p: Plan) -> MemoryBreakdown:
         return estimate(s, p, "analytic", device)
     headline = {p.method: p for p in reversed(plans)}  # most faithful plan of each method: full advice path
-    for plan in plans:
+    for i, plan in enumerate(plans):
+        if engine != "analytic":  # a replay (or a GPU run) per plan: seconds each
+            show_progress("diagnose", f"pricing {plan.label()} with the {engine} engine", i + 1, len(plans))
         mem = estimate(spec, plan, engine, device)
         ok = budget.fits(mem) if budget is not None else None
         adv = None

@@ -49,6 +49,7 @@ from oomdoctor.execute.step import PHASES
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 from oomdoctor.memory.sharding import LOAD
 from oomdoctor.plan.plan import DEEPSPEED
+from oomdoctor.progress import report
 from oomdoctor.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -191,7 +192,12 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
             _retie(model)
             batch = make_batch(spec, plan, "cpu")
             lb = LiveBytes(round_to=round_to, record_timeline=timeline, param_copy_category="master_weights")
-            stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=built.head_module)
+
+            def stepped(i: int, blocks: int = built.num_layers) -> None:
+                report("simulate", f"replayed step {i + 1} of {steps} with {blocks} blocks")
+
+            stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=built.head_module,
+                              on_step=stepped)
         stats.layers = built.num_layers
         del model, built
     return stats
@@ -255,6 +261,19 @@ def _retie(model) -> None:
         base.tie_weights()
 
 
+def _first_replay() -> str:
+    """What a replay's progress line adds when this process has not loaded transformers' models yet (seconds)."""
+    import sys
+
+    return "" if "transformers.modeling_utils" in sys.modules else " (loading torch and transformers first)"
+
+
+def _report_run(spec, blocks: int, then: str, step: int | None, steps: int | None) -> None:
+    """Progress: one replay of ``blocks`` blocks starts (replay ``step`` of ``steps``)."""
+    report("simulate", f"replaying the training step of {spec.name} with {blocks} blocks{then}{_first_replay()}",
+           step, steps)
+
+
 def _extrapolate(a: int, b: int, la: int, lb_: int, n: int) -> int:
     """Linear extrapolation of a per-block-linear quantity measured at ``la`` and ``lb_`` blocks to ``n`` blocks."""
     if lb_ == la:
@@ -300,6 +319,7 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
                               timeline_layers=timeline_layers, device=device, run=run)
     t0 = time.perf_counter()
     n = spec.num_layers
+    report("simulate", f"preparing the replay of {spec.name}{_first_replay()}")
     period = layer_period(spec, plan) if layers == "auto" else None
     extrap = period is not None and n % period == 0 and n > (extrapolate_from(plan)[1] + 1) * period
     try:
@@ -346,7 +366,9 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
     base = extrapolate_from(plan)
     if extrap:
         la, lb_ = base[0] * period, base[1] * period
+        _report_run(spec, la, f", then {lb_}, extrapolated to {n}", 1, 2)
         r2 = run(spec, plan, la, timeline=False, round_to=round_to)
+        _report_run(spec, lb_, f", extrapolated to {n}", 2, 2)
         r4 = run(spec, plan, lb_, timeline=False, round_to=round_to)
         runs = (r2, r4)
         ex = lambda a, b: max(_extrapolate(a, b, r2.layers, r4.layers, n), 0)  # noqa: E731
@@ -365,6 +387,7 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         stored = ex(r2.param_bytes, r4.param_bytes)
         ref = r4
     else:
+        _report_run(spec, n, "", None, None)
         r = run(spec, plan, None, timeline=timeline, round_to=round_to)
         runs = (r,)
         phase_peaks, phase_cats, external, adapter, ref = r.phase_peaks, r.phase_categories, r.external, r.adapter_bytes, r
@@ -372,6 +395,7 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
     tl_run = ref
     if timeline and extrap and timeline_layers == "full":
         # a plot needs the real curve: one more replay of every block (slower: ~N/5 times the extrapolated cost)
+        _report_run(spec, n, " for the memory timeline", None, None)
         tl_run = run(spec, plan, None, timeline=True, round_to=round_to)
     elif timeline and extrap:
         tl_run = run(spec, plan, base[1] * period, timeline=True, round_to=round_to)

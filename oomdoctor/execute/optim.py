@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
@@ -110,6 +111,14 @@ def _bnb_optimizer(groups: list, plan: "Plan", lr: float, betas: tuple, eps: flo
     class ReplayedPaged(base):  # type: ignore[misc, valid-type]
         """bnb optimizer whose paged buffers are counted as unified memory (outside the allocator)."""
 
+        def fill_qmap(self):
+            # bnb computes its two quantization maps in every optimizer, ~50 tensor ops each (a replay with an
+            # optimizer per parameter ran thousands of them); the values are computed once per process here and each
+            # optimizer gets its own tensors, made from Python data as bnb makes them
+            signed, unsigned = _dynamic_maps()
+            self.name2qmap["dynamic"] = torch.tensor(signed, dtype=torch.float32)
+            self.name2qmap["udynamic"] = torch.tensor(unsigned, dtype=torch.float32)
+
         def get_state_buffer(self, p, dtype=torch.float32):
             return replayed_state_buffer(p, dtype, paged, lb)
 
@@ -131,6 +140,16 @@ def replayed_state_buffer(p, dtype, paged: bool, lb: Any):
         lb.ignore(buf, external="paged_optimizer")
         return buf
     return torch.zeros_like(p, dtype=dtype, device=p.device)
+
+
+@functools.lru_cache(maxsize=1)
+def _dynamic_maps() -> tuple[list[float], list[float]]:
+    """bitsandbytes' signed and unsigned dynamic quantization maps (``create_dynamic_map``), as Python floats,
+    computed outside every dispatch mode."""
+    from bitsandbytes import functional as F
+
+    with _disable_modes():
+        return F.create_dynamic_map(signed=True).tolist(), F.create_dynamic_map(signed=False).tolist()
 
 
 class CPUOffloadOptimizer:

@@ -34,12 +34,14 @@ from oomdoctor.execute import dist
 from oomdoctor.execute.step import StepHooks
 from oomdoctor.files import write_file_atomic
 from oomdoctor.gpu import detect_gpu
+from oomdoctor.imports import cheap_imports
 from oomdoctor.noise import quiet_third_party
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, choose_micro_batch, max_fitting
 from oomdoctor.plan.plan import DEEPSPEED, SHARDED
 from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
 from oomdoctor.plan.budget import Budget, resolve_budget
+from oomdoctor.progress import report
 from oomdoctor.train.config import TrainConfig
 from oomdoctor.units import format_bytes
 
@@ -424,7 +426,7 @@ def total_steps(cfg: TrainConfig, n_samples: int, effective_batch: int) -> int:
 
 def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event, tok, notes: list[str]) -> Run:
     """Budget, data (``tok``: the run's tokenizer), micro-batch, prediction, model, optimizer, schedule, step and
-    meter of a run; ``notes``: what the run already has to say."""
+    meter of a run (each stage reported as progress); ``notes``: what the run already has to say."""
     import torch
 
     from oomdoctor.execute.load import load_model, resolve_device
@@ -450,6 +452,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event, tok,
     if device.type == "cpu" and cfg.precision == "fp16-mixed":
         notes.append("fp16 autocast on CPU: GradScaler runs but CPU fp16 matmuls are slow")
     source = model_source(cfg)
+    report("train", "setting up: tokenizing the dataset")
     data = tokenize(cfg.dataset, tok, cfg.seq_len)
     notes += data.notes
     data, held = eval_samples(cfg.dataset, tok, cfg.seq_len, data, cfg.seed)
@@ -465,6 +468,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event, tok,
         raise BadInput(f"global_batch_size {eff} is not divisible by the {info.world_size} processes",
                        f"use a multiple of {info.world_size}")
     total = total_steps(cfg, len(data), eff)
+    report("train", f"setting up: pricing the plan ({engine} engine)")
     plan, memory = _predict(cfg, int(micro), engine, notes, device.type)
 
     # the process group only now: the prediction may run the simulate engine, which makes a fake group of its own
@@ -476,6 +480,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event, tok,
                          adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
     target = "gpu" if device.type == "cuda" else "cpu"
     _check_host_ram(plan, memory, notes)
+    report("train", "setting up: loading the model" + (" (weights from disk)" if cfg.model.path else ""))
     if sharded:
         from oomdoctor.execute.load import load_sharded_model
         from oomdoctor.execute.shard import device_mesh
@@ -486,6 +491,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event, tok,
     else:
         loaded = load_model(source, plan, device, vocab_size=len(tok), seed=cfg.seed,
                             compute_dtype=cfg.bnb_4bit_compute_dtype)
+    report("train", "setting up: the optimizer and the training step")
     optimizer = make_plan_optimizer(loaded.trainable, plan, args, target=target)
     scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=min(cfg.warmup_steps, total),
                                total_steps=total)
@@ -951,6 +957,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     the run (named in resume hints)."""
     set_allocator_env()
     quiet_third_party()
+    cheap_imports()
     from oomdoctor.execute.load import load_tokenizer, quiet_hf
     from oomdoctor.train.preflight import check, model_source
     from oomdoctor.train.rundir import check_space, open_run_dir

@@ -38,6 +38,7 @@ from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_b
 from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.plan.targets import refusals
 from oomdoctor.plan.techniques import DEFAULTS, TECHNIQUES
+from oomdoctor.progress import report
 from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, longest_seq_len,
                                         verify_and_refine)
 from oomdoctor.tune.ranking import Candidate, fidelity_key
@@ -242,6 +243,8 @@ def simulate_prober(spec: ModelSpec, budget: Budget, predicted: Callable[[Plan],
 
     def run(plan: Plan, micro: int) -> Trial:
         p = plan.with_(micro_batch=micro)
+        report("verify", f"verifying {p.label()} at micro-batch {micro} x {p.grad_accum}: the training step "
+                         "replayed on fake tensors")
         t0 = time.perf_counter()
         try:
             with warnings.catch_warnings():  # transformers deprecation chatter from the replayed step
@@ -271,6 +274,8 @@ def gpu_prober(model_ref: str, spec: ModelSpec, capacity: int, predicted: Callab
         from oomdoctor.engines.probe import run_probe
 
         p = plan.with_(micro_batch=micro)
+        report("verify", f"verifying {p.label()} at micro-batch {micro} x {p.grad_accum}: {steps} real steps on the "
+                         "GPU in a child process")
         res = run_probe(model_ref, p, device="cuda", steps=steps, cap_bytes=capacity, timeout_s=timeout_s)
         return Trial(
             micro, p.grad_accum, res.outcome, "gpu", p.label(), predicted(p),
@@ -487,6 +492,7 @@ def tune(
     if isinstance(seq_len, int):
         spec.check_seq_len(seq_len, "--seq-len")
     if seq_max:
+        report("tune", "bisecting the longest sequence every plan fits")
         best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer, host_ram,
                                         topo.world_size)
         all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES
@@ -507,6 +513,7 @@ def tune(
                                  chunked_loss=spec.arch_kind == "decoder",
                                  tiled_mlp=topo.world_size == 1 and tiling_applies(spec, seq_len),
                                  model_type=spec.model_type)
+    report("tune", f"searching {len(plans)} plans with the analytic memory model")
     if topo.world_size == 1 and not topo_pins:
         result = search(spec, plans, budget, global_batch=rank_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
                         profile=profile, micro_limit=micro_limit, host_ram=host_ram,
