@@ -252,7 +252,7 @@ def test_eval_phase_puts_eval_fixes_first():
 def test_optimizer_phase_puts_optimizer_fixes_first():
     d = explain((DATA / "v29-ranks-private-pools-optimizer.txt").read_text())
     cap = [c for c in d.causes if c.id == "capacity"][0]
-    assert cap.fixes[0].id == "optimizer-8bit"
+    assert cap.fixes[0].id == "optimizer:paged-adamw-8bit"
 
 
 def test_packing_bug_request_larger_than_card():
@@ -521,7 +521,7 @@ def test_one_large_request_is_its_own_cause_not_capacity():
     assert huge.id == "huge-allocation"
     assert any("3.3x what remained" in e for e in huge.evidence)
     assert any("32768 tokens x vocab 128256 x 4 bytes" in e for e in huge.evidence)
-    assert huge.fixes[0].id == "chunked-loss"
+    assert huge.fixes[0].id == "loss:chunked"
     assert "loss: chunked" in huge.fixes[0].how and "use_liger_kernel=True" in huge.fixes[0].how
     assert {"micro-batch", "seq-len"} <= {f.id for f in huge.fixes}
     cap = _cause(d, "capacity")
@@ -567,7 +567,7 @@ def test_model_load_phase_and_fixes():
     assert huge.id == "huge-allocation"
     ids = [f.id for f in huge.fixes]
     assert ids[0] == "load-quantized" and {"load-dtype", "free-before-load"} <= set(ids)
-    assert "chunked-loss" not in ids and "gradient-checkpointing" not in ids
+    assert "loss:chunked" not in ids and "gradient-checkpointing" not in ids
     d = _explain("v24-load-trainer-moves-fp32-model")
     assert d.report.phase == "model-load" and "_move_model_to_device" in d.report.phase_frame
     cap = d.causes[0]
@@ -646,7 +646,7 @@ def test_mps_buffer_larger_than_metal_allows():
     huge = d.causes[0]
     assert huge.id == "huge-allocation" and huge.score >= 0.9
     assert any("largest single buffer" in e for e in huge.evidence)
-    assert huge.fixes[0].id == "chunked-loss"
+    assert huge.fixes[0].id == "loss:chunked"
 
 
 def test_which_process_entry_is_this_process():

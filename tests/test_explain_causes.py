@@ -98,7 +98,7 @@ def test_huge_allocation_adds_logits_line_and_phase():
     assert terms[2].bonus == 0.1 and terms[3].bonus == 0.1
     c = causes.huge_allocation(r, None, shape)
     assert c.score == pytest.approx(0.3 + 0.15 + 0.1 + 0.1)
-    assert c.fixes[0].id == "chunked-loss"
+    assert c.fixes[0].id == "loss:chunked"
     whole_card = report(requested_bytes=30 * GiB, phase="evaluation", failing_frame="a.py:1 in f: logits = x")
     c = causes.huge_allocation(whole_card, None, shape)
     assert c.score == 0.97 and c.fixes[0].id == "eval-batch-size"

@@ -23,6 +23,7 @@ from oomdoctor.memory.context import tiling_applies, upcast_to_fp32
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget
+from oomdoctor.plan.changes import CHANGES
 from oomdoctor.plan.techniques import how
 from oomdoctor.model.spec import ModelSpec
 
@@ -83,14 +84,14 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
         c.append((
             "micro-batch",
             f"micro-batch {plan.micro_batch} -> {mb} with gradient accumulation {plan.grad_accum} -> {acc}: "
-            "same effective batch, same math, activations scale with the micro-batch",
+            + CHANGES["micro-batch"],
             0,
             dict(micro_batch=mb, grad_accum=acc),
         ))
     if plan.attn == "eager":
         c.append((
             "attn:sdpa",
-            "use memory-efficient attention (sdpa/flash): eager attention materializes seq x seq scores per head",
+            CHANGES["attn:sdpa"],
             0,
             dict(attn="sdpa"),
         ))
@@ -98,67 +99,63 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
     if torch_opt and plan.optimizer_impl == "foreach" and not plan.offload_optimizer:
         c.append((
             "optimizer:fused",
-            "fused optimizer step (torch fused=True): no parameter-group-sized temporaries, same math",
+            CHANGES["optimizer:fused"],
             0,
             dict(optimizer_impl="fused"),
         ))
     if plan.loss != "chunked" and spec.arch_kind == "decoder":
         c.append((
             "loss:chunked",
-            "chunked cross-entropy: the LM head and loss run over token chunks recomputed in backward, never the "
-            "whole batch x seq x vocab logits (Liger / cut-cross-entropy memory; one more LM-head forward)",
+            CHANGES["loss:chunked"],
             0,
             dict(loss="chunked"),
         ))
     if not plan.gradient_checkpointing:
         c.append((
             "gradient-checkpointing",
-            "gradient checkpointing: keep only each layer's input and recompute the layer in backward "
-            "(the biggest activation saver; about one third more compute)",
+            CHANGES["gradient-checkpointing"],
             1,
             dict(gradient_checkpointing=True),
         ))
     if plan.world_size > 1 and plan.strategy == "ddp":
         c.append((
             "strategy:fsdp",
-            f"shard weights, gradients and optimizer states over the {plan.world_size} GPUs (torch FSDP2): each "
-            "keeps its share plus the layers being gathered (communication 3 instead of 2 model sizes per step)",
+            CHANGES["strategy:fsdp"].replace("the GPUs", f"the {plan.world_size} GPUs"),
             1,
             dict(strategy="fsdp"),
         ))
     if plan.strategy == "zero2":
         c.append((
             "strategy:zero3",
-            "DeepSpeed ZeRO-3: partition the weights too (gathered layer by layer; more communication)",
+            CHANGES["strategy:zero3"],
             1,
             dict(strategy="zero3"),
         ))
     if plan.strategy == "fsdp" and not plan.reshard_after_forward:
         c.append((
             "reshard-after-forward",
-            "free each layer's gathered weights after its forward and gather them again in backward",
+            CHANGES["reshard-after-forward"],
             1,
             dict(reshard_after_forward=True),
         ))
     if not plan.tiled_mlp and tiling_applies(spec, plan.tokens_per_micro_batch):  # validate refuses the rest
         c.append((
             "tiled-mlp",
-            "tiled MLP: each block's MLP runs over tiles of ~hidden_size tokens, each recomputed in backward, so "
-            "its intermediates exist for one tile (one more MLP forward per step; one GPU)",
+            CHANGES["tiled-mlp"],
             1,
             dict(tiled_mlp=True),
         ))
     if not plan.offload_activations:
         c.append((
             "offload:activations",
-            "offload activations saved for backward to pinned CPU memory (costs PCIe transfer time)",
+            CHANGES["offload:activations"],
             2,
             dict(offload_activations=True),
         ))
     if not plan.offload_optimizer and plan.optimizer not in ("sgd",) and not plan.optimizer_is_paged:
         c.append((
             "offload:optimizer",
-            "offload optimizer states and the optimizer step to the CPU (ZeRO-Offload style; costs PCIe + CPU time)",
+            CHANGES["offload:optimizer"],
             2,
             dict(offload_optimizer=True),
         ))
@@ -166,82 +163,76 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
             and not plan.offload_optimizer and plan.precision != "fp16-mixed"):
         c.append((
             "optimizer-in-backward",
-            "step each parameter's optimizer inside backward and free its gradient at once (torchtune's "
-            "optimizer_in_bwd): no full set of gradients; gives up gradient clipping and accumulation",
+            CHANGES["optimizer-in-backward"],
             3,
             dict(optimizer_in_backward=True),
         ))
     if plan.precision == "fp32":
         c.append((
             "precision:bf16-mixed",
-            "bf16 mixed precision (AMP): fp32 master weights, bf16 activations and matmuls",
+            CHANGES["precision:bf16-mixed"],
             2,
             dict(precision="bf16-mixed"),
         ))
     if plan.precision in ("fp32", "fp16-mixed", "bf16-mixed"):
         c.append((
             "precision:bf16",
-            "pure bf16: weights, gradients and optimizer states in bf16, no fp32 master copy "
-            "(halves model states; small updates can be lost to bf16 rounding)",
+            CHANGES["precision:bf16"],
             3,
             dict(precision="bf16"),
         ))
     if upcast_to_fp32(plan):
         c.append((
             "kbit-upcast:off",
-            "skip peft's k-bit upcast (as TRL's SFTTrainer, axolotl and unsloth run QLoRA): the quantized base's "
-            "embeddings, norms, head and biases stay bf16 instead of fp32, and so does the residual stream "
-            "(half their bytes and of the activations; norms computed from bf16 weights)",
+            CHANGES["kbit-upcast:off"],
             3,
             dict(kbit_upcast=False),
         ))
     if plan.optimizer in ("adamw", "paged-adamw"):
         c.append((
             "optimizer:adamw-8bit",
-            "8-bit AdamW (bitsandbytes): Adam's two states quantized blockwise to 8 bits. "
-            "(Switching Adam to AdamW saves nothing: AdamW keeps exactly Adam's two states.)",
+            CHANGES["optimizer:adamw-8bit"],
             3,
             dict(optimizer="adamw-8bit"),
         ))
     if plan.optimizer in ("adamw", "adamw-8bit"):
         c.append((
             "optimizer:paged-adamw-8bit",
-            "paged 8-bit AdamW (bitsandbytes): 8-bit states in unified memory that pages to the CPU under pressure",
+            CHANGES["optimizer:paged-adamw-8bit"],
             3,
             dict(optimizer="paged-adamw-8bit"),
         ))
     if plan.optimizer not in ("adafactor", "sgd", "lion"):
         c.append((
             "optimizer:adafactor",
-            "Adafactor: factored second moment (row + column statistics), no first moment",
+            CHANGES["optimizer:adafactor"],
             4,
             dict(optimizer="adafactor"),
         ))
         c.append((
             "optimizer:lion",
-            "Lion: one momentum state instead of Adam's two (needs a ~3-10x smaller learning rate)",
+            CHANGES["optimizer:lion"],
             4,
             dict(optimizer="lion"),
         ))
     if plan.optimizer != "sgd":
         c.append((
             "optimizer:sgd",
-            "plain SGD: no optimizer state at all (converges slower on transformers)",
+            CHANGES["optimizer:sgd"],
             4,
             dict(optimizer="sgd"),
         ))
     if plan.method == "full":
         c.append((
             "method:lora",
-            "LoRA (Low-Rank Adaptation, peft): freeze the base, train rank-r adapters; gradients and optimizer "
-            "states shrink to the adapters'",
+            CHANGES["method:lora"],
             5,
             dict(method="lora"),
         ))
     if plan.method in ("full", "lora"):
         c.append((
             "method:qlora",
-            "QLoRA: LoRA on a 4-bit NF4 base with double quantization (bitsandbytes), about 0.52 byte per weight",
+            CHANGES["method:qlora"],
             6,
             dict(method="qlora", quant="nf4", double_quant=True,
                  precision="bf16-mixed" if plan.precision == "fp32" else plan.precision),
@@ -249,29 +240,28 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
     if plan.method == "qlora" and plan.quant == "int8":
         c.append((
             "quant:nf4",
-            "4-bit NF4 base instead of int8 (QLoRA paper): half the weight bytes",
+            CHANGES["quant:nf4"],
             5,
             dict(quant="nf4", double_quant=True),
         ))
     if plan.method == "qlora" and plan.quant in ("nf4", "fp4") and not plan.double_quant:
         c.append((
             "quant:double",
-            "double quantization: quantize the 4-bit block constants again (~0.37 bit per weight)",
+            CHANGES["quant:double"],
             1,
             dict(double_quant=True),
         ))
     if plan.uses_lora and plan.lora_on_head:
         c.append((
             "lora:no-head",
-            "do not adapt the output head: its adapter input/grad spans the whole vocabulary projection",
+            CHANGES["lora:no-head"],
             2,
             dict(lora_on_head=False),
         ))
     if plan.seq_len > 256:
         c.append((
             "seq-len",
-            f"shorter sequences ({plan.seq_len} -> {plan.seq_len // 2} tokens): changes the data the model sees "
-            "(truncation) - a last resort",
+            f"shorter sequences ({plan.seq_len} -> {plan.seq_len // 2} tokens): " + CHANGES["seq-len"],
             8,
             dict(seq_len=plan.seq_len // 2),
         ))

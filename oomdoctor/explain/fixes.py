@@ -6,9 +6,18 @@ import re
 from typing import TYPE_CHECKING
 
 from oomdoctor.explain.report import Fix, OomReport
+from oomdoctor.plan.changes import CHANGES
 
 if TYPE_CHECKING:
     from oomdoctor.plan import Plan
+
+
+
+def _said(change_id: str) -> str:
+    """A plan change as advice words it (``oomdoctor.plan.changes``), as a sentence."""
+    text = CHANGES[change_id]
+    return text[0].upper() + text[1:]
+
 
 MAX_SPLIT_SIZE = Fix(
     "max-split-size",
@@ -34,15 +43,15 @@ PICK_FREE_GPU = Fix(
     "CUDA_VISIBLE_DEVICES=<free gpu index> python train.py",
 )
 CHUNKED_LOSS = Fix(
-    "chunked-loss",
-    "Do not materialise the full [batch, seq, vocab] logits and their fp32 upcast: use a fused/chunked "
-    "linear-cross-entropy (the logits of a 128k-256k vocabulary are often the largest single tensor). TRL 1.x's "
-    "SFTTrainer already computes its loss this way (loss_type='nll'); older TRL had loss_type='chunked_nll'.",
+    "loss:chunked",
+    _said("loss:chunked") + ". The logits of a 128k-256k vocabulary and their fp32 upcast are often the largest single "
+    "tensor. TRL 1.x's SFTTrainer already computes its loss this way (loss_type='nll'); older TRL had "
+    "loss_type='chunked_nll'.",
     "oomdoctor train YAML: loss: chunked; TrainingArguments(use_liger_kernel=True) (pip install liger-kernel)",
 )
 ATTENTION_KERNEL = Fix(
-    "attention-kernel",
-    "Eager attention materialises batch x heads x seq x seq scores; use a memory-efficient kernel.",
+    "attn:sdpa",
+    _said("attn:sdpa") + ".",
     "from_pretrained(..., attn_implementation='sdpa')  (or 'flash_attention_2'); oomdoctor: --attn sdpa",
 )
 CHECK_SHAPES = Fix(
@@ -136,40 +145,37 @@ LOAD_FIXES: tuple[Fix, ...] = (
     ),
 )
 OPTIMIZER_8BIT = Fix(
-    "optimizer-8bit",
-    "The optimizer state is created at the first optimizer.step() (after forward/backward), 2 fp32 values "
-    "per trainable parameter for AdamW; 8-bit/paged AdamW needs about a quarter.",
+    "optimizer:paged-adamw-8bit",
+    _said("optimizer:paged-adamw-8bit") + ". The optimizer state is created at the first optimizer.step() (after "
+    "forward/backward), 2 fp32 values per trainable parameter for AdamW; 8-bit AdamW needs about a quarter.",
     "TrainingArguments(optim='paged_adamw_8bit'); oomdoctor: --optimizer paged-adamw-8bit",
 )
 FUSED_OPTIMIZER = Fix(
-    "fused-optimizer",
-    "The default foreach AdamW allocates temporaries the size of a parameter group during step(); the fused "
-    "kernel does not.",
+    "optimizer:fused",
+    _said("optimizer:fused") + ": the default foreach AdamW allocates them during step().",
     "TrainingArguments(optim='adamw_torch_fused'); oomdoctor: --optimizer-impl fused",
 )
 OPTIMIZER_FIXES: tuple[Fix, ...] = (OPTIMIZER_8BIT, FUSED_OPTIMIZER)
 GRADIENT_CHECKPOINTING = Fix(
     "gradient-checkpointing",
-    "Keep only each layer's input in forward and recompute the rest in backward (the biggest activation "
-    "saver, about a third more compute).",
+    _said("gradient-checkpointing") + ".",
     "TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': False}); "
     "oomdoctor: --gradient-checkpointing",
 )
 MICRO_BATCH = Fix(
     "micro-batch",
-    "Halve the micro-batch and double gradient accumulation: the same effective batch, half the activations.",
+    "Halve the micro-batch and double gradient accumulation: " + CHANGES["micro-batch"] + ".",
     "TrainingArguments(per_device_train_batch_size=B/2, gradient_accumulation_steps=2*G); "
     "oomdoctor: --micro-batch",
 )
 SEQ_LEN = Fix(
     "seq-len",
-    "Shorter sequences shrink activations and logits linearly (truncate, or filter outliers).",
+    _said("seq-len") + ".",
     "SFTConfig(max_length=N) / tokenizer(truncation=True, max_length=N); oomdoctor: --seq-len",
 )
 LORA = Fix(
-    "lora",
-    "Train low-rank adapters on a frozen (optionally 4-bit) base instead of every weight: no gradients or "
-    "optimizer state for the base.",
+    "method:qlora",
+    _said("method:qlora") + ".",
     "peft LoraConfig(r=16, target_modules='all-linear') + BitsAndBytesConfig(load_in_4bit=True); "
     "oomdoctor: --method qlora",
 )
@@ -177,7 +183,7 @@ LORA = Fix(
 GENERIC_CAPACITY_FIXES: tuple[Fix, ...] = (GRADIENT_CHECKPOINTING, MICRO_BATCH, SEQ_LEN, LORA) + OPTIMIZER_FIXES
 #: Generic fixes that are plan changes (replaced by the priced ``oomdoctor.diagnose.advice`` changes when a plan is
 #: known).
-PLAN_FIX_IDS = ("gradient-checkpointing", "micro-batch", "seq-len", "lora", "optimizer-8bit", "fused-optimizer")
+PLAN_FIX_IDS = tuple(f.id for f in GENERIC_CAPACITY_FIXES)
 QUANT_OFFLOAD_FIXES: tuple[Fix, ...] = (
     Fix(
         "load-on-one-gpu",
@@ -330,9 +336,9 @@ def already_applied(plan: Plan, fix_id: str) -> bool:
     return (
         (fix_id == "gradient-checkpointing" and plan.gradient_checkpointing)
         or (fix_id == "micro-batch" and plan.micro_batch == 1)
-        or (fix_id == "lora" and plan.method != "full" and plan.quant is not None)
-        or (fix_id == "optimizer-8bit" and plan.optimizer in ("adamw-8bit", "paged-adamw-8bit"))
-        or (fix_id == "fused-optimizer" and plan.optimizer_impl == "fused")
+        or (fix_id == "method:qlora" and plan.method != "full" and plan.quant is not None)
+        or (fix_id == "optimizer:paged-adamw-8bit" and plan.optimizer in ("adamw-8bit", "paged-adamw-8bit"))
+        or (fix_id == "optimizer:fused" and plan.optimizer_impl == "fused")
     )
 
 
@@ -354,7 +360,8 @@ def capacity_fixes(r: OomReport, outside_pytorch: bool, priced: tuple[Fix, ...],
         # Fixes the memory model cannot price (eval, save and load settings) stay first in their phases (it prices the
         # training step); elsewhere the priced fixes lead, largest saving first. Generic plan fixes give way to the
         # priced ones.
-        unpriced = tuple(f for f in fixes if f.id not in PLAN_FIX_IDS)
+        replaced = set(PLAN_FIX_IDS) | {f.id for f in priced}
+        unpriced = tuple(f for f in fixes if f.id not in replaced)
         return unpriced + priced if r.phase in UNPRICED_PHASES else priced + unpriced
     if plan is not None:
         return tuple(f for f in fixes if not already_applied(plan, f.id))
