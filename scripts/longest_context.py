@@ -1,5 +1,5 @@
 """The longest context a card trains on: ``oomdoctor tune MODEL --gpu-mem 80GB --seq-len max`` with and without the
-host RAM that offloaded activations need, for any method and for QLoRA (the README's Llama-3.1-8B rows).
+host RAM that offloaded activations need, for any method and for QLoRA (the Llama-3.1-8B rows of docs/tune.md).
 
     python scripts/longest_context.py [--model meta-llama/Llama-3.1-8B] [--gpu-mem 80GB] [--verify simulate|none]
                                       [--no-tiled-mlp]

@@ -32,7 +32,7 @@ stops a second run into the same directory. Ctrl-C finishes the step, saves a ch
 Several processes: --nproc-per-node N (or world_size in the config) runs torchrun inside; strategy ddp replicates
 the model, fsdp shards it with FSDP2 (sharded checkpoints; an OOM on a rank restarts every rank with half the
 micro-batch, --max-restarts). offload_params: true runs FSDP2 with CPU offload, on one process too. zero2/zero3 run
-DeepSpeed ZeRO (pip install 'oomdoctor[deepspeed]'): same loop, checkpoints and OOM restarts as fsdp.
+DeepSpeed ZeRO (pip install 'oomdoctor\\[deepspeed]'): same loop, checkpoints and OOM restarts as fsdp.
 
 Exit codes: 0 done / fits, 2 bad input (every config problem listed), 3 does not fit, 4 OOM not recoverable,
 74 a checkpoint or output could not be written (disk full: the previous checkpoint is intact), 130 interrupted
