@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from oomdoctor.plan.plan import DTYPE_NAMES
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from oomdoctor.plan import Plan
 
-#: Plan dtype names (``compute_dtype``, ``bnb_4bit_compute_dtype``) as torch attribute names.
-DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -40,4 +40,4 @@ def autocast_dtype(plan: "Plan") -> "torch.dtype | None":
     return torch_dtype(plan.compute_dtype) if runs_autocast(plan) else None
 
 
-__all__ = ["DTYPE_NAMES", "torch_dtype", "weight_dtype", "autocast_dtype"]
+__all__ = ["torch_dtype", "weight_dtype", "autocast_dtype"]

@@ -40,6 +40,11 @@ ADAPTER_DTYPES: tuple[str, ...] = choices("adapter_dtype")
 TRAINERS: tuple[str, ...] = choices("trainer")
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULTS["lora_targets"]
+#: Every dtype a plan or a train YAML names (``compute_dtype``, ``bnb_4bit_compute_dtype``), as torch attribute names.
+DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+#: The dtype matmuls run in under each precision (one of :data:`DTYPE_NAMES`).
+COMPUTE_DTYPES: dict[str, str] = {"fp32": "float32", "fp16-mixed": "float16", "bf16-mixed": "bfloat16",
+                                  "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -148,9 +153,7 @@ class Plan:
     @property
     def compute_dtype(self) -> str:
         """dtype that matmuls run in."""
-        return {"fp32": "float32", "fp16-mixed": "float16", "bf16-mixed": "bfloat16", "bf16": "bfloat16"}[
-            self.precision
-        ]
+        return COMPUTE_DTYPES[self.precision]
 
     @property
     def is_mixed(self) -> bool:

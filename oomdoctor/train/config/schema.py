@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from oomdoctor.plan.plan import DTYPE_NAMES
 from oomdoctor.plan.techniques import (
     DEFAULTS,
     EFFECTIVE_BATCH,
@@ -31,7 +32,6 @@ SCHEDULERS = (
 )
 #: ``report_to`` sinks (each through its own library, an optional extra).
 REPORT_TO = ("tensorboard", "trackio", "wandb", "mlflow")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 NO_MEMORY = "no memory effect"
 #: The hint under every list of config problems: where each key is explained (a command every install has).
 KEYS_HINT = "fix the keys above; `oomdoctor keys` lists every key with its meaning"
@@ -110,7 +110,7 @@ TOP_KEYS: tuple[Key, ...] = tuple(_from_technique(t) for t in _PLAIN) + (
     Key("bnb_4bit_quant_type", ("choice", ("nf4", "fp4")), "nf4", "4-bit data type: nf4 or fp4",
         "nf4 (normal-float, QLoRA default) | fp4: same memory", group="memory: quantized base (bitsandbytes)",
         technique="quant"),
-    Key("bnb_4bit_compute_dtype", ("choice|null", COMPUTE_DTYPES), None,
+    Key("bnb_4bit_compute_dtype", ("choice|null", DTYPE_NAMES), None,
         "dtype the 4-bit matmuls run in; null follows precision (bf16 / fp16 / fp32)",
         "the dequantized tile is temporary", group="memory: quantized base (bitsandbytes)"),
     Key("max_steps", "int>=1|null", None, "optimizer steps to run; when set it overrides num_train_epochs, as in "

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from oomdoctor.errors import BadInput
 from oomdoctor.plan import Plan, validate
+from oomdoctor.plan.plan import COMPUTE_DTYPES
 from oomdoctor.plan.techniques import HF_ATTN_NAMES, OPTIM_VALUES
 from oomdoctor.train.config.schema import DATASET, MODEL, default
 
@@ -205,9 +206,7 @@ class TrainConfig:
         """The bnb 4-bit compute dtype (explicit, or following ``precision``)."""
         if self.bnb_4bit_compute_dtype:
             return self.bnb_4bit_compute_dtype
-        return {"fp32": "float32", "fp16-mixed": "float16", "bf16-mixed": "bfloat16", "bf16": "bfloat16"}[
-            self.precision
-        ]
+        return COMPUTE_DTYPES[self.precision]
 
     @property
     def plan_optimizer(self) -> str:
