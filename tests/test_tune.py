@@ -12,14 +12,10 @@ from oomdoctor.engines import estimate
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import resolve_budget
-from oomdoctor.tune.tuner import (
-    ALLOC_CONF,
-    Trial,
-    default_output_path,
-    tune,
-    verify,
-    write_config,
-)
+from oomdoctor.tune.emit import default_output_path, write_config
+from oomdoctor.tune.result import ALLOC_CONF
+from oomdoctor.tune.tuner import tune
+from oomdoctor.tune.verify import Trial, verify
 
 
 def _gpu(free: int, total: int = 24 * 10**9, others: int = 0) -> GpuInfo:
@@ -358,7 +354,7 @@ def test_a_longest_context_that_fails_verification_is_calibrated_down():
     from oomdoctor.engines import estimate as price
     from oomdoctor.model.load import load_spec
     from oomdoctor.plan.budget import resolve_budget as rb
-    from oomdoctor.tune.tuner import Trial, calibrated_context
+    from oomdoctor.tune.longest import calibrated_context
 
     spec, budget = load_spec("meta-llama/Llama-3.1-8B"), rb(80 * 10**9, None, None)
     plan = Plan(method="qlora", precision="bf16", gradient_checkpointing=True, loss="chunked").with_()
