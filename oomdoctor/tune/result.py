@@ -38,21 +38,31 @@ class TuneResult:
     budget: Budget
     """Capacity, where it came from, margin, and the fits rule every plan was checked with."""
     gpu: GpuInfo | None
+    """The local GPU NVML reported (None: none, or a CPU plan)."""
     prefer: str
+    """``--prefer``: ``quality`` (fidelity first) or ``speed`` (throughput first)."""
     seq_len: int
+    """Tokens per sequence planned for (``--seq-len max``: the longest that fits)."""
     global_batch: int | None
+    """``--global-batch`` over every GPU (None: the largest micro-batch that fits, accumulation 1)."""
     plan: Plan
     """The chosen plan with ``micro_batch`` and ``grad_accum`` set."""
     memory: MemoryBreakdown
     """Memory model breakdown of the chosen plan (same keys as ``diagnose``)."""
     batch: BatchChoice
+    """The micro-batch and accumulation chosen, and why."""
     throughput: Throughput | None
+    """Estimated throughput of the chosen plan on the profiled GPU."""
     search: SearchResult
+    """Every candidate ranked, and the memory-model evaluations the search made."""
     trials: list[Trial] = field(default_factory=list)
+    """The verification trials, in the order they ran."""
     verification: str = "none"
     """``gpu``, ``simulate`` or ``none`` — what checked the prediction."""
     notes: list[str] = field(default_factory=list)
+    """What the user should know about the result (defaults taken, verification fallbacks, profiles used)."""
     alloc_conf: str = ALLOC_CONF
+    """``PYTORCH_CUDA_ALLOC_CONF`` the command sets on a GPU."""
     config_path: str | None = None
     """Where the YAML was written (set by ``oomdoctor.tune.emit.write_config``)."""
     topology: Topology = Topology(1, 1)
@@ -70,10 +80,12 @@ class TuneResult:
 
     @property
     def capacity_bytes(self) -> int:
+        """The memory planned for (``budget.capacity_bytes``)."""
         return self.budget.capacity_bytes
 
     @property
     def capacity_source(self) -> str:
+        """Where the capacity came from (``budget.source``)."""
         return self.budget.source
 
     @property
@@ -117,6 +129,7 @@ class TuneResult:
 
     @property
     def measured_peak_bytes(self) -> int | None:
+        """The verified peak of the chosen micro-batch (None: not verified)."""
         ok = [t for t in self.trials if t.outcome == "fits" and t.micro_batch == self.plan.micro_batch]
         return ok[-1].measured_peak_bytes if ok else None
 

@@ -40,12 +40,15 @@ class Trial:
     """One verification of a (plan, micro-batch): a real GPU probe or a simulated step."""
 
     micro_batch: int
+    """Micro-batch tried."""
     grad_accum: int
+    """Accumulation that keeps the effective batch at this micro-batch."""
     outcome: str
     """``fits``, ``oom`` (out of memory / over the budget) or ``error`` (the probe itself failed)."""
     verified_by: str
     """``gpu`` (child process on the real device) or ``simulate`` (fake-tensor replay)."""
     plan_label: str
+    """The plan's label (``Plan.label``)."""
     predicted_peak_bytes: int
     """The search's (analytic) ``peak_device`` for this micro-batch."""
     measured_peak_bytes: int | None = None
@@ -56,7 +59,9 @@ class Trial:
     steps: int = 0
     """Full training steps run (forward, backward, optimizer step)."""
     seconds: float = 0.0
+    """Wall time of the trial."""
     message: str | None = None
+    """Why it did not fit or could not run (None: it fit)."""
 
     def to_dict(self) -> dict:
         return {
