@@ -1,5 +1,6 @@
-"""Writing user-facing files (``tune --output``, ``diagnose --plot``, ``train``'s summary) through one helper that
-checks the path first and never leaves half a file.
+"""Files on the user's disk: writing user-facing files (``tune --output``, ``diagnose --plot``, ``train``'s summary)
+through one helper that checks the path first and never leaves half a file, the free default name beside an existing
+file (:func:`free_path`), and the one test of whether a model directory holds weights (:func:`holds_weights`).
 
 Two kinds of failure, two exit codes (README, "Exit codes"):
 
@@ -114,6 +115,13 @@ def free_path(path: str | os.PathLike) -> Path:
     return p
 
 
+def holds_weights(ref: str | os.PathLike) -> bool:
+    """Whether ``ref`` is a directory with weights (``*.safetensors`` / ``*.bin``) a trainer can load, as opposed to a
+    config alone (``tune``'s emitted configs, the GPU probe: what ``oomdoctor train`` would load)."""
+    p = Path(ref).expanduser()
+    return p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin")))
+
+
 def write_text_atomic(path: str | os.PathLike, text: str, *, overwrite: bool = False, what: str = "--output") -> Path:
     """:func:`write_file_atomic` for text (the YAML/JSON configs ``tune`` writes)."""
     return write_file_atomic(path, text, what=what, overwrite=overwrite)
@@ -135,4 +143,5 @@ def _remove(tmp: str | None) -> None:
             pass
 
 
-__all__ = ["check_output_path", "free_bytes", "free_path", "write_failed", "write_file_atomic", "write_text_atomic"]
+__all__ = ["check_output_path", "free_bytes", "free_path", "holds_weights", "write_failed", "write_file_atomic",
+           "write_text_atomic"]

@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from oomdoctor.engines import estimate  # noqa: E402
 from oomdoctor.plan import Plan  # noqa: E402
+from oomdoctor.plan.budget import Budget  # noqa: E402
 from oomdoctor.diagnose.plot import plot_plans, plot_timeline  # noqa: E402
 from oomdoctor.model.load import load_spec  # noqa: E402
 
@@ -39,7 +40,7 @@ def diagnose_picture() -> Path:
     ]
     rows = [(p.label(), estimate(spec, p, "analytic")) for p in plans]
     return plot_plans(
-        rows, 24 * 10**9, OUT / "diagnose-llama2-7b.png",
+        rows, Budget(24 * 10**9, "--gpu-mem"), OUT / "diagnose-llama2-7b.png",
         title="Llama-2-7B, micro-batch 1 x 1024 tokens: peak device memory by component (analytic)",
     )
 

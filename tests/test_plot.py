@@ -8,13 +8,17 @@ import re
 import struct
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.breakdown import MemoryBreakdown
+from oomdoctor.diagnose import plot
 from oomdoctor.diagnose.plot import plot_plans, plot_timeline
+from oomdoctor.memory.breakdown import MemoryBreakdown
+from oomdoctor.plan.budget import Budget
+from oomdoctor.units import format_bytes
 
 GiB = 2**30
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -67,7 +71,7 @@ def synthetic_timeline() -> list[tuple[int, str, dict[str, int]]]:
 
 @pytest.mark.parametrize("suffix", [".png", ".html"])
 def test_plot_plans_writes_valid_file(tmp_path, suffix):
-    path = plot_plans(ROWS, 24 * 10**9, tmp_path / f"plans{suffix}")
+    path = plot_plans(ROWS, Budget(24 * 10**9, "--gpu-mem"), tmp_path / f"plans{suffix}")
     data = path.read_bytes()
     assert len(data) > 15_000
     if suffix == ".png":
@@ -83,6 +87,46 @@ def test_plot_plans_writes_valid_file(tmp_path, suffix):
         # the numbers table: one row per plan, with the fit verdicts for a 24 GB card
         assert text.count("<tr>") == len(ROWS) + 1
         assert "full | bf16-mixed | adamw" in text and ">no<" in text and ">yes<" in text
+
+
+def _drawn_verdicts(monkeypatch, tmp_path, rows, budget) -> tuple[list[str], str]:
+    """The verdict written beside each bar of the picture (top row first) and the HTML page's text."""
+    drawn: list[str] = []
+    write = plot._write
+
+    def keep(fig, *a, **kw):
+        texts = sorted((t for t in fig.axes[0].texts if t.get_text().startswith(" ") and "card" not in t.get_text()),
+                       key=lambda t: -t.get_position()[1])
+        drawn.extend(t.get_text().split("  ", 1)[1] if "  " in t.get_text() else "" for t in texts)
+        return write(fig, *a, **kw)
+
+    monkeypatch.setattr(plot, "_write", keep)
+    page = plot_plans(rows, budget, tmp_path / "plans.html").read_text()
+    return drawn, page
+
+
+def test_each_bar_takes_its_verdict_from_the_budget(monkeypatch, tmp_path):
+    """One fits rule (``Budget.fits``): a bar under the card's line that the margin leaves no room for is drawn as not
+    fitting, and a bar past the line whose excess is paged optimizer state (evictable, not counted) as fitting."""
+    under = _breakdown(10 * GiB, 0, 0, 2 * GiB, 2 * GiB)  # peak device about 16 GiB, under the 20 GiB card
+    paged = replace(under, paged_optimizer=8 * GiB, peak_device=under.peak_device + 8 * GiB)
+    card = 20 * GiB
+    assert under.peak_device < card < paged.peak_device and paged.resident_device == under.peak_device
+    rows = [("under the card", under), ("paged past the card", paged)]
+
+    no_margin = Budget(card, "--gpu-mem")
+    drawn, page = _drawn_verdicts(monkeypatch, tmp_path, rows, no_margin)
+    assert drawn == ["fits", "fits"] == ["fits" if ok else "does not fit" for ok in plot.verdicts(rows, no_margin)]
+    assert page.count(">yes<") == 2
+
+    margin = Budget(card, "--gpu-mem", margin_bytes=6 * GiB, margin_form="size")  # 14 GiB for the resident peak
+    assert not margin.fits(under) and under.peak_device <= card
+    drawn, page = _drawn_verdicts(monkeypatch, tmp_path, rows, margin)
+    assert drawn == ["does not fit", "does not fit"]
+    assert page.count(">no<") == 2 and ">yes<" not in page and f"margin {format_bytes(6 * GiB)}" in page
+
+    drawn, page = _drawn_verdicts(monkeypatch, tmp_path, rows, None)
+    assert drawn == ["", ""] and ">yes<" not in page and ">no<" not in page
 
 
 @pytest.mark.parametrize("suffix", [".png", ".html"])

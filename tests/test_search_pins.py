@@ -18,10 +18,11 @@ import pytest
 from oomdoctor.model.load import spec_from_config
 from oomdoctor.plan.budget import resolve_budget
 from oomdoctor.tune.batch_search import analytic_estimator
+from oomdoctor.tune.longest import longest_context
 from oomdoctor.tune.ranking import rank_key
 from oomdoctor.tune.search import ADAMW_FAMILY
 from oomdoctor.tune.throughput import REFERENCE_PROFILE
-from oomdoctor.tune.tuner import longest_context, tune
+from oomdoctor.tune.tuner import tune
 from oomdoctor.units import parse_size
 
 SMALL = dict(model_type="llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4,

@@ -12,14 +12,10 @@ from oomdoctor.engines import estimate
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import resolve_budget
-from oomdoctor.tune.tuner import (
-    ALLOC_CONF,
-    Trial,
-    default_output_path,
-    tune,
-    verify,
-    write_config,
-)
+from oomdoctor.tune.emit import default_output_path, write_config
+from oomdoctor.tune.result import ALLOC_CONF
+from oomdoctor.tune.tuner import tune
+from oomdoctor.tune.verify import Trial, verify
 
 
 def _gpu(free: int, total: int = 24 * 10**9, others: int = 0) -> GpuInfo:
@@ -358,7 +354,7 @@ def test_a_longest_context_that_fails_verification_is_calibrated_down():
     from oomdoctor.engines import estimate as price
     from oomdoctor.model.load import load_spec
     from oomdoctor.plan.budget import resolve_budget as rb
-    from oomdoctor.tune.tuner import Trial, calibrated_context
+    from oomdoctor.tune.longest import calibrated_context
 
     spec, budget = load_spec("meta-llama/Llama-3.1-8B"), rb(80 * 10**9, None, None)
     plan = Plan(method="qlora", precision="bf16", gradient_checkpointing=True, loss="chunked").with_()
@@ -392,3 +388,18 @@ def test_cli_errors_are_one_line_exit_codes(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["tune", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB", "--output", "exists.yaml"])
     assert e.value.code == 2 and (tmp_path / "exists.yaml").read_text() == "keep me"
+
+
+def test_host_ram_reported_is_the_host_ram_the_search_checked():
+    """One host-RAM rule (``search.host_bytes``): a paged AdamW whose state the card cannot hold next to the resident
+    peak pages it out to the host, and ``host_per_node_bytes`` counts it, as the search did against the host RAM."""
+    from oomdoctor.model.load import load_spec
+    from oomdoctor.tune.search import host_bytes
+
+    r = tune(load_spec("meta-llama/Llama-2-7b-hf"), gpu_mem=24 * 10**9, seq_len=1024, global_batch=16, gpu=None,
+             verify_mode="none", host_mem=512 * 2**30,
+             pins={"method": "full", "optimizer": "paged-adamw-8bit", "optimizer_in_backward": True})
+    spill = r.memory.paged_optimizer - r.budget.headroom(r.memory)
+    assert r.memory.cpu_offloaded == 0 and spill > 0
+    assert r.host_per_node_bytes == host_bytes(r.memory, r.budget, r.plan) == spill
+    assert r.to_dict()["host_per_node_bytes"] == spill

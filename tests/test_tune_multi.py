@@ -11,7 +11,8 @@ from oomdoctor.cli import main
 from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput, DoesNotFit
 from oomdoctor.model.load import load_spec
-from oomdoctor.tune.tuner import render_config, tune
+from oomdoctor.tune.emit import render_config
+from oomdoctor.tune.tuner import tune
 
 LLAMA7B = "meta-llama/Llama-2-7b-hf"
 FULL_FT = dict(method="full", precision="bf16-mixed", gradient_checkpointing=True, optimizer="adamw")

@@ -120,4 +120,4 @@ def _write_plot(report, path: str) -> None:
     if timeline is not None:
         plotting.plot_timeline(timeline, path, capacity_bytes=report.capacity_bytes)
     else:
-        plotting.plot_plans(rows, report.capacity_bytes, path)
+        plotting.plot_plans(rows, report.budget, path)

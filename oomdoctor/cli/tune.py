@@ -99,10 +99,9 @@ def tune(
     from oomdoctor.engines import DEVICES
     from oomdoctor.errors import BadInput
     from oomdoctor.files import check_output_path
-    from oomdoctor.tune.emit import EMIT_TARGETS, default_emit_path, write_emitted
+    from oomdoctor.tune.emit import EMIT_TARGETS, default_emit_path, default_output_path, write_config, write_emitted
     from oomdoctor.tune.ranking import PREFERS
     from oomdoctor.tune.tuner import tune as run_tune
-    from oomdoctor.tune.tuner import default_output_path, write_config
     from oomdoctor.units import parse_size
 
     if emit not in EMIT_TARGETS:

@@ -6,9 +6,11 @@ Drawn with matplotlib (Agg backend, imported lazily so the CLI stays instant). O
 * ``.html`` / ``.htm`` - one self-contained page: the PNG embedded as base64 plus a table of the numbers (no
   JavaScript, no CDN: it opens offline).
 
-``plot_plans(rows, capacity_bytes, path)``: ``rows`` is a list of ``(label, MemoryBreakdown)``; one stacked
+``plot_plans(rows, budget, path)``: ``rows`` is a list of ``(label, MemoryBreakdown)``; one stacked
 horizontal bar per plan, one segment per component (tensor components, then allocator/driver components), a
-vertical line at the card's capacity.
+vertical line at the card's capacity (and one at ``capacity - margin`` when there is a margin). Each row's verdict
+is the budget's (``Budget.fits``, the rule the table of ``diagnose`` prints): the margin is held and paged optimizer
+state is not counted, so a bar under the card's line may not fit and a bar past it may.
 
 ``plot_timeline(timeline, path, capacity_bytes=None)``: ``timeline`` is a list of
 ``(event_index, phase, {category: bytes})`` samples (what ``oomdoctor.execute.tracking.LiveBytes.timeline`` returns);
@@ -26,6 +28,7 @@ from pathlib import Path
 from oomdoctor.errors import BadInput
 from oomdoctor.files import write_file_atomic
 from oomdoctor.memory.breakdown import DEVICE_COMPONENTS, LABELS, TENSOR_COMPONENTS
+from oomdoctor.plan.budget import Budget
 from oomdoctor.units import format_bytes
 
 #: The flag that names the picture file (messages about the path name it; a picture replaces an older one).
@@ -127,8 +130,14 @@ img {{ max-width: 100%; }}
     return write_file_atomic(out, page, what=PLOT_FLAG, overwrite=True, example="memory.html")
 
 
-def plot_plans(rows, capacity_bytes: int | None, path: str | Path, title: str | None = None) -> Path:
-    """Stacked horizontal bars of each plan's device memory by component, with the card's capacity line.
+def verdicts(rows, budget: Budget | None) -> list[bool | None]:
+    """Each row's verdict by ``budget.fits`` (None for every row without a budget)."""
+    return [budget.fits(m) if budget is not None else None for _, m in rows]
+
+
+def plot_plans(rows, budget: Budget | None, path: str | Path, title: str | None = None) -> Path:
+    """Stacked horizontal bars of each plan's device memory by component, with the card's capacity line and each
+    row's verdict by ``budget`` (None: no line, no verdict).
 
     ``rows``: ``[(label, MemoryBreakdown), ...]`` in display order (first on top). Returns the written path.
     """
@@ -141,6 +150,8 @@ def plot_plans(rows, capacity_bytes: int | None, path: str | Path, title: str | 
     per_row = 0.55 if n <= 12 else 0.32  # the full diagnose matrix has dozens of plans
     fig, ax = plt.subplots(figsize=(11, max(2.6, per_row * n + 1.8)))
     labels = [lbl for lbl, _ in rows]
+    capacity_bytes = budget.capacity_bytes if budget is not None else None
+    fits = verdicts(rows, budget)
     uname, usize = _unit(max([sum(getattr(m, c, 0) for c in components) for _, m in rows] + [capacity_bytes or 0]))
 
     def gib(b):  # noqa: F811 - plot in the chosen unit
@@ -160,10 +171,13 @@ def plot_plans(rows, capacity_bytes: int | None, path: str | Path, title: str | 
         ax.text(cap, -0.62, f" card {format_bytes(capacity_bytes, binary=False)} = {cap:.1f} {uname}", color="#d62728",
                 va="bottom", ha="left", fontsize=9)
         xmax = max(xmax, cap)
-    for y, total, (_, m) in zip(ys, left, rows):
-        mark = ""
-        if capacity_bytes:
-            mark = "  fits" if m.peak_device <= capacity_bytes else "  does not fit"
+        if budget.margin_bytes:
+            limit = gib(budget.limit_bytes)
+            ax.axvline(limit, color="#d62728", linestyle=":", linewidth=1.2)
+            ax.text(limit, n - 0.45, f"budget (margin {format_bytes(budget.margin_bytes)}) ", color="#d62728",
+                    va="top", ha="right", fontsize=8)
+    for y, total, ok in zip(ys, left, fits):
+        mark = "" if ok is None else "  fits" if ok else "  does not fit"
         ax.text(total, y, f" {total:.1f}{mark}", va="center", ha="left", fontsize=8)
     ax.set_yticks(ys)
     ax.set_yticklabels(labels, fontsize=8)
@@ -176,10 +190,10 @@ def plot_plans(rows, capacity_bytes: int | None, path: str | Path, title: str | 
     fig.tight_layout()
     head = ["plan"] + [LABELS.get(c, c) for c in components] + ["peak device", "fits"]
     table = []
-    for lbl, m in rows:
-        fit = "-" if not capacity_bytes else ("yes" if m.peak_device <= capacity_bytes else "no")
+    for (lbl, m), ok in zip(rows, fits):
+        fit = "-" if ok is None else "yes" if ok else "no"
         table.append([lbl] + [f"{gib(getattr(m, c, 0)):.2f}" for c in components] + [f"{gib(m.peak_device):.2f}", fit])
-    cap_txt = f"Card capacity: {format_bytes(capacity_bytes)}." if capacity_bytes else "No card capacity given."
+    cap_txt = f"Budget: {budget.describe()}." if budget is not None else "No card capacity given."
     return _write(fig, path, title or "Training memory per plan", head, table, cap_txt, uname)
 
 
@@ -269,4 +283,4 @@ def plot_timeline(timeline, path: str | Path, capacity_bytes: int | None = None,
     return _write(fig, path, title or "Live memory over two training steps", head, rows, cap_txt, uname)
 
 
-__all__ = ["plot_plans", "plot_timeline", "COLORS", "PHASE_COLORS"]
+__all__ = ["plot_plans", "plot_timeline", "verdicts", "COLORS", "PHASE_COLORS"]

@@ -121,10 +121,10 @@ def _source(model_ref: str):
     from pathlib import Path
 
     from oomdoctor.execute.load import ModelSource
+    from oomdoctor.files import holds_weights
 
-    p = Path(model_ref).expanduser()
-    if p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin"))):
-        return ModelSource(path=str(p))
+    if holds_weights(model_ref):
+        return ModelSource(path=str(Path(model_ref).expanduser()))
     return ModelSource(config=model_ref, init="random")
 
 

@@ -1,11 +1,14 @@
-"""``tune --emit TRAINER``: the tuned plan written as the config of the user's own trainer (TRL, HF Trainer, axolotl,
-accelerate), with a header that says what was priced.
+"""Writing the tuned plan: the ``oomdoctor train`` YAML (:func:`write_config`) or, with ``tune --emit TRAINER``, the
+config of the user's own trainer (TRL, HF Trainer, axolotl, accelerate; :func:`write_emitted`). Every file starts with
+the same header (:func:`header_lines`: who wrote it, the tune result's summary, the command that runs it) and is
+written atomically under a free default name (``oomdoctor.files.free_path``) unless a path is given.
 
-The tuned plan already is the plan as that trainer runs it (``plan.trainer``, ``oomdoctor.plan.targets``: tune searched
-only what the trainer can run and priced it as the trainer's step runs). The document comes from
-``oomdoctor.execute.trainers`` — the same builder the simulated engine replays the trl and hf trainers from. The
-header lists every knob of the plan with the key that carries it in the file (or how the trainer runs it), the
-predicted and verified peaks, the library versions the price assumes, and what to fill in.
+The ``oomdoctor train`` YAML comes from the train renderer (every key commented). For a foreign trainer the tuned plan
+already is the plan as that trainer runs it (``plan.trainer``, ``oomdoctor.plan.targets``: tune searched only what the
+trainer can run and priced it as the trainer's step runs). The document comes from ``oomdoctor.execute.trainers`` —
+the same builder the simulated engine replays the trl and hf trainers from. Its header also lists every knob of the
+plan with the key that carries it in the file (or how the trainer runs it), the library versions the price assumes,
+and what to fill in.
 """
 
 from __future__ import annotations
@@ -15,16 +18,23 @@ import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from oomdoctor.errors import BadInput
 from oomdoctor.execute.trainers import FOREIGN, DocumentRequest, command, document
-from oomdoctor.files import free_path, write_text_atomic
+from oomdoctor.files import free_path, holds_weights, write_text_atomic
 from oomdoctor.plan import Plan
 from oomdoctor.plan.targets import RULES, applies, priced_versions, refusals, version_notes
 from oomdoctor.plan.techniques import DEFAULTS, TECHNIQUES, TRAINERS
+from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_bundled
 from oomdoctor.train.config import TrainConfig
-from oomdoctor.tune.tuner import TuneResult, holds_weights
+from oomdoctor.tune.result import DEFAULT_OUTPUT, TuneResult
+
+#: The bundled sample dataset the emitted config points at unless ``--dataset`` is given (a ``bundled:`` name:
+#: resolves after a wheel install, from any directory).
+SAMPLE_DATASET = TINY_DATASET
+#: Tokenizer used with ``init: random`` configs (config-only models) unless ``--tokenizer`` is given.
+SAMPLE_TOKENIZER = TINY_TOKENIZER
 
 #: ``--emit`` values: ``oomdoctor`` (the ``oomdoctor train`` YAML, the default) and the foreign trainers.
 EMIT_TARGETS: tuple[str, ...] = TRAINERS
@@ -51,6 +61,13 @@ class Emitted:
     def command(self, path: str | os.PathLike) -> str:
         """How to run the written file."""
         return run_command(self.target, path)
+
+
+def header_lines(written_by: str, summary: Sequence[str], run: str, *more: str, tool: str | None = None) -> list[str]:
+    """The first lines of every file ``tune`` writes: ``Written by `WRITTEN_BY` for TOOL.``, the tune result's
+    ``summary`` (:meth:`TuneResult.summary_lines`), ``more`` (what the file is priced as), then ``Run: RUN`` (the
+    command that runs it, the file called THIS)."""
+    return [f"Written by `{written_by}`" + (f" for {tool}" if tool else "") + ".", *summary, *more, f"Run: {run}"]
 
 
 def run_command(target: str, path: str | os.PathLike) -> str:
@@ -100,7 +117,7 @@ def knob_lines(plan: Plan, data: dict[str, Any]) -> list[str]:
 
 def emit(req: DocumentRequest, header: tuple[str, ...] = ()) -> Emitted:
     """The document of ``req.plan.trainer`` for the plan, with ``header`` lines first (the tune result). BadInput for
-    ``oomdoctor`` (``tuner.write_config`` writes that YAML) and for a plan the trainer cannot run."""
+    ``oomdoctor`` (:func:`write_config` writes that YAML) and for a plan the trainer cannot run."""
     plan = req.plan
     if plan.trainer not in FOREIGN:
         raise BadInput(f"--emit {plan.trainer!r}: the foreign trainers are {', '.join(FOREIGN)}")
@@ -112,9 +129,10 @@ def emit(req: DocumentRequest, header: tuple[str, ...] = ()) -> Emitted:
     knobs = tuple(knob_lines(plan, doc.data))
     notes = tuple(doc.notes) + tuple(version_notes(plan))
     versions = ", ".join(f"{d} {v}" for d, v in priced_versions(plan))
-    lines = [f"Written by `oomdoctor tune --emit {plan.trainer}` for {TOOL_NAMES[plan.trainer]}."] + list(header)
-    lines.append(f"Priced as {versions} run{'s' if len(priced_versions(plan)) == 1 else ''} this step.")
-    lines.append(f"Run: {run_command(plan.trainer, 'THIS' + SUFFIXES[plan.trainer])}")
+    lines = header_lines(f"oomdoctor tune --emit {plan.trainer}", header,
+                         run_command(plan.trainer, "THIS" + SUFFIXES[plan.trainer]),
+                         f"Priced as {versions} run{'s' if len(priced_versions(plan)) == 1 else ''} this step.",
+                         tool=TOOL_NAMES[plan.trainer])
     if plan.trainer == "hf":
         data = dict(doc.data)
         data["oomdoctor"] = {"about": lines, "knobs": list(knobs), "notes": list(notes)}
@@ -129,6 +147,62 @@ def emit(req: DocumentRequest, header: tuple[str, ...] = ()) -> Emitted:
     text = "".join(f"# {ln}\n" for ln in lines)
     text += yaml.safe_dump(doc.data, sort_keys=False, default_flow_style=False, width=120)
     return Emitted(plan.trainer, text, knobs, notes)
+
+
+# ---------------------------------------------------------------------------------------------- oomdoctor train
+
+
+def default_output_path(directory: str | os.PathLike = ".") -> Path:
+    """``./oomdoctor-plan.yaml``, or the first free ``oomdoctor-plan-N.yaml`` when it exists (never overwrite)."""
+    return free_path(Path(directory) / DEFAULT_OUTPUT)
+
+
+def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = None,
+                  tokenizer: str | None = None, **extra: Any) -> str:
+    """The ``oomdoctor train`` YAML for the tuned plan, through the train renderer (every key commented).
+
+    A hub id or a weights directory becomes ``model.path`` (pretrained); a bare config (``config.json`` or a
+    directory without weights; ``bundled:tiny/model/config.json`` stays a ``bundled:`` name) becomes ``init: random``
+    with a tokenizer. ``gpu_mem`` is the tuned capacity so that ``oomdoctor train --dry-run`` checks the same
+    budget."""
+    from oomdoctor.train.config import config_from_plan, render_yaml
+
+    bundled = is_bundled(model_ref)
+    p = bundled_path(model_ref) if bundled else Path(model_ref).expanduser()
+    local = p.exists()
+    config_only = local and not holds_weights(p)
+    # a bundled name stays as written (it resolves wherever the package is installed); local paths become absolute
+    ref = model_ref if bundled or not local else str(p.resolve())
+    kwargs: dict[str, Any] = dict(extra)
+    if config_only:
+        kwargs.update(init="random", tokenizer=tokenizer or SAMPLE_TOKENIZER)
+    else:
+        if tokenizer:
+            kwargs["tokenizer"] = tokenizer
+    kwargs.setdefault("dataset", dataset or SAMPLE_DATASET)
+    kwargs.setdefault("gpu_mem", result.capacity_bytes)
+    if result.device == "cpu":  # priced for the CPU: the run goes there, gpu_mem caps its live tensor bytes
+        kwargs.setdefault("device", "cpu")
+    cfg = config_from_plan(ref, result.plan, **kwargs)
+    lines = header_lines("oomdoctor tune", result.summary_lines(), result.run_command("THIS.yaml"))
+    if not dataset and "dataset" not in extra:
+        lines.append(f"dataset.path is the bundled sample ({SAMPLE_DATASET}): point it at your data.")
+    if config_only and not tokenizer:
+        lines.append(f"model: built from the config with random weights and the bundled sample tokenizer "
+                     f"({SAMPLE_TOKENIZER}) - a smoke run; point model.path at real weights to fine-tune.")
+    return render_yaml(cfg, header="\n".join(lines))
+
+
+def write_config(result: TuneResult, model_ref: str, path: str | os.PathLike | None = None, *,
+                 overwrite: bool = False, **render_kw: Any) -> Path:
+    """Write the YAML atomically (temp file + rename in the same directory) and set ``result.config_path``.
+
+    ``path=None``: :func:`default_output_path` (a fresh name, never overwriting). An explicit path that exists is
+    refused (BadInput) unless ``overwrite``."""
+    out = write_text_atomic(path if path is not None else default_output_path(),
+                            render_config(result, model_ref, **render_kw), overwrite=overwrite)
+    result.config_path = str(out)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- from a tune result
@@ -185,5 +259,6 @@ def write_emitted(result: TuneResult, model_ref: str, path: str | os.PathLike | 
     return EmitWritten(em, out, f"PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} " + em.command(out))
 
 
-__all__ = ["EMIT_TARGETS", "EmitWritten", "Emitted", "SUFFIXES", "TOOL_NAMES", "default_emit_path", "emit",
-           "knob_lines", "request_from_result", "run_command", "schedule", "write_emitted"]
+__all__ = ["EMIT_TARGETS", "SAMPLE_DATASET", "SAMPLE_TOKENIZER", "EmitWritten", "Emitted", "SUFFIXES", "TOOL_NAMES",
+           "default_emit_path", "default_output_path", "emit", "header_lines", "knob_lines", "render_config",
+           "request_from_result", "run_command", "schedule", "write_config", "write_emitted"]

@@ -15,18 +15,26 @@ and the first that fits is kept:
    node checked against this machine's RAM (``oomdoctor.gpu.host_ram_bytes``, assumed equal on every node).
 
 Each rung is recorded as a :class:`StrategyTrial`, with the reason a cheaper rung failed ("ddp needs 26.7 GB >
-24 GB"), for the table ``tune`` prints and its JSON ``strategies`` list.
+24 GB"), for the table ``tune`` prints and its JSON ``strategies`` list. :func:`climb` prices every stack's ladder
+(``oomdoctor.tune.search.price``) and ranks the kept rungs; :func:`strategy_table` is the chosen stack's rungs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from oomdoctor.errors import BadInput
+from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
-from oomdoctor.plan.plan import DEEPSPEED  # tried only when pinned
+from oomdoctor.plan.batch import SearchTrace
 from oomdoctor.plan.budget import Budget
+from oomdoctor.plan.plan import DEEPSPEED  # tried only when pinned
+from oomdoctor.plan.targets import refusals
+from oomdoctor.tune.batch_search import Estimator
 from oomdoctor.tune.ranking import Candidate
+from oomdoctor.tune.search import SearchResult, host_bytes, price, rank
+from oomdoctor.tune.throughput import HardwareProfile
 from oomdoctor.units import format_bytes
 
 #: torch strategies tune climbs on its own, cheapest communication first.
@@ -127,8 +135,8 @@ def strategy_label(plan: Plan) -> str:
     return label
 
 
-def trials(rungs: list[Candidate], budget: Budget, chosen: Candidate, host_bytes) -> list[StrategyTrial]:
-    """The rungs up to ``chosen`` (``rungs`` in ladder order), each with its verdict; ``host_bytes(candidate)``: the
+def trials(rungs: list[Candidate], budget: Budget, chosen: Candidate, host_of) -> list[StrategyTrial]:
+    """The rungs up to ``chosen`` (``rungs`` in ladder order), each with its verdict; ``host_of(candidate)``: the
     host RAM per node it needs."""
     out: list[StrategyTrial] = []
     for c in rungs:
@@ -142,11 +150,70 @@ def trials(rungs: list[Candidate], budget: Budget, chosen: Candidate, host_bytes
             reason = f"{label}: {c.why_not}"
         else:
             reason = f"{label} needs {format_bytes(need)} > {format_bytes(budget.limit_bytes)}"
-        out.append(StrategyTrial(label, c.fits, need, host_bytes(c), reason))
+        out.append(StrategyTrial(label, c.fits, need, host_of(c), reason))
         if c is chosen:
             break
     return out
 
 
-__all__ = ["DEEPSPEED", "TOPOLOGY_FIELDS", "TORCH_LADDER", "StrategyTrial", "Topology", "ladder", "strategy_label", "topology",
-           "trials"]
+def per_rank_batch(global_batch: int | None, world_size: int) -> int | None:
+    """The batch one rank accumulates: ``global_batch / world_size`` (effective batch = micro x accumulation x
+    world size); BadInput when the GPUs cannot share it evenly."""
+    if global_batch is None or world_size == 1:
+        return global_batch
+    if global_batch % world_size:
+        lower = global_batch // world_size * world_size
+        raise BadInput(f"--global-batch {global_batch} does not split over {world_size} GPUs "
+                       "(effective batch = micro-batch x accumulation x GPUs)",
+                       f"use a multiple of {world_size}, e.g. --global-batch {lower or world_size} or "
+                       f"{lower + world_size}")
+    return global_batch // world_size
+
+
+def climb(spec: ModelSpec, stacks: list[Plan], budget: Budget, topo: Topology, pins: dict[str, Any], *,
+          global_batch: int | None, estimator: Estimator, prefer: str, profile: HardwareProfile,
+          micro_limit: int, host_ram: int | None) -> tuple[SearchResult, dict[Plan, list[Candidate]]]:
+    """Each stack climbs its strategy ladder (:func:`ladder`) until a rung fits; the kept rungs are ranked like
+    single-GPU plans. Returns the ranking and every stack's priced rungs (ladder order)."""
+    trace = SearchTrace()
+    cands: list[Candidate] = []
+    ladders: dict[Plan, list[Candidate]] = {}
+    for stack in stacks:
+        rungs: list[Candidate] = []
+        for plan in ladder(stack, topo, pins):
+            if refusals(plan, spec.model_type):  # a strategy rung the stack's trainer cannot run (TRL has no HSDP...)
+                continue
+            c = price(spec, plan, budget, global_batch=global_batch, estimator=estimator, profile=profile,
+                      micro_limit=micro_limit, host_ram=host_ram, gpus_per_node=topo.gpus_per_node, trace=trace)
+            rungs.append(c)
+            if c.fits:
+                break
+        if rungs:
+            ladders[stack] = rungs
+            cands.append(rungs[-1] if rungs[-1].fits else min(rungs, key=lambda c: budget.needed(c.memory)))
+    if not cands:
+        raise BadInput(f"no plan can run with these topology flags on {topo.world_size} GPU(s): "
+                       + ", ".join(f"{k}={v}" for k, v in pins.items()),
+                       "see `oomdoctor diagnose MODEL --gpus N --strategy ...` for what each strategy accepts")
+    return rank(cands, budget, prefer, len(trace.evaluations)), ladders  # type: ignore[arg-type]
+
+
+def strategy_table(chosen: Candidate, ladders: dict[Plan, list[Candidate]], budget: Budget,
+                   topo: Topology) -> list[StrategyTrial]:
+    """The rungs of the chosen plan's stack (after those of its on-device twin when the chosen plan offloads), each
+    with the host RAM per node it needs by the search's rule (``oomdoctor.tune.search.host_bytes``: what it offloads
+    and the paged optimizer state the card cannot hold)."""
+    mine = next((s for s, rungs in ladders.items() if chosen in rungs), None)
+    if mine is None:
+        return []
+    stacks = [mine]
+    if mine.offload_optimizer or mine.offload_params:
+        twin = mine.with_(offload_optimizer=False, offload_params=False)
+        if twin in ladders:
+            stacks.insert(0, twin)
+    rungs = [c for s in stacks for c in ladders[s]]
+    return trials(rungs, budget, chosen, lambda c: host_bytes(c.memory, budget, c.plan, topo.gpus_per_node))
+
+
+__all__ = ["DEEPSPEED", "TOPOLOGY_FIELDS", "TORCH_LADDER", "StrategyTrial", "Topology", "climb", "ladder",
+           "per_rank_batch", "strategy_label", "strategy_table", "topology", "trials"]
