@@ -102,7 +102,8 @@ def setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event, tok, 
     meter = _meter(device, cap, loaded, optimizer)
     step = _train_step(cfg, plan, loaded, optimizer, ds_engine, device, info)
     return Run(cfg=cfg, device=device, cap=cap, data=data, effective_batch=eff, plan=plan, memory=memory,
-               loaded=loaded, step=step, scheduler=scheduler, meter=meter, notes=notes, tokenizer=tok, order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle),
+               loaded=loaded, step=step, scheduler=scheduler, meter=meter, notes=notes, tokenizer=tok,
+               order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle),
                total_steps=steps, eval_samples=held, dist=info)
 
 
