@@ -4,7 +4,8 @@
 optimizer trajectory). This guard instead works inside ``training_step``, the per-micro-batch forward+backward:
 
 - On an out-of-memory error (:func:`oomdoctor.execute.oom.is_oom`) it frees the failed attempt's memory and runs the
-  micro-batch again as halves (recursively, down to one row), each half with the *same* ``num_items_in_batch``.
+  micro-batch again as halves (recursively, down to one row; the package's one halve-and-retry loop,
+  :meth:`oomdoctor.execute.oom.OOMGuard.run_rows`), each half with the *same* ``num_items_in_batch``.
   With ``num_items_in_batch`` (the transformers default for causal LMs: the loss is ``sum(token losses) /
   num_items_in_batch``, the token count of the whole optimizer step) the halves' gradients add up to the unsplit
   one: same gradient, same effective batch, same optimizer step. When the loss is instead a per-micro-batch mean
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +46,7 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import Trainer
 
-from oomdoctor.execute.oom import GradTouch, OOMAtMicroBatchOne, Recovery, free_memory, is_oom
+from oomdoctor.execute.oom import GradTouch, OOMAtMicroBatchOne, OOMGuard, Recovery, Replay
 
 logger = logging.getLogger("oomdoctor.hf")
 
@@ -119,18 +121,15 @@ def _restore_side_effects(trainer: Trainer, saved: _SideEffects) -> None:
         trainer._total_train_tokens = saved.total_train_tokens
 
 
-class _Replay(Exception):
-    """Raised inside the guard when a partial gradient landed: the optimizer step's micro-batches must be rerun."""
-
-
 @dataclass
-class OOMGuardState:
-    """What the guard remembers across ``training_step`` calls (``trainer.oom_guard``)."""
+class OOMGuardState(OOMGuard):
+    """The guard (:class:`oomdoctor.execute.oom.OOMGuard`: ``micro_batch``, ``recoveries``) and what it remembers
+    across ``training_step`` calls (``trainer.oom_guard``)."""
 
     micro_batch: int | None = None
     """Rows per forward+backward since the last recovery; None: the micro-batch the Trainer hands over, unsplit."""
-    recoveries: list[Recovery] = field(default_factory=list)
-    """Every recovered OOM, in order."""
+    max_retries: int | None = None
+    """No cap: halving bounds the recoveries (each one shrinks ``micro_batch``)."""
     touch: GradTouch = field(default_factory=GradTouch)
     """Set when a gradient lands (post-accumulate-grad hooks) / when the attempt's forward has returned."""
     hooked: set[int] = field(default_factory=set)
@@ -145,6 +144,22 @@ class OOMGuardState:
     """Factor ``compute_loss`` applies to the loss of the running piece (1 unless a per-micro-batch mean is split)."""
 
 
+def _log_recovery(rec: Recovery) -> None:
+    logger.warning("OOM at step %d (%s) with %d rows: continuing at %d rows per forward/backward, same effective "
+                   "batch%s", rec.step, rec.phase, rec.failed_micro_batch, rec.new_micro_batch,
+                   "; replaying this step's micro-batches (a partial gradient had landed)" if rec.replayed else "")
+
+
+def _advice(exc: OOMAtMicroBatchOne, step: int) -> OOMAtMicroBatchOne:
+    """The guard's give-up (one row does not fit) with what to change."""
+    return OOMAtMicroBatchOne(
+        f"out of memory at micro-batch 1 (optimizer step {step}, {exc.phase}): a single row does not fit even "
+        f"after splitting. Shorten the sequences (max_length), enable gradient_checkpointing, train an "
+        f"adapter (LoRA/QLoRA) or use a larger GPU; `oomdoctor diagnose` prices each option.\n"
+        f"original error: {exc.message.splitlines()[0] if exc.message else 'out of memory'}",
+        exc.phase, exc.reason)
+
+
 # ---------------------------------------------------------------------------------------------- the mixin
 class OOMGuardMixin:
     """Mix into a ``Trainer`` subclass, first in the bases: ``class T(OOMGuardMixin, Trainer)``."""
@@ -153,7 +168,7 @@ class OOMGuardMixin:
     def oom_guard(self) -> OOMGuardState:
         state = self.__dict__.get("_oom_guard_state")
         if state is None:
-            state = self.__dict__["_oom_guard_state"] = OOMGuardState()
+            state = self.__dict__["_oom_guard_state"] = OOMGuardState(on_recovery=_log_recovery)
         return state
 
     # -- Trainer hooks -------------------------------------------------------------------------------------------
@@ -177,7 +192,7 @@ class OOMGuardMixin:
                         self._guarded_batch(model, earlier, items)  # their losses were counted already
                 loss = self._guarded_batch(model, inputs, num_items_in_batch)
                 break
-            except _Replay:
+            except Replay:
                 model.zero_grad(set_to_none=True)
                 _restore_side_effects(self, g.step_start)
                 replay = True
@@ -239,57 +254,28 @@ class OOMGuardMixin:
         return (b - a) / n
 
     def _guarded_batch(self, model, inputs, num_items_in_batch):
-        """Forward+backward of one micro-batch in pieces of at most ``micro_batch`` rows, halving the piece on OOM.
-        Returns the micro-batch's loss (detached); raises :class:`_Replay` when a partial gradient landed."""
+        """Forward+backward of one micro-batch in pieces of at most ``micro_batch`` rows, halving the piece on OOM
+        (:meth:`OOMGuard.run_rows`). Returns the micro-batch's loss (detached); raises :class:`Replay` when a partial
+        gradient landed."""
         g = self.oom_guard
-        n = batch_rows(inputs)
-        start, total = 0, None
-        while start < n:
-            a, b = start, min(start + (g.micro_batch or n), n)
+        step = super().training_step
+
+        def piece(a: int, b: int):
             saved = _save_side_effects(self)
-            g.touch.touched = g.touch.in_backward = False
             g.weight = self._piece_weight(inputs, a, b, num_items_in_batch)
-            failure: str | None = None
             try:
-                loss = super().training_step(model, slice_rows(inputs, a, b), num_items_in_batch)
-                total = loss if total is None else total + loss
-                start = b
-                continue
-            except (torch.OutOfMemoryError, RuntimeError) as exc:
-                if not is_oom(exc):
-                    raise
-                failure = str(exc)
+                return step(model, slice_rows(inputs, a, b), num_items_in_batch)
+            except BaseException:
+                _restore_side_effects(self, saved)  # a failed attempt leaves no metric, no token count
+                raise
             finally:
                 g.weight = 1.0
-            # the exception, and with it the failed attempt's frames, activations and graph, is released here
-            free_memory()
-            _restore_side_effects(self, saved)
-            self._recover(b - a, failure)
-        return total
 
-    def _recover(self, rows: int, failure: str) -> None:
-        """Record the recovery and shrink the piece size; raise when nothing is left to split or a gradient landed."""
-        g = self.oom_guard
-        phase = "backward" if g.touch.in_backward else "forward"
-        step = self.state.global_step + 1
-        if rows <= 1:
-            raise OOMAtMicroBatchOne(
-                f"out of memory at micro-batch 1 (optimizer step {step}, {phase}): a single row does not fit even "
-                f"after splitting. Shorten the sequences (max_length), enable gradient_checkpointing, train an "
-                f"adapter (LoRA/QLoRA) or use a larger GPU; `oomdoctor diagnose` prices each option.\n"
-                f"original error: {failure.splitlines()[0] if failure else 'out of memory'}",
-                phase, "micro-batch 1")
-        new = (rows + 1) // 2
-        rec = Recovery(step=step, failed_micro_batch=rows, new_micro_batch=new, phase=phase,
-                       replayed=g.touch.touched, message=failure)
-        g.recoveries.append(rec)
-        g.micro_batch = new if g.micro_batch is None else min(g.micro_batch, new)
-        logger.warning("OOM at step %d (%s) with %d rows: continuing at %d rows per forward/backward, same effective "
-                       "batch%s", step, phase, rows, new,
-                       "; replaying this step's micro-batches (a partial gradient had landed)" if rec.replayed else "")
-        if rec.replayed:
-            raise _Replay()
-
+        try:
+            losses = g.run_rows(self.state.global_step + 1, batch_rows(inputs), piece, g.touch)
+        except OOMAtMicroBatchOne as exc:
+            raise _advice(exc, self.state.global_step + 1) from None
+        return functools.reduce(operator.add, losses)
 
 
 # ---------------------------------------------------------------------------------------------- ready-made classes

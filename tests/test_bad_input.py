@@ -154,7 +154,8 @@ def test_a_dataset_shorter_than_one_packed_row_is_refused_precisely(tmp_path):
 
 def test_a_negative_max_steps_is_refused_in_code_too(tmp_path):
     from oomdoctor.train.dryrun import dry_run
-    from oomdoctor.train.loop import total_steps, train
+    from oomdoctor.train.loop import train
+    from oomdoctor.train.sizing import total_steps
 
     cfg = tiny_cfg(tmp_path / "out", max_steps=-5)
     with pytest.raises(ConfigErrors, match="max_steps: must be >= 1, got -5"):

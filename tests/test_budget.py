@@ -50,7 +50,7 @@ def test_sources_flag_config_nvml_free_and_none():
 
 def test_train_run_budget_order(tmp_path):
     from oomdoctor.train.config import config_from_plan
-    from oomdoctor.train.loop import run_budget
+    from oomdoctor.train.sizing import run_budget
 
     cfg = config_from_plan("bundled:tiny/model/config.json", Plan(seq_len=64), init="random",
                            tokenizer="bundled:tiny/tokenizer", dataset="bundled:tiny/train.jsonl", gpu_mem=3 * GB)

@@ -118,3 +118,16 @@ def test_no_typer_or_rich_below_the_cli():
                 names = [node.module]
             bad += [f"{path.relative_to(PKG)}:{node.lineno} {n}" for n in names if n.split(".")[0] in ("typer", "rich")]
     assert not bad, "typer/rich below the CLI:\n" + "\n".join(bad)
+
+
+#: ``train``'s library: the modules the recipe (``train.loop``) calls, each one job. None of them imports the recipe.
+TRAIN_LIBRARY = ("run", "sizing", "resume", "signals", "oom", "outputs", "setup", "checkpoint", "rundir", "restart",
+                 "data", "evaluate", "report", "preflight", "dryrun", "config")
+
+
+def test_train_library_does_not_import_the_recipe():
+    on_disk = {p.stem for p in (PKG / "train").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert on_disk - {"__init__", "loop"} == set(TRAIN_LIBRARY), "name each train module's role in TRAIN_LIBRARY"
+    upward = [f"{m}:{line} imports {t}" for m, t, line in _imports()
+              if m.split(".")[2:3] and m.split(".")[2] in TRAIN_LIBRARY and t == "oomdoctor.train.loop"]
+    assert not upward, "train's library imports its recipe:\n" + "\n".join(upward)

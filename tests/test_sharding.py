@@ -213,18 +213,18 @@ def test_one_host_ram_rule_for_tune_and_train(monkeypatch):
     from oomdoctor.errors import DoesNotFit
     from oomdoctor.memory.sharding import node_host_bytes
     from oomdoctor.plan import validate
-    from oomdoctor.train.loop import _check_host_ram
+    from oomdoctor.train.sizing import check_host_ram
 
     plan = validate(Plan(world_size=8, strategy="zero3", offload_optimizer=True, offload_params=True))
     assert node_host_bytes(800, plan) == 800 and node_host_bytes(800, plan, 2) == 200
     memory = {"host_per_node_bytes": 8 * 10**9}
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setattr(oomdoctor.gpu, "host_ram_bytes", lambda: 5 * 10**9)
-    _check_host_ram(plan, memory, [])  # 4 of 8 ranks here: 4 GB <= 5 GB
+    check_host_ram(plan, memory, [])  # 4 of 8 ranks here: 4 GB <= 5 GB
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(DoesNotFit, match="8 rank"):
-        _check_host_ram(plan, memory, [])
+        check_host_ram(plan, memory, [])
     # offloaded activations (tune searches them) are held to the same RAM before the model loads
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(DoesNotFit, match="1 rank"):
-        _check_host_ram(validate(Plan(gradient_checkpointing=True, offload_activations=True)), memory, [])
+        check_host_ram(validate(Plan(gradient_checkpointing=True, offload_activations=True)), memory, [])

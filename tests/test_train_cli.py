@@ -74,7 +74,8 @@ def test_micro_batch_auto_uses_the_tune_search(tmp_path):
     """micro_batch_size: auto picks the largest micro-batch whose predicted live bytes fit the budget (the one rule,
     default margin 0 B), keeps the global batch exact, and the run then fits without an OOM."""
     from oomdoctor.plan.budget import resolve_budget
-    from oomdoctor.train.loop import auto_micro_batch, train
+    from oomdoctor.train.loop import train
+    from oomdoctor.train.sizing import auto_micro_batch
 
     cfg = tiny_cfg(tmp_path, micro_batch_size="auto", global_batch_size=16)
     picks = [auto_micro_batch(cfg, resolve_budget(cap, None, None, on_cpu=True))

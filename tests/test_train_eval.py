@@ -140,7 +140,8 @@ def test_save_merged_gives_a_plain_model_with_the_adapted_outputs(tmp_path, meth
 def test_merge_adapter_run_writes_a_loadable_merged_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oomdoctor.train.loop import MERGED_DIR, train
+    from oomdoctor.train.loop import train
+    from oomdoctor.train.rundir import MERGED_DIR
 
     out = tmp_path / "out"
     train(tiny_cfg(out, max_steps=1, method="lora", merge_adapter=True))

@@ -98,7 +98,7 @@ def test_qlora_without_kbit_upcast_keeps_the_base_in_bf16_and_trains(tmp_path, q
     them fp32); it learns, and what it allocates is what was priced (``device="cpu"``)."""
     from oomdoctor.execute.load import load_model, load_tokenizer, resolve_device
     from oomdoctor.memory.analytic import estimate_analytic
-    from oomdoctor.train.loop import predict_memory
+    from oomdoctor.train.sizing import predict_memory
 
     kw = dict(method="qlora", load_in_8bit=quant == "int8", precision="bf16", gradient_checkpointing=gc, r=4,
               lora_alpha=8, learning_rate=1e-2)
@@ -215,7 +215,7 @@ def test_measured_peak_matches_the_prediction(tmp_path, method, precision, gc):
     pure-bf16 QLoRA). train prints the prediction for the device it runs on (here the CPU's semantics: CPU dropout
     noise, peft's bitsandbytes LoRA layers copying their inputs as they do when CUDA autocast is off, no CUDA
     context); the real CPU run's peak is within 1.5 % of it."""
-    from oomdoctor.train.loop import predict_memory
+    from oomdoctor.train.sizing import predict_memory
 
     kw = dict(method=method, precision=precision, gradient_checkpointing=gc)
     if method != "full":

@@ -89,7 +89,7 @@ def test_bad_zero_config_is_one_message_before_any_rank_starts(tmp_path, changes
 
 def test_zero_without_deepspeed_is_one_message(tmp_path, monkeypatch):
     from oomdoctor.errors import BadInput
-    from oomdoctor.train.loop import resolve_topology
+    from oomdoctor.train.setup import resolve_topology
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     with pytest.raises(BadInput) as exc:

@@ -314,7 +314,7 @@ def train(
     if dry_run and world is not None and cfg.world_size == 1:
         cfg = replace(cfg, world_size=world)
     elif not dry_run and not launched and world is not None:
-        from oomdoctor.train.loop import resolve_topology
+        from oomdoctor.train.setup import resolve_topology
 
         cfg = resolve_topology(cfg, world)  # one message here rather than one per rank
     if not dry_run and (nproc > 1 or nnodes) and not launched:

@@ -1,5 +1,9 @@
 """The OOM guard: run one optimizer step's samples in micro-batches, splitting a micro-batch that runs out of memory.
 
+The one halve-and-retry loop of the package: ``oomdoctor train`` runs a step's samples through
+:meth:`OOMGuard.run_step`; the Hugging Face trainers of :mod:`oomdoctor.hf` run each micro-batch's rows through
+:meth:`OOMGuard.run_rows` (and replay the step themselves on :class:`Replay`).
+
 Contract (what the tests check): the optimizer step sees the same samples and the same gradient as without OOM.
 
 - The loss is **token-weighted over the whole optimizer step**: every micro-batch returns
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -84,28 +88,51 @@ class GradTouch:
     in_backward: bool = False
 
 
+class Replay(Exception):
+    """Raised by :meth:`OOMGuard.run_rows` when a partial gradient of the failed piece landed: the caller zeroes the
+    gradients and runs the optimizer step's pieces again from the first (at the smaller size the guard now holds)."""
+
+
 @dataclass
 class OOMGuard:
-    """Runs a step's samples in micro-batches of at most ``micro_batch`` samples, recovering from OOM."""
+    """Runs a step's samples in micro-batches of at most ``micro_batch`` samples, recovering from OOM: the one
+    halve-and-retry loop of the package (``oomdoctor train`` through :meth:`run_step`, the Hugging Face trainers of
+    :mod:`oomdoctor.hf` through :meth:`run_rows`)."""
 
-    micro_batch: int
-    max_retries: int = 8
+    micro_batch: int | None
+    """Rows per forward+backward; None: whatever a call hands over, unsplit (until the first recovery)."""
+    max_retries: int | None = 8
+    """Recoveries allowed over the guard's life; None: no cap (halving alone bounds them)."""
     recoveries: list[Recovery] = field(default_factory=list)
+    """Every recovered OOM, in order."""
     on_recovery: Callable[[Recovery], None] | None = None
+    """Called with each recovery, before the retry (or the :class:`Replay`)."""
 
     def run_step(self, step: int, samples: list, run_chunk: Callable[[list], float], zero_grads: Callable[[], None],
                  touch: GradTouch) -> tuple[float, int]:
-        """Forward+backward every sample of the step; returns (loss of the step, micro-batches run)."""
-        pos, loss, chunks = 0, 0.0, 0
-        while pos < len(samples):
-            chunk = samples[pos: pos + self.micro_batch]
+        """Forward+backward every sample of the step; returns (loss of the step, micro-batches run). A partial
+        gradient replays the step's micro-batches from the first after ``zero_grads``."""
+        while True:
+            try:
+                losses = self.run_rows(step, len(samples), lambda a, b: run_chunk(samples[a:b]), touch)
+            except Replay:
+                zero_grads()
+                continue
+            return sum(losses, 0.0), len(losses)
+
+    def run_rows(self, step: int, n: int, run_piece: Callable[[int, int], Any], touch: GradTouch) -> list:
+        """Rows ``0:n`` in pieces ``run_piece(start, stop)`` of at most ``micro_batch`` rows, halving a piece that runs
+        out of memory; returns the pieces' results. Raises :class:`Replay` when the failed piece had accumulated some
+        gradient, :class:`OOMAtMicroBatchOne` when one row does not fit or the retry cap is reached."""
+        start, results = 0, []
+        while start < n:
+            stop = min(start + (self.micro_batch or n), n)
             touch.touched = False
             touch.in_backward = False
             failure: str | None = None
             try:
-                loss += run_chunk(chunk)
-                chunks += 1
-                pos += len(chunk)
+                results.append(run_piece(start, stop))
+                start = stop
                 continue
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if not is_oom(exc):
@@ -113,23 +140,25 @@ class OOMGuard:
                 failure = str(exc)
             # the exception (and with it the failed attempt's frames and tensors) is released here
             free_memory()
-            phase = "backward" if touch.in_backward else "forward"
-            n = len(chunk)
-            if n <= 1 or len(self.recoveries) >= self.max_retries:
-                reason = "micro-batch 1" if n <= 1 else f"retry cap ({self.max_retries}) reached"
-                raise OOMAtMicroBatchOne(failure or "out of memory", phase, reason)
-            new = (n + 1) // 2
-            replay = touch.touched
-            rec = Recovery(step=step, failed_micro_batch=n, new_micro_batch=new, phase=phase, replayed=replay,
-                           message=failure or "")
-            self.recoveries.append(rec)
-            self.micro_batch = min(self.micro_batch, new)
-            if replay:
-                zero_grads()
-                pos, loss, chunks = 0, 0.0, 0
-            if self.on_recovery:
-                self.on_recovery(rec)
-        return loss, chunks
+            self._recover(step, stop - start, failure or "", touch)
+        return results
+
+    def _recover(self, step: int, rows: int, failure: str, touch: GradTouch) -> None:
+        """Record the recovery and halve the piece size; raise when nothing is left to split or a gradient landed."""
+        phase = "backward" if touch.in_backward else "forward"
+        capped = self.max_retries is not None and len(self.recoveries) >= self.max_retries
+        if rows <= 1 or capped:
+            reason = "micro-batch 1" if rows <= 1 else f"retry cap ({self.max_retries}) reached"
+            raise OOMAtMicroBatchOne(failure or "out of memory", phase, reason)
+        new = (rows + 1) // 2
+        rec = Recovery(step=step, failed_micro_batch=rows, new_micro_batch=new, phase=phase, replayed=touch.touched,
+                       message=failure)
+        self.recoveries.append(rec)
+        self.micro_batch = new if self.micro_batch is None else min(self.micro_batch, new)
+        if self.on_recovery:
+            self.on_recovery(rec)
+        if rec.replayed:
+            raise Replay()
 
 
-__all__ = ["OOMGuard", "OOMAtMicroBatchOne", "Recovery", "GradTouch", "is_oom", "free_memory"]
+__all__ = ["OOMGuard", "Replay", "OOMAtMicroBatchOne", "Recovery", "GradTouch", "is_oom", "free_memory"]

@@ -1,7 +1,7 @@
 """``oomdoctor train CONFIG --dry-run``: validate the config and price it without training (CI gate).
 
 The plan is the config's :meth:`TrainConfig.to_plan`; the breakdown comes from ``oomdoctor.memory.estimate`` with
-the chosen engine. Budget (``oomdoctor.train.loop.run_budget``, the rule every verb uses): ``--gpu-mem``, else the
+the chosen engine. Budget (``oomdoctor.train.sizing.run_budget``, the rule every verb uses): ``--gpu-mem``, else the
 config's ``gpu_mem``, else the local GPU's free memory (NVML), else none (no verdict, exit 0). The device priced is
 the config's: ``device: cpu`` is priced as a CPU run (no CUDA context, cuBLAS workspace or allocator slack) and its
 predicted ``peak_allocated`` must fit, because on the CPU ``--gpu-mem`` caps live tensor bytes; ``cuda`` and ``auto``
@@ -94,7 +94,7 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
     from oomdoctor.engines import estimate
     from oomdoctor.gpu import detect_gpu
     from oomdoctor.model.load import load_spec
-    from oomdoctor.train.loop import auto_micro_batch, run_budget
+    from oomdoctor.train.sizing import auto_micro_batch, run_budget
     from oomdoctor.train.preflight import check
 
     notes = check(cfg, source=source)

@@ -28,12 +28,14 @@ from oomdoctor.train.restart import MARKER as OOM_MARKER
 from oomdoctor.units import format_bytes
 
 LOCK_NAME = ".oomdoctor.lock"
+#: Subdirectory of ``output_dir`` with the merged model (``merge_adapter: true``).
+MERGED_DIR = "merged"
 #: Files a finished or running oomdoctor run writes at the top of ``output_dir`` (besides ``checkpoint-N/``).
 RUN_FILES = ("summary.json", "metrics.jsonl", "config.json", "generation_config.json", "model.safetensors",
              "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "runs", "merged",
+             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "runs", MERGED_DIR,
              OOM_MARKER)
-#: The final model is written into ``output_dir/.tmp-final-<pid>`` before it is moved in (``train.loop``).
+#: The final model is written into ``output_dir/.tmp-final-<pid>`` before it is moved in (``train.outputs``).
 FINAL_TMP_PREFIX = ".tmp-final-"
 TEMP_PREFIXES = (".tmp-checkpoint-", ".old-checkpoint-", FINAL_TMP_PREFIX)
 
