@@ -283,7 +283,9 @@ def train(
                                      "job with half the micro-batch; 0 otherwise)"),
 ) -> None:
     # before anything can initialize CUDA (the allocator reads it once); a user's own setting wins
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from oomdoctor.memory.runtime import set_allocator_env
+
+    set_allocator_env()
     from oomdoctor.errors import BadInput
     from oomdoctor.engines import ENGINES
     from oomdoctor.train.config import load_train_config

@@ -160,8 +160,10 @@ def tune(
     else:
         _print(result, written)
     if launch:
+        from oomdoctor.memory.runtime import ALLOC_CONF_VAR
+
         env = dict(os.environ)
-        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", result.alloc_conf)
+        env.setdefault(ALLOC_CONF_VAR, result.alloc_conf)
         if not as_json:
             typer.echo(f"\nlaunching: {result.command}", err=True)
         rc = subprocess.call([sys.executable, "-m", "oomdoctor", "train", str(path)], env=env)

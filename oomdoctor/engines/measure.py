@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from oomdoctor.errors import BadInput, NoGPU
 from oomdoctor.gpu import detect_gpu, process_bytes
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
+from oomdoctor.memory.runtime import ALLOC_BLOCK
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -158,7 +159,7 @@ def _measure(spec, plan, model_path, steps: int, t0: float, gpu_before: dict, se
     batch = make_batch(spec, plan, "cuda", fake_ok=False)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    lb = LiveBytes(round_to=512, param_copy_category="master_weights", device_type="cuda")
+    lb = LiveBytes(round_to=ALLOC_BLOCK, param_copy_category="master_weights", device_type="cuda")
     if plan.quant is not None:
         from oomdoctor.execute.bnb_standin import quant_state_tensors
 

@@ -37,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from oomdoctor.memory.runtime import set_allocator_env
 from oomdoctor.plan import Plan, validate
 
 MARKER = "OOMDOCTOR_PROBE "
@@ -91,7 +92,7 @@ def run_probe(model_ref: str, plan: Plan, *, device: str = "cuda", steps: int = 
     req = {"model": model_ref, "plan": _plan_to_json(plan), "device": device, "steps": steps,
            "cap_bytes": cap_bytes, "seed": seed}
     env = dict(os.environ)
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    set_allocator_env(env)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
     try:

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from oomdoctor.engines.kinds import layer_period
 from oomdoctor.engines.replay import RunStats, run_steps
 from oomdoctor.errors import BadInput
+from oomdoctor.memory.runtime import ALLOC_BLOCK
 from oomdoctor.execute.shard import mesh_shape
 from oomdoctor.execute.step import PHASES
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
@@ -171,7 +172,7 @@ class SimulationResult:
 
 
 def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, *, timeline: bool = False,
-                 steps: int = 2, target: str = "cuda", round_to: int = 512, bnb_decompose: bool = True) -> RunStats:
+                 steps: int = 2, target: str = "cuda", round_to: int = ALLOC_BLOCK, bnb_decompose: bool = True) -> RunStats:
     """One fake-tensor simulation of ``plan`` with ``num_layers`` blocks (None = the spec's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -226,7 +227,7 @@ def _fake_gaps():
 
 
 def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_layers: int | None = None,
-                 steps: int = 2, target: str = "cuda", round_to: int = 512, bnb_decompose: bool = True,
+                 steps: int = 2, target: str = "cuda", round_to: int = ALLOC_BLOCK, bnb_decompose: bool = True,
                  seed: int = 0, timeline: bool = False) -> RunStats:
     """The same two steps on REAL tensors on the CPU (random init of the real shape, or ``model``), counted by the
     same tracker: the reference the fake-tensor replay is checked against. ``strategy: fsdp`` plans run on the
@@ -300,7 +301,7 @@ def _extrapolate_categories(c2: dict, c4: dict, la: int, lb_: int, n: int, total
 
 
 def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", timeline: bool = False,
-                  round_to: int = 512, timeline_layers: str = "full", device: str = "cuda",
+                  round_to: int = ALLOC_BLOCK, timeline_layers: str = "full", device: str = "cuda",
                   run=None) -> SimulationResult:
     """Simulate ``plan`` on ``spec``, its device overheads those of ``device`` (:func:`device_overheads`). ``layers="auto"`` simulates 2 and 3 blocks (whole periods for periodic blocks)
     and extrapolates (else the full model); ``"full"`` always simulates every block. ``timeline=True`` also records

@@ -66,6 +66,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable
 
 from oomdoctor.errors import BadInput
+from oomdoctor.memory.runtime import ALLOC_BLOCK
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.engines.replay import RunStats
@@ -278,7 +279,7 @@ def estimate_trainer(spec: "ModelSpec", plan: "Plan", device: str = "cuda"):
 
 
 def trainer_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, *, real: bool = False,
-                steps: int = 2, round_to: int = 512, timeline: bool = False, seed: int = 0,
+                steps: int = 2, round_to: int = ALLOC_BLOCK, timeline: bool = False, seed: int = 0,
                 notes: list[str] | None = None) -> "RunStats":
     """``steps`` optimizer steps of ``plan.trainer``'s own training loop on the spec's model (``num_layers``
     blocks), counted by ``LiveBytes`` as a CUDA run allocates (module docstring). ``real=True`` runs the same on real

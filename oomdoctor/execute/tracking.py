@@ -56,6 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS
+from oomdoctor.memory.runtime import ALLOC_BLOCK
 from oomdoctor.units import format_bytes
 
 #: The tensor categories are the tensor components of a MemoryBreakdown.
@@ -66,11 +67,8 @@ _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer-step")
 
-#: CUDA caching allocator granularity (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize = 512).
-CUDA_ROUND = 512
 
-
-def round_bytes(n: int, granularity: int = CUDA_ROUND) -> int:
+def round_bytes(n: int, granularity: int = ALLOC_BLOCK) -> int:
     """Bytes the CUDA caching allocator books for an ``n``-byte request (0 stays 0)."""
     if n <= 0 or granularity <= 1:
         return max(n, 0)
@@ -160,7 +158,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(
         self,
         *,
-        round_to: int = CUDA_ROUND,
+        round_to: int = ALLOC_BLOCK,
         cap_bytes: int | None = None,
         record_timeline: bool = False,
         device_name: str = "GPU 0",  # used in the OOM message
@@ -671,4 +669,4 @@ def capped_memory(cap_bytes: int, model: torch.nn.Module | None = None, optimize
         yield lb
 
 
-__all__ = ["LiveBytes", "CATEGORIES", "PHASES", "CUDA_ROUND", "round_bytes", "capped_memory", "StorageRecord"]
+__all__ = ["LiveBytes", "CATEGORIES", "PHASES", "round_bytes", "capped_memory", "StorageRecord"]

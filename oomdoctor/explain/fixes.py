@@ -6,6 +6,7 @@ import re
 from typing import TYPE_CHECKING
 
 from oomdoctor.explain.report import Fix, OomReport
+from oomdoctor.memory.runtime import ALLOC_CONF
 from oomdoctor.plan.changes import CHANGES
 
 if TYPE_CHECKING:
@@ -246,7 +247,7 @@ def expandable_segments(alloc_conf_var: str) -> Fix:
         "fragmentation is not the cause (torch prints this hint regardless, pytorch#173049)."
         + (" Newer torch also reads the name PYTORCH_ALLOC_CONF." if alloc_conf_var == "PYTORCH_CUDA_ALLOC_CONF"
            else ""),
-        f"export {alloc_conf_var}=expandable_segments:True",
+        f"export {alloc_conf_var}={ALLOC_CONF}",
     )
 
 

@@ -31,6 +31,9 @@ All constants are named module-level values so that a GPU calibration (``measure
 
 from __future__ import annotations
 
+import os
+from collections.abc import MutableMapping
+
 from oomdoctor.memory.context import Ctx
 
 MiB = 2**20
@@ -48,6 +51,17 @@ ALLOC_BLOCK = 512
 ALLOC_ROUND_LARGE = 2 * MiB
 ALLOC_MIN_LARGE = 10 * MiB
 ALLOC_SMALL_SIZE = 1 * MiB
+#: The caching allocator's environment variable and the setting oomdoctor runs CUDA with: expandable segments grow
+#: segments instead of caching fixed-size blocks, so reserved-but-unallocated memory can serve big requests
+#: (fragmentation OOMs, torchtune #1185). Newer torch also reads ``PYTORCH_ALLOC_CONF``.
+ALLOC_CONF_VAR = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF = "expandable_segments:True"
+
+
+def set_allocator_env(env: MutableMapping[str, str] = os.environ) -> None:
+    """Set :data:`ALLOC_CONF` in ``env`` unless the user set their own (theirs wins). The allocator reads it once:
+    call before CUDA is initialized (in a child's environment, before it starts)."""
+    env.setdefault(ALLOC_CONF_VAR, ALLOC_CONF)
 ALLOC_SMALL_SEGMENT = 2 * MiB
 ALLOC_LARGE_SEGMENT = 20 * MiB
 #: Share of the transient bytes (activations + logits + temporaries) the allocator holds on top as fragmentation.

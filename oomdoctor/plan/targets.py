@@ -26,12 +26,12 @@ not installable here: axolotl pins older transformers/peft/trl).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from oomdoctor.errors import BadInput
 from oomdoctor.plan.plan import DEEPSPEED, SHARDED, Plan, validate
-from oomdoctor.plan.techniques import DEFAULTS, TECHNIQUES, TRAINERS, TORCH_OPTIMIZERS
+from oomdoctor.plan.techniques import TECHNIQUES, TRAINERS, TORCH_OPTIMIZERS
 
 #: A trainer's config cannot run this value of the knob: why (None: it can).
 Refuse = Callable[[Plan], "str | None"]
@@ -509,8 +509,8 @@ def runnable(plans: Iterable[Plan], trainer: str, pins: Mapping[str, Any] | None
     if not out:
         if blame:
             raise BadInput(f"{trainer} cannot run what was pinned: " + "; ".join(map(str, blame.values())),
-                           f"unpin those knobs, or emit for another trainer (`oomdoctor targets` lists what each "
-                           f"runs)")
+                           "unpin those knobs, or emit for another trainer (`oomdoctor targets` lists what each "
+                           "runs)")
         raise BadInput(f"{trainer} can run none of these plans", "unpin knobs or emit for another trainer")
     return out
 

@@ -39,6 +39,7 @@ from oomdoctor.errors import Interrupted, WriteFailed
 from oomdoctor.execute import dist
 from oomdoctor.execute.step import StepHooks
 from oomdoctor.imports import cheap_imports
+from oomdoctor.memory.runtime import set_allocator_env
 from oomdoctor.noise import quiet_third_party
 from oomdoctor.train.config import TrainConfig
 from oomdoctor.train.oom import gave_up, optimizer_oom, restart_smaller, resume_smaller
@@ -54,12 +55,6 @@ from oomdoctor.units import format_bytes
 METER_STEPS = 2
 #: Testing aid: seconds to sleep after each optimizer step (lets a test SIGKILL a run mid-way deterministically).
 STEP_DELAY_ENV = "OOMDOCTOR_STEP_DELAY_S"
-
-
-def set_allocator_env() -> None:
-    """``expandable_segments`` avoids fragmentation OOMs (torchtune #1185); setdefault: a user's value wins. Must run
-    before CUDA is initialized (the allocator reads it once)."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None = None, resume: bool = False,
@@ -523,4 +518,4 @@ class TrainLoop:
         )
 
 
-__all__ = ["train", "TrainLoop", "StepOutcome", "set_allocator_env", "METER_STEPS", "STEP_DELAY_ENV"]
+__all__ = ["train", "TrainLoop", "StepOutcome", "METER_STEPS", "STEP_DELAY_ENV"]

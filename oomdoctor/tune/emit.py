@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from oomdoctor.errors import BadInput
 from oomdoctor.execute.trainers import FOREIGN, DocumentRequest, command, document
 from oomdoctor.files import free_path, holds_weights, write_text_atomic
+from oomdoctor.memory.runtime import ALLOC_CONF_VAR
 from oomdoctor.plan import Plan
 from oomdoctor.plan.targets import RULES, applies, priced_versions, refusals, version_notes
 from oomdoctor.plan.techniques import DEFAULTS, TECHNIQUES, TRAINERS
@@ -256,7 +257,7 @@ def write_emitted(result: TuneResult, model_ref: str, path: str | os.PathLike | 
     target = result.plan.trainer
     em = emit(request_from_result(result, model_ref, dataset), result.summary_lines())
     out = write_text_atomic(path if path is not None else default_emit_path(target), em.text, overwrite=overwrite)
-    return EmitWritten(em, out, f"PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} " + em.command(out))
+    return EmitWritten(em, out, f"{ALLOC_CONF_VAR}={result.alloc_conf} " + em.command(out))
 
 
 __all__ = ["EMIT_TARGETS", "SAMPLE_DATASET", "SAMPLE_TOKENIZER", "EmitWritten", "Emitted", "SUFFIXES", "TOOL_NAMES",

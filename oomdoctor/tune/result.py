@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from oomdoctor.gpu import GpuInfo
 from oomdoctor.memory.breakdown import MemoryBreakdown
+from oomdoctor.memory.runtime import ALLOC_CONF, ALLOC_CONF_VAR
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import BatchChoice
@@ -24,7 +25,6 @@ from oomdoctor.units import format_bytes
 #: Recommended caching-allocator setting: expandable segments map more memory into one growing segment instead of
 #: fixed-size blocks, so freed blocks of different sizes can be reused (fragmentation is the "reserved but
 #: unallocated" part of an OOM message). torch >= 2.1; CUDA only (ignored on ROCm/CPU). See torchtune #1185.
-ALLOC_CONF = "expandable_segments:True"
 
 #: Default file ``tune`` writes (a numbered sibling when it exists: ``oomdoctor.tune.emit.default_output_path``).
 DEFAULT_OUTPUT = "oomdoctor-plan.yaml"
@@ -100,7 +100,7 @@ class TuneResult:
 
     def run_command(self, path: str | os.PathLike) -> str:
         """The command that runs the plan's ``oomdoctor train`` config at ``path``."""
-        env = f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} " if self.device == "cuda" else ""
+        env = f"{ALLOC_CONF_VAR}={self.alloc_conf} " if self.device == "cuda" else ""
         return f"{env}oomdoctor train {shlex.quote(str(path))}{self.launch_flags}"
 
     @property
@@ -171,4 +171,4 @@ class TuneResult:
         }
 
 
-__all__ = ["ALLOC_CONF", "DEFAULT_OUTPUT", "TuneResult"]
+__all__ = ["DEFAULT_OUTPUT", "TuneResult"]
