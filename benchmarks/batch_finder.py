@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margin", type=float, default=0.02, help="oomdoctor safety margin (fraction of the cap)")
     ap.add_argument("--global-batch", type=int, default=64, help="effective batch to keep exact")
     ap.add_argument("--steps", type=int, default=2, help="training steps per oomdoctor / accelerate trial")
-    ap.add_argument("--quick", action="store_true", help="two cases, analytic engine unless given (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="one case, analytic engine unless given (a smoke run)")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: tiny ops do not gain from threads, and a busy machine stalls them)")
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         ("small", "full", "fp32", 64, 70),
     ]
     if args.quick:
-        cases = cases[:2]
+        cases = cases[:1]
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="oomdoctor-bench-"))
     for name, method, precision, seq, target in cases:

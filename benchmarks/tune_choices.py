@@ -4,7 +4,7 @@ For each (model, card): the chosen plan, micro-batch x accumulation, predicted r
 (reference profile) and the wall time of the decision (analytic search, no verification: the part that runs
 without a GPU), next to what the anchors publish for the same model and card where they do. Goal: <= 3 s per
 decision (a verdict per row, and for the median). Run: ``python benchmarks/tune_choices.py`` (``--seq-len``,
-``--models a,b``; ``--quick``: two models, a smoke run).
+``--models a,b``; ``--quick``: one model on a 24 GB card, a smoke run).
 
 Anchors (public recipes, seq_len 2048 unless noted):
 * unsloth notebooks: QLoRA of 7-8B models on a 16 GB T4 (Llama-3.1-8B, Mistral-7B, Qwen2.5-7B);
@@ -50,10 +50,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--quick", action="store_true", help="two models (smoke run)")
+    ap.add_argument("--quick", action="store_true", help="one model, one card (smoke run)")
     a = ap.parse_args()
     if a.quick:
-        a.models = "HuggingFaceTB/SmolLM2-360M,meta-llama/Llama-2-7b-hf"
+        a.models = "meta-llama/Llama-2-7b-hf"
 
     from oomdoctor.errors import OomDoctorError
     from oomdoctor.tune.tuner import tune
@@ -63,7 +63,7 @@ def main() -> None:
           f"verdict  anchor")
     times = []
     for model in a.models.split(","):
-        for gb in CARDS_GB:
+        for gb in (24,) if a.quick else CARDS_GB:
             t0 = time.perf_counter()
             try:
                 r = tune(model, gpu_mem=gb * 10**9, seq_len=a.seq_len, verify_mode="none")

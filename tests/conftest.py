@@ -1,4 +1,4 @@
-"""Shared test set-up: offline hub, tiny model configs, the GPU skip marker."""
+"""Shared test set-up: offline hub, tiny model configs, the GPU skip marker, the sampling of slow grids."""
 
 from __future__ import annotations
 
@@ -40,7 +40,33 @@ def _cuda_available() -> bool:
         return False
 
 
+#: ``make test`` (what CI runs) keeps every slow test function but, of a slow parametrized grid, only every
+#: GRID_STRIDE-th case (the first always); ``make test-all`` (``OOMDOCTOR_FULL_GRIDS=1``) runs every case. Tests
+#: marked ``every_case`` (each benchmark, each case a different script) are never sampled.
+GRID_STRIDE = 4
+FULL_GRIDS_ENV = "OOMDOCTOR_FULL_GRIDS"
+
+
+def sampled_out(items: list) -> list:
+    """The cases of slow parametrized grids ``make test`` leaves to ``make test-all``, in collection order."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for item in items:
+        if not hasattr(item, "callspec") or "slow" not in item.keywords or "every_case" in item.keywords:
+            continue
+        key = (item.path, item.originalname)
+        index = seen[key] = seen.get(key, -1) + 1
+        if index % GRID_STRIDE:
+            out.append(item)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
+    if not os.environ.get(FULL_GRIDS_ENV) and config.getoption("markexpr", "") != "not slow":
+        dropped = set(map(id, sampled_out(items)))
+        if dropped:
+            config.hook.pytest_deselected(items=[i for i in items if id(i) in dropped])
+            items[:] = [i for i in items if id(i) not in dropped]
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

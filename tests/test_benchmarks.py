@@ -21,6 +21,7 @@ def test_every_benchmark_is_listed():
 
 
 @pytest.mark.slow  # each starts processes that import torch and transformers; minutes in all
+@pytest.mark.every_case  # every benchmark runs in make test: none rots
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
 def test_benchmark_runs_quick_and_prints_its_goal(script):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OOMDOCTOR_OFFLINE": "1",
