@@ -77,7 +77,36 @@ def config_with_layers(cfg: dict, num_layers: int | None) -> dict:
         lt = out.get(k)
         if isinstance(lt, list) and lt:
             out[k] = [lt[i % len(lt)] for i in range(num_layers)]
+    overrides = per_layer_overrides(cfg)
+    if overrides:
+        period = max(_layer_count(cfg), 1)
+        out[PER_LAYER_KEY] = {str(i): overrides[i % period] for i in range(num_layers) if i % period in overrides}
+    shared = out.get(KV_SHARED_KEY)
+    if isinstance(shared, int) and shared and num_layers < _layer_count(cfg):
+        # the first blocks of the model: those of its last blocks that reuse earlier keys/values and fall among them
+        out[KV_SHARED_KEY] = max(0, num_layers - (_layer_count(cfg) - shared))
     return out
+
+
+#: Gemma 3n/4: the last ``num_kv_shared_layers`` blocks reuse the keys and values of earlier blocks.
+KV_SHARED_KEY = "num_kv_shared_layers"
+
+
+#: transformers' heterogeneous configs: ``{"<layer index>": {attribute: value}}`` overriding the global attributes
+#: of some blocks (Gemma 4's global-attention blocks: their own ``head_dim``; ``integrations/heterogeneity``).
+PER_LAYER_KEY = "per_layer_config"
+
+
+def per_layer_overrides(cfg: dict) -> dict[int, dict]:
+    """The ``per_layer_config`` of a config dict by block index (empty when homogeneous)."""
+    raw = cfg.get(PER_LAYER_KEY)
+    if not isinstance(raw, dict):
+        return {}
+    return {int(k): dict(v) for k, v in raw.items() if str(k).isdigit() and isinstance(v, dict)}
+
+
+def _layer_count(cfg: dict) -> int:
+    return next((cfg[k] for k in LAYER_KEYS if isinstance(cfg.get(k), int)), 0)
 
 
 def hf_config(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None):
