@@ -60,8 +60,12 @@ def _refused_config(name: str, mt: str, exc: Exception) -> BadInput:
 
     tv = _transformers_version()
     if mt not in CONFIG_MAPPING:
+        import difflib
+
+        close = difflib.get_close_matches(mt, list(CONFIG_MAPPING), n=5, cutoff=0.6)
         return BadInput(f"{name}: model kind {mt!r} is not supported: transformers {tv} does not know this model_type",
-                        "check model_type in config.json; a model newer than transformers needs "
+                        (f"close model kinds transformers knows: {', '.join(close)}; " if close else "")
+                        + "check model_type in config.json; a model newer than transformers needs "
                         "`pip install -U transformers`; `oomdoctor models` lists the configs priced offline")
     field = _BAD_FIELD.search(str(exc))
     why = f"field {field.group(1)}: {' '.join(field.group(2).split())[:160]}" if field else _first_line(exc)
@@ -162,6 +166,25 @@ def tower_prefixes(model) -> tuple[str, ...]:
     return tuple(out)
 
 
+def bnb_quantized_paths(model) -> frozenset[str]:
+    """Paths of the modules transformers' bitsandbytes integration replaces when it loads ``model`` in 4 or 8 bits
+    (transformers 5.x ``quantizers/quantizer_bnb_4bit.py``/``_8bit.py``: ``replace_with_bnb_linear`` skipping
+    ``get_modules_to_not_convert``): every module whose class is exactly ``nn.Linear`` (subclasses such as Falcon's
+    ``FalconLinear`` are not replaced: QLoRA leaves them in the load dtype) or a ``Conv1D``, except the output
+    embeddings, the weights tied to others, the module holding the model's last parameter and the model's
+    ``_keep_in_fp32_modules`` (T5's ``wo``), with ``llm_int8_skip_modules`` unset as oomdoctor's
+    ``BitsAndBytesConfig`` leaves it. The one rule for the inventory (``ParamGroup.quantizable``) and the
+    executor's stand-ins (``execute/bnb_standin.py``)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    return frozenset(name for name, mod in model.named_modules()
+                     if (type(mod) is torch.nn.Linear or isinstance(mod, Conv1D)) and should_convert_module(name, skip))
+
+
 def in_tower(path: str, prefixes: tuple[str, ...]) -> bool:
     """True when the module or parameter at ``path`` is inside one of the towers ``prefixes``."""
     return any(path == t or path.startswith(t + ".") for t in prefixes)
@@ -193,6 +216,7 @@ def text_side_targets(names: set[str], towers: tuple[str, ...]) -> str:
 
 def _groups(model, head_module, towers: tuple[str, ...]) -> tuple[tuple[ParamGroup, ...], int]:
     """The parameter groups of ``model`` (module docstring) and the number of decoder layers seen."""
+    quantized = bnb_quantized_paths(model)
     seen: set[int] = set()  # parameters counted (tied weights once)
     agg: OrderedDict[tuple, dict] = OrderedDict()
     layers: set[str] = set()
@@ -213,11 +237,13 @@ def _groups(model, head_module, towers: tuple[str, ...]) -> tuple[tuple[ParamGro
         if kind == "linear" and hasattr(mod, "weight") and mod.weight is not None and mod.weight.dim() == 2:
             w = mod.weight
             out_f, in_f = (w.shape[1], w.shape[0]) if type(mod).__name__ == "Conv1D" else (w.shape[0], w.shape[1])
-            key = ("linear", tmpl, int(in_f), int(out_f), getattr(mod, "bias", None) is not None, tower)
+            key = ("linear", tmpl, int(in_f), int(out_f), getattr(mod, "bias", None) is not None, tower,
+                   path in quantized)
             name = "lm_head" if mod is head_module else leaf
             g = agg.setdefault(key, dict(name=name, kind="linear", in_features=int(in_f), out_features=int(out_f),
                                          bias=key[4], count=0, per_layer=per_layer and mod is not head_module,
-                                         path=tmpl, module=type(mod).__name__, quantizable=True, tower=tower))
+                                         path=tmpl, module=type(mod).__name__, quantizable=path in quantized,
+                                         tower=tower))
             g["count"] += 1
             extra = [p for n, p in own if n not in ("weight", "bias")]
             if extra:
@@ -352,5 +378,5 @@ def spec_from_transformers(cfg: dict, name: str) -> ModelSpec:
     return _cached((json.dumps(cfg, sort_keys=True, default=str),), name)
 
 
-__all__ = ["auto_model_class", "in_tower", "spec_from_transformers", "text_side_targets", "tower_prefixes",
+__all__ = ["auto_model_class", "bnb_quantized_paths", "in_tower", "spec_from_transformers", "text_side_targets", "tower_prefixes",
            "towers_pattern"]
