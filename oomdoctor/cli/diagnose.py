@@ -78,7 +78,11 @@ def diagnose(
         reshard_after_forward=reshard_after_forward, bucket_size=bucket_size,
     )
     capacity = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
-    report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top)
+    from oomdoctor.engines.blocks import progress
+
+    # a cold cache measures blocks the formulas do not know: seconds each, one line on stderr as each starts
+    with progress(lambda line: typer.echo(line, err=True)):
+        report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top)
     if plot:
         _write_plot(report, plot)
     if as_json:

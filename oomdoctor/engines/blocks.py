@@ -11,12 +11,19 @@ activation bytes autograd saves for backward in each block and after the last on
 stops at the output head: the head and the loss are priced by their own formulas.
 
 Block 0, the blocks before the repetition and one repeating unit are replayed when transformers' config says how
-blocks differ (``engines/kinds.layer_kinds``), every block otherwise; at micro-batch 1 and 2 (what grows with the
-batch is the difference, the rest is weight-sized: gradients, peft's merged expert weights), at the plan's sequence length
-rounded up to a power of two (the token share scaled back linearly), with the plan's gradient checkpointing (a
-checkpointed block keeps its input, a formula, and recomputes the rest inside its measured backward). Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
-``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config, the plan's settings at
-micro-batch 1 and the versions of torch, transformers and peft.
+blocks differ (``engines/kinds.layer_kinds``), every block otherwise — and of those only block 0 and the first block
+of each kind run, the others passing their input through (``engines/block_replay``: Jamba's 9 replayed blocks are 4
+kinds); at micro-batch 1 and 2 (what grows with the batch is the difference, the rest is weight-sized: gradients,
+peft's merged expert weights), at the plan's sequence length rounded up to a power of two (the token share scaled
+back linearly), with the plan's gradient checkpointing (a checkpointed block keeps its input, a formula, and
+recomputes the rest inside its measured backward). Blocks whose forward loops over the tokens in Python (Mamba's
+selective scan: ~125 ops a token forward and backward, 80 % of a cold Jamba diagnose measured token by token) are
+found by the ops they dispatch (:data:`LOOP_BUDGET`, then their growth between two short lengths) and measured at
+:func:`loop_seq_len` and twice it, extended to the plan's length along that line (:func:`along_the_sequence`);
+the other blocks still run at the plan's length. Results are cached in memory and on disk (``blocks/`` under
+``$OOMDOCTOR_CACHE``, else ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config,
+the plan's settings at micro-batch 1 and the versions of torch, transformers and peft; :func:`progress` tells a
+listener (the diagnose CLI) when a measurement starts.
 """
 
 from __future__ import annotations
@@ -24,12 +31,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from oomdoctor.engines.kinds import extend, replay_depth
+from oomdoctor.engines.kinds import extend
 from oomdoctor.memory.activations import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 
@@ -37,7 +45,7 @@ if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 17
+VERSION = 18
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
@@ -138,11 +146,17 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
                           int(doc["seq_len"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    knobs = " ".join(k for k in (plan.method, plan.quant, plan.precision, "GC" if plan.gradient_checkpointing else "")
+                     if k)
+    _tell(f"measuring what {spec.model_type} blocks save under {knobs} at {plan.seq_len} tokens (once: cached)")
     try:
-        saves = BlockSaves(measure_block_bytes(spec, plan), measure_block_bytes(spec, replace(plan, micro_batch=2)),
-                           plan.gradient_checkpointing, plan.seq_len)
-    except Exception:  # noqa: BLE001 - a model the executor cannot build or replay: the formulas price it
-        return None
+        saves = measure_saves(spec, plan)
+    except Exception:  # noqa: BLE001 - passing blocks through broke a model whose blocks depend on each other
+        try:  # every replayed block at the plan's length, as measured before
+            saves = BlockSaves(measure_block_bytes(spec, plan), measure_block_bytes(spec, replace(plan, micro_batch=2)),
+                               plan.gradient_checkpointing, plan.seq_len)
+        except Exception:  # noqa: BLE001 - a model the executor cannot build or replay: the formulas price it
+            return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -154,165 +168,154 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     return saves
 
 
-class _StackDone(Exception):
-    """Raised by the output head's forward pre-hook: the head and the loss are priced by their formulas."""
+# ---------------------------------------------------------------------------------------------- progress
+
+#: Who hears of a measurement starting (a cold cache: seconds each): ``oomdoctor diagnose`` prints them on stderr.
+_LISTENERS: list[Callable[[str], None]] = []
+
+
+@contextmanager
+def progress(listener: Callable[[str], None]):
+    """Call ``listener`` with one line each time a block measurement starts, inside the ``with`` block."""
+    _LISTENERS.append(listener)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(listener)
+
+
+def _tell(line: str) -> None:
+    for listener in list(_LISTENERS):
+        listener(line)
+
+
+# ---------------------------------------------------------------------------------------------- what is replayed
+
+#: Ops one block's forward may dispatch at the plan's length before the replay calls it a loop over the tokens
+#: (Mamba's selective scan: ~40 ops a token, 82k at 2k tokens; the widest block without one dispatches a few
+#: thousand: a 64-expert eager MoE block with LoRA).
+LOOP_BUDGET = 8_000
+#: Sequence length the blocks that loop over the tokens are measured at (and at twice it), at least: each token
+#: costs every such block ~125 ops forward and backward, where the rest of a block costs ~1,500.
+LOOP_SEQ_LEN = 16
+#: Models whose replayed blocks loop over the tokens, by model config: the blocks (indices in the replayed blocks).
+_LOOPING: dict[str, frozenset[int]] = {}
+
+
+def representatives(kinds: list | None, replayed: int) -> tuple[int, ...]:
+    """For each replayed block, the block measured for it: block 0 itself (under LoRA its input needs no gradient),
+    every other block the first replayed block of its kind after block 0 (``engines/kinds.layer_kinds``; each block
+    its own when the kinds are unknown)."""
+    if kinds is None:
+        return tuple(range(replayed))
+    first: dict = {}
+    for i in range(1, replayed):
+        first.setdefault(kinds[i], i)
+    return (0,) + tuple(first[kinds[i]] for i in range(1, replayed))
+
+
+def loop_seq_len(spec: "ModelSpec") -> int:
+    """The short length blocks that loop over the tokens are measured at: :data:`LOOP_SEQ_LEN`, or the power of two
+    that hands every expert a token under a balanced router (``engines/routing``)."""
+    need = -(-spec.num_experts // spec.experts_per_token) if spec.num_experts and spec.experts_per_token else 1
+    return max(LOOP_SEQ_LEN, 1 << max(need - 1, 0).bit_length())
+
+
+def measure_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
+    """:class:`BlockSaves` of ``spec`` under ``plan`` (a :func:`measured_plan`): its blocks replayed at micro-batch 1
+    and 2 at ``plan.seq_len`` (module docstring) — one block of each kind, every other block passed through; the
+    blocks whose forward loops over the tokens in Python at :func:`loop_seq_len` and twice it, extended to
+    ``plan.seq_len`` along the line through the two (:func:`along_the_sequence`)."""
+    from oomdoctor.engines.block_replay import BlockReplay, LoopBudget
+    from oomdoctor.engines.kinds import layer_kinds, replay_plan
+
+    kinds = layer_kinds(spec, plan)
+    q, p = replay_plan(kinds) if kinds else (spec.num_layers, 0)
+    replayed = q + p + 1 if p else spec.num_layers
+    reps = representatives(kinds, replayed)
+    key = json.dumps([spec.config, spec.num_layers], sort_keys=True, default=str)
+    S, s = plan.seq_len, loop_seq_len(spec)
+    reduced = 2 * s < S  # at short lengths every block runs at the plan's: loops are short too
+    every = frozenset(reps)
+    with BlockReplay(spec, plan, replayed if p else None) as replay:
+        looping, short = (_LOOPING.get(key, frozenset()) if reduced else frozenset()), []
+        if reduced and key not in _LOOPING:
+            try:
+                one = replay.run(1, S, every, budget=LOOP_BUDGET)
+            except LoopBudget:  # which blocks loop: those whose forward grows with the tokens
+                short = [replay_scaled(replay, 1, n, every, S) for n in (s, 2 * s)]
+                looping = frozenset(i for i in every if short[1].ops[i] > short[0].ops[i])
+            else:
+                _LOOPING[key] = frozenset()
+                return _saves(plan, reps, q, p, spec.num_layers, one, replay.run(2, S, every))
+            _LOOPING[key] = looping
+        if looping:  # first: the full-length runs pass the looping blocks through as the short runs return them
+            short = short or [replay_scaled(replay, 1, n, looping, S) for n in (s, 2 * s)]
+            short.append(replay_scaled(replay, 2, s, looping, 2 * S))
+        one, two = replay.run(1, S, every - looping), replay.run(2, S, every - looping)
+        if looping:
+            one, two = along_the_sequence(one, two, *short, looping, S, s)
+    return _saves(plan, reps, q, p, spec.num_layers, one, two)
+
+
+def replay_scaled(replay, micro_batch: int, seq_len: int, measured: frozenset[int], plan_tokens: int):
+    """A run at fewer tokens than the plan's in which bitsandbytes' stand-ins take the CUDA kernel path the plan's
+    ``plan_tokens`` would (``execute/bnb_standin.tokens_as``: 4-bit layers dequantize whole above 1,536 rows)."""
+    from oomdoctor.execute.bnb_standin import tokens_as
+
+    with tokens_as(plan_tokens / (micro_batch * seq_len)):
+        return replay.run(micro_batch, seq_len, measured)
+
+
+def along_the_sequence(one, two, at_s, at_2s, two_at_s, looping: frozenset[int], seq_len: int, s: int):
+    """``one``/``two`` (runs at micro-batch 1 and 2 and ``seq_len``, the looping blocks passed through) with the
+    looping blocks' bytes taken from runs at ``s`` and ``2 s`` tokens (micro-batch 1) and ``s`` (micro-batch 2):
+    what a block holds grows with the sequence along a line (a Python loop keeps one state per token: its bytes at
+    any length are those at ``s`` plus the slope between ``s`` and ``2 s`` times the tokens added, per sequence of
+    the micro-batch); the weight-sized and per-sequence parts (the scan's initial state, the convolution's padding)
+    are measured as they are."""
+    from dataclasses import replace as _replace
+
+    k = (seq_len - s) / s
+
+    def line(base, lo, hi, b: int, field: str) -> tuple[int, ...]:
+        got, a, z, at = getattr(base, field), getattr(lo, field), getattr(hi, field), getattr(
+            two_at_s if b == 2 else at_s, field)
+        return tuple(int(at[i] + b * (z[i] - a[i]) * k) if i in looping else got[i] for i in range(len(got)))
+
+    fields = ("saves", "forward", "backward", "backward_net")
+    one = _replace(one, **{f: line(one, at_s, at_2s, 1, f) for f in fields})
+    two = _replace(two, **{f: line(two, at_s, at_2s, 2, f) for f in fields})
+    return one, two
+
+
+def _saves(plan: "Plan", reps: tuple[int, ...], q: int, p: int, num_layers: int, one, two) -> BlockSaves:
+    return BlockSaves(block_bytes(one, reps, q, p, num_layers), block_bytes(two, reps, q, p, num_layers),
+                      plan.gradient_checkpointing, plan.seq_len)
+
+
+def block_bytes(run, reps: tuple[int, ...], q: int, p: int, num_layers: int) -> BlockBytes:
+    """The :class:`BlockBytes` of all ``num_layers`` blocks from a run: each replayed block takes its
+    representative's bytes, the blocks after them those of their replayed block (``kinds.extend``)."""
+    def per(values) -> tuple[int, ...]:
+        return extend(tuple(values[r] for r in reps), q, p, num_layers)
+
+    saves = per(run.saves)
+    return BlockBytes(saves, run.final, forward_over_saves(saves, per(run.forward)), max(per(run.backward)),
+                      max(per(run.backward_net)))
 
 
 def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
-    """One forward of the blocks of ``spec`` as ``plan`` builds them, on fake tensors, and the backward of the
-    blocks from the final norm's output (see the module docstring).
-
-    A block's share is the bytes of the activation storages autograd saves for backward while the block runs
-    (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once, for the first block that saves it:
-    a block's input is the previous block's output, counted where it is saved (by a norm that keeps its input);
-    what exists before the first block (rotary tables, attention masks) is the formulas' shared forward tensors;
-    weights and autocast's weight casts are not activations (``parameters``/``master_weights`` for the tracker; casts of
-    parameters outside autocast are).
-    Transients: the peak of a block's forward above what it leaves, and the peak of its backward above the bytes
-    alive when it starts — its weights' gradients included: the analytic engine's top-block moment holds the
-    head's gradients only (full fine-tuning of hybrid MoE blocks + GC: -2.2 % with them excluded, 0.0 % included)."""
-    from contextlib import ExitStack
-
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from oomdoctor.engines.replay import (TrackingHooks, _cuda_policy_mode_cls, _wrap_checkpoint_functions,
-                                          cuda_autocast_answers, hf_data_paths)
-    from oomdoctor.engines.routing import balanced_routing
-    from oomdoctor.engines.simulate import _fake_gaps, _meta_model, _retie
-    from oomdoctor.execute.bnb_standin import CONTEXT_HELD
-    from oomdoctor.execute.build import find_layers, make_batch
-    from oomdoctor.execute.step import TrainStep
-    from oomdoctor.execute.tracking import LiveBytes
+    """The :class:`BlockBytes` of ``spec`` under ``plan`` at its micro-batch and sequence length: one replay of
+    every replayed block (no passing through, no loop budget), the reference :func:`measure_saves` is checked
+    against (tests/test_blocks.py)."""
+    from oomdoctor.engines.block_replay import BlockReplay
+    from oomdoctor.engines.kinds import replay_depth
 
     q, p = replay_depth(spec, plan)
-    built = _meta_model(spec, plan, q + p + 1 if p else None, True)
-    model = built.model
-    with FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False), _fake_gaps(), \
-            balanced_routing(spec, plan):
-        model.to_empty(device="cpu")
-        _retie(model)
-        batch = make_batch(spec, plan, "cpu")
-        lb = LiveBytes(round_to=512, param_copy_category="master_weights")
-        lb.track_module(model)
-        layers = find_layers(model)
-        n = len(layers)
-        per_block = [0] * (n + 1)  # the blocks, then the final norm
-        fwd_t, bwd_t, bwd_net = [0] * n, [0] * n, [0] * n
-        grads_at_start = [0]
-        # a storage is (address, birth): an address freed during the forward is reused by a later storage
-        seen: set[tuple[int, int]] = set()
-        current, start, stack_out = [-1], [0], []
-        backward, bwd_block = [False], [-1]  # in the measured backward; the block whose backward runs
-
-        # what a block saves: activations, and without autocast the casts of its parameters too (peft's bf16 copies
-        # of fp32 expert adapters, ``ParamWrapper``); under autocast weight casts are AMP copies, priced as such
-        saved_categories = ("activations",) if plan.precision.endswith("-mixed") else ("activations", "master_weights")
-
-        def storage_id(t) -> tuple[int, int] | None:
-            key = t.untyped_storage()._cdata
-            rec = lb.records.get(key)
-            return (key, rec.birth) if rec is not None else None
-
-        def pack(t):
-            if 0 <= current[0] and isinstance(t, torch.Tensor) and lb.category_of(t) in saved_categories:
-                sid = storage_id(t)
-                if sid not in seen:
-                    seen.add(sid)
-                    per_block[current[0]] += lb.counted_bytes(t)
-            return t
-
-        def held(t):  # an int8 matmul's input, kept on its autograd context (execute/bnb_standin.CONTEXT_HELD)
-            pack(t)
-
-        def enter(i: int):
-            def hook(_m, args, kwargs):
-                if backward[0]:
-                    return  # a checkpointed block's recompute
-                x = args[0] if args else kwargs.get("hidden_states")
-                if i == 0:  # what exists before the blocks (rotary tables, masks) is priced as shared, not here
-                    seen.update((key, rec.birth) for key, rec in lb.records.items())
-                    seen.discard(storage_id(x) if isinstance(x, torch.Tensor) else None)
-                if isinstance(x, torch.Tensor) and x.requires_grad:
-                    x.register_hook(lambda _g: bwd_leave(i))  # the block's input gradient: its backward is done
-                current[0] = i
-                lb.reset_peak()
-            return hook
-
-        def leave(i: int):
-            def hook(_m, _a, out):
-                if backward[0]:
-                    return
-                fwd_t[i] = lb.peak - lb.current
-                current[0] = n if i == n - 1 else current[0]
-                y = out[0] if isinstance(out, (tuple, list)) else out
-                if isinstance(y, torch.Tensor) and y.requires_grad:
-                    y.register_hook(lambda _g: bwd_enter(i))  # the block's output gradient: its backward starts
-            return hook
-
-        def head_reached(_m, args):
-            stack_out.append(args[0])
-            raise _StackDone
-
-        # tensor hooks, not module backward hooks: those hold the block's output gradient until its backward ends
-        # (and so turn autograd's in-place gradient accumulation into a copy), which the real step does not
-        def bwd_enter(i: int):
-            if bwd_block[0] >= 0:  # block i's output is block i+1's input: its gradient ends block i+1's backward
-                bwd_leave(bwd_block[0])
-            bwd_block[0], start[0] = i, lb.current
-            grads_at_start[0] = lb.current_categories()["gradients"]
-            lb.reset_peak()
-
-        def bwd_leave(i: int):
-            if bwd_block[0] == i:
-                bwd_t[i] = max(bwd_t[i], lb.peak - start[0])
-                made = lb.current_categories()["gradients"] - grads_at_start[0]  # this block's weight gradients
-                bwd_net[i] = max(bwd_net[i], lb.peak - start[0] - made)
-                bwd_block[0] = -1
-
-        hooks = []
-        for i, layer in enumerate(layers):
-            hooks += [layer.register_forward_pre_hook(enter(i), with_kwargs=True),
-                      layer.register_forward_hook(leave(i))]
-        hooks.append(built.head_module.register_forward_pre_hook(head_reached))
-        policy_cls = _cuda_policy_mode_cls()
-        # the recompute in backward runs under the CUDA policy again (torch-function modes are off in backward)
-        restore = _wrap_checkpoint_functions(model, lb, policy_cls, classify=False) if plan.gradient_checkpointing \
-            else []
-        with ExitStack() as stack:
-            stack.enter_context(hf_data_paths())
-            stack.enter_context(cuda_autocast_answers())
-            stack.enter_context(policy_cls())
-            stack.enter_context(lb)
-            # under checkpointing the kept block inputs (and bnb's context-held int8 inputs) are formulas
-            observers = [] if plan.gradient_checkpointing else [held]
-            CONTEXT_HELD.extend(observers)
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    step = TrainStep(model, None, plan, hooks=TrackingHooks(lb, plan, head=None, target="cuda"))
-                    try:
-                        step.forward_backward(batch)
-                    except _StackDone:
-                        pass
-                    else:
-                        raise RuntimeError(f"{spec.name}: the forward never reached its output head")
-            finally:
-                for observe in observers:
-                    CONTEXT_HELD.remove(observe)
-            out = stack_out[0]
-            backward[0] = True
-            with lb.phase("backward"):
-                out.backward(torch.ones_like(out))
-            if bwd_block[0] >= 0:  # block 0's input needs no gradient (LoRA without checkpointing): ends here
-                bwd_leave(bwd_block[0])
-        for h in hooks:
-            h.remove()
-        for mod, fn in restore:
-            mod._gradient_checkpointing_func = fn
-        lb.remove_hooks()
-    saves = extend(tuple(per_block[:-1]), q, p, spec.num_layers)
-    return BlockBytes(saves, per_block[-1], forward_over_saves(saves, extend(tuple(fwd_t), q, p, spec.num_layers)),
-                      max(bwd_t), max(bwd_net))
+    with BlockReplay(spec, plan, q + p + 1 if p else None) as replay:
+        run = replay.run(plan.micro_batch, plan.seq_len)
+    return block_bytes(run, tuple(range(len(run.saves))), q, p, spec.num_layers)
 
 
 def forward_over_saves(saves: tuple[int, ...], transients: tuple[int, ...]) -> int:
