@@ -275,32 +275,40 @@ def test_jambas_block_kinds_are_transformers_layer_types():
     assert blocks.representatives(kinds_, 9) == (0, 1, 2, 1, 4, 1, 2, 1, 2)
 
 
+#: The same at a wider width: a Mamba step's per-token state dwarfs the tensors under the allocator's 512 bytes.
+WIDE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type, kw, plan_kw", [
-    ("jamba", JAMBA, dict(method="lora", precision="bf16")),
-    ("jamba", JAMBA, dict(method="full", precision="bf16", gradient_checkpointing=True)),
-    ("mamba", dict(layers=2), dict(method="qlora", precision="bf16-mixed", quant="nf4", micro_batch=2)),
+    ("jamba", dict(JAMBA, mamba_dt_rank=64, **WIDE), dict(method="lora", precision="bf16", seq_len=256)),
+    ("jamba", dict(JAMBA, mamba_dt_rank=64, **WIDE),
+     dict(method="qlora", quant="int8", precision="bf16-mixed", gradient_checkpointing=True, seq_len=256)),
+    ("jamba", dict(JAMBA, mamba_dt_rank=64, **dict(WIDE, layers=2)),
+     dict(method="qlora", quant="nf4", precision="bf16-mixed", seq_len=1024)),
 ])
-def test_blocks_that_loop_over_the_tokens_are_measured_short_and_extended(model_type, kw, plan_kw):
-    """Mamba mixers loop over the tokens in Python: measured at 16 and 32 tokens and extended along the line, they
-    price what replaying them token by token at the plan's length measures (within 0.1 %; the QLoRA plan's 1,024
-    tokens x 2 cross bitsandbytes' 1,536-row kernel switch, taken at the plan's tokens), in a fraction of the time."""
+def test_blocks_that_loop_over_the_tokens_are_measured_on_short_sequences(model_type, kw, plan_kw):
+    """Mamba mixers loop over the tokens in Python: run on the plan's tokens cut into sequences of 8 and 16 tokens
+    (and on twice as many sequences of 8), what they hold at the plan's length is what replaying them token by token
+    measures — what they save and their backward peak within 0.1 %, their forward peak within 0.5 % (int8 with
+    checkpointing: 0.23 %; the QLoRA plan's 2 x 1,024 tokens cross bitsandbytes' 1,536-row kernel switch as the
+    plan's do) — in a fraction of the time."""
     import time
 
     spec = spec_from_config(tiny(model_type, **kw), name=model_type)
-    plan = blocks.measured_plan(validate(Plan(seq_len=256 if model_type == "jamba" else 1024, **plan_kw)))
+    plan = blocks.measured_plan(validate(Plan(**plan_kw)))
     t0 = time.perf_counter()
     fast = blocks.measure_saves(spec, plan)
     t1 = time.perf_counter()
     ref = (blocks.measure_block_bytes(spec, plan), blocks.measure_block_bytes(spec, plan.with_(micro_batch=2)))
     t2 = time.perf_counter()
-    assert blocks._LOOPING[json.dumps([spec.config, spec.num_layers], sort_keys=True, default=str)]
+    assert blocks._LOOPING[json.dumps([spec.config, spec.num_layers, True], sort_keys=True, default=str)]
     for got, want in zip((fast.one, fast.two), ref):
-        for a, b in [(sum(got.per_block), sum(want.per_block)), (got.final, want.final),
-                     (got.forward_transient, want.forward_transient),
-                     (got.backward_transient, want.backward_transient),
-                     (got.backward_over_gradients, want.backward_over_gradients)]:
-            assert abs(a - b) <= 0.001 * b, (got, want)
+        for a, b, tolerance in [(sum(got.per_block), sum(want.per_block), 0.001), (got.final, want.final, 0.001),
+                                (got.forward_transient, want.forward_transient, 0.005),
+                                (got.backward_transient, want.backward_transient, 0.001),
+                                (got.backward_over_gradients, want.backward_over_gradients, 0.001)]:
+            assert abs(a - b) <= tolerance * b, (got, want)
     assert t1 - t0 < (t2 - t1) / 2
 
 

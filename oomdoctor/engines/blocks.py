@@ -18,12 +18,13 @@ peft's merged expert weights), at the plan's sequence length rounded up to a pow
 back linearly), with the plan's gradient checkpointing (a checkpointed block keeps its input, a formula, and
 recomputes the rest inside its measured backward). Blocks whose forward loops over the tokens in Python (Mamba's
 selective scan: ~125 ops a token forward and backward, 80 % of a cold Jamba diagnose measured token by token) are
-found by the ops they dispatch (:data:`LOOP_BUDGET`, then their growth between two short lengths) and measured at
-:func:`loop_seq_len` and twice it, extended to the plan's length along that line (:func:`along_the_sequence`);
-the other blocks still run at the plan's length. Results are cached in memory and on disk (``blocks/`` under
-``$OOMDOCTOR_CACHE``, else ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config,
-the plan's settings at micro-batch 1 and the versions of torch, transformers and peft; :func:`progress` tells a
-listener (the diagnose CLI) when a measurement starts.
+found by the ops they dispatch (:data:`LOOP_BUDGET`, then their growth between two short lengths) and measured on
+the plan's tokens cut into sequences of :data:`LOOP_SEQ_LEN` (and of twice it, and on twice as many sequences:
+:func:`along_the_sequence` takes out what grows with the number of sequences); the other blocks still run at the
+plan's length. Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
+``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config, the plan's settings at
+micro-batch 1 and the versions of torch, transformers and peft; :func:`progress` tells a listener (the diagnose CLI)
+when a measurement starts.
 """
 
 from __future__ import annotations
@@ -152,9 +153,8 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     try:
         saves = measure_saves(spec, plan)
     except Exception:  # noqa: BLE001 - passing blocks through broke a model whose blocks depend on each other
-        try:  # every replayed block at the plan's length, as measured before
-            saves = BlockSaves(measure_block_bytes(spec, plan), measure_block_bytes(spec, replace(plan, micro_batch=2)),
-                               plan.gradient_checkpointing, plan.seq_len)
+        try:
+            saves = measure_saves(spec, plan, one_per_kind=False)
         except Exception:  # noqa: BLE001 - a model the executor cannot build or replay: the formulas price it
             return None
     try:
@@ -195,98 +195,91 @@ def _tell(line: str) -> None:
 #: (Mamba's selective scan: ~40 ops a token, 82k at 2k tokens; the widest block without one dispatches a few
 #: thousand: a 64-expert eager MoE block with LoRA).
 LOOP_BUDGET = 8_000
-#: Sequence length the blocks that loop over the tokens are measured at (and at twice it), at least: each token
-#: costs every such block ~125 ops forward and backward, where the rest of a block costs ~1,500.
-LOOP_SEQ_LEN = 16
-#: Models whose replayed blocks loop over the tokens, by model config: the blocks (indices in the replayed blocks).
+#: Sequence length the blocks that loop over the tokens run at (and twice it), the plan's tokens spread over more
+#: sequences: each token of a sequence costs every such block ~125 ops forward and backward, where the rest of a
+#: block costs ~1,500.
+LOOP_SEQ_LEN = 8
+#: Models whose replayed blocks loop over the tokens, by model config (and whether one block of each kind runs): the
+#: blocks (indices in the replayed blocks, every block of a looping kind).
 _LOOPING: dict[str, frozenset[int]] = {}
 
 
-def representatives(kinds: list | None, replayed: int) -> tuple[int, ...]:
-    """For each replayed block, the block measured for it: block 0 itself (under LoRA its input needs no gradient),
-    every other block the first replayed block of its kind after block 0 (``engines/kinds.layer_kinds``; each block
-    its own when the kinds are unknown)."""
+def representatives(kinds: list | None, replayed: int, block0_alone: bool = True) -> tuple[int, ...]:
+    """For each replayed block, the block measured for it: the first replayed block of its kind
+    (``engines/kinds.layer_kinds``; each block its own when the kinds are unknown) — block 0 apart when
+    ``block0_alone`` (:func:`block0_alone`)."""
     if kinds is None:
         return tuple(range(replayed))
     first: dict = {}
-    for i in range(1, replayed):
+    for i in range(1 if block0_alone else 0, replayed):
         first.setdefault(kinds[i], i)
-    return (0,) + tuple(first[kinds[i]] for i in range(1, replayed))
+    return ((0,) if block0_alone else ()) + tuple(first[kinds[i]] for i in range(1 if block0_alone else 0, replayed))
 
 
-def loop_seq_len(spec: "ModelSpec") -> int:
-    """The short length blocks that loop over the tokens are measured at: :data:`LOOP_SEQ_LEN`, or the power of two
-    that hands every expert a token under a balanced router (``engines/routing``)."""
-    need = -(-spec.num_experts // spec.experts_per_token) if spec.num_experts and spec.experts_per_token else 1
-    return max(LOOP_SEQ_LEN, 1 << max(need - 1, 0).bit_length())
+def block0_alone(plan: "Plan") -> bool:
+    """Whether block 0 is measured on its own: under LoRA without checkpointing its input (the frozen embeddings'
+    output) needs no gradient, so it saves less than the blocks of its kind above it; a full fine-tune's embeddings
+    train, and checkpointing makes their output require grad (``enable_input_require_grads``)."""
+    return plan.uses_lora and not plan.gradient_checkpointing
 
 
-def measure_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves:
+def measure_saves(spec: "ModelSpec", plan: "Plan", *, one_per_kind: bool = True) -> BlockSaves:
     """:class:`BlockSaves` of ``spec`` under ``plan`` (a :func:`measured_plan`): its blocks replayed at micro-batch 1
-    and 2 at ``plan.seq_len`` (module docstring) — one block of each kind, every other block passed through; the
-    blocks whose forward loops over the tokens in Python at :func:`loop_seq_len` and twice it, extended to
-    ``plan.seq_len`` along the line through the two (:func:`along_the_sequence`)."""
+    and 2 at ``plan.seq_len`` (module docstring) — one block of each kind (``one_per_kind``; else every replayed
+    block), every other block passed through; the blocks whose forward loops over the tokens in Python at
+    :data:`LOOP_SEQ_LEN` and twice it, on as many sequences as make the plan's tokens (:func:`along_the_sequence`)."""
     from oomdoctor.engines.block_replay import BlockReplay, LoopBudget
     from oomdoctor.engines.kinds import layer_kinds, replay_plan
 
     kinds = layer_kinds(spec, plan)
     q, p = replay_plan(kinds) if kinds else (spec.num_layers, 0)
     replayed = q + p + 1 if p else spec.num_layers
-    reps = representatives(kinds, replayed)
-    key = json.dumps([spec.config, spec.num_layers], sort_keys=True, default=str)
-    S, s = plan.seq_len, loop_seq_len(spec)
+    reps = representatives(kinds if one_per_kind else None, replayed, block0_alone(plan))
+    key = json.dumps([spec.config, spec.num_layers, one_per_kind], sort_keys=True, default=str)
+    S, s = plan.seq_len, LOOP_SEQ_LEN
+    b = S // s  # sequences of s tokens that hold the plan's
     reduced = 2 * s < S  # at short lengths every block runs at the plan's: loops are short too
     every = frozenset(reps)
-    with BlockReplay(spec, plan, replayed if p else None) as replay:
-        looping, short = (_LOOPING.get(key, frozenset()) if reduced else frozenset()), []
+    built = max(reps) + 1  # the blocks after the last one measured pass their input through: not built
+    with BlockReplay(spec, plan, built if built < spec.num_layers else None) as replay:
+        looping, short = (_LOOPING.get(key, frozenset()) & every if reduced else frozenset()), {}
         if reduced and key not in _LOOPING:
             try:
                 one = replay.run(1, S, every, budget=LOOP_BUDGET)
-            except LoopBudget:  # which blocks loop: those whose forward grows with the tokens
-                short = [replay_scaled(replay, 1, n, every, S) for n in (s, 2 * s)]
-                looping = frozenset(i for i in every if short[1].ops[i] > short[0].ops[i])
+            except LoopBudget:  # which blocks loop: those whose forward grows with the sequence
+                short = {(b, s): replay.run(b, s, every), (b, 2 * s): replay.run(b, 2 * s, every)}
+                looping = frozenset(i for i in every if short[b, 2 * s].ops[i] > short[b, s].ops[i])
             else:
                 _LOOPING[key] = frozenset()
                 return _saves(plan, reps, q, p, spec.num_layers, one, replay.run(2, S, every))
-            _LOOPING[key] = looping
+            _LOOPING[key] = frozenset(j for j in range(replayed) if reps[j] in looping)  # every block of their kinds
         if looping:  # first: the full-length runs pass the looping blocks through as the short runs return them
-            short = short or [replay_scaled(replay, 1, n, looping, S) for n in (s, 2 * s)]
-            short.append(replay_scaled(replay, 2, s, looping, 2 * S))
+            for n, length in ((b, s), (b, 2 * s), (2 * b, s)):
+                if (n, length) not in short:
+                    short[n, length] = replay.run(n, length, looping)
         one, two = replay.run(1, S, every - looping), replay.run(2, S, every - looping)
         if looping:
-            one, two = along_the_sequence(one, two, *short, looping, S, s)
+            one, two = along_the_sequence(one, two, short[b, s], short[b, 2 * s], short[2 * b, s], looping, b)
     return _saves(plan, reps, q, p, spec.num_layers, one, two)
 
 
-def replay_scaled(replay, micro_batch: int, seq_len: int, measured: frozenset[int], plan_tokens: int):
-    """A run at fewer tokens than the plan's in which bitsandbytes' stand-ins take the CUDA kernel path the plan's
-    ``plan_tokens`` would (``execute/bnb_standin.tokens_as``: 4-bit layers dequantize whole above 1,536 rows)."""
-    from oomdoctor.execute.bnb_standin import tokens_as
-
-    with tokens_as(plan_tokens / (micro_batch * seq_len)):
-        return replay.run(micro_batch, seq_len, measured)
-
-
-def along_the_sequence(one, two, at_s, at_2s, two_at_s, looping: frozenset[int], seq_len: int, s: int):
-    """``one``/``two`` (runs at micro-batch 1 and 2 and ``seq_len``, the looping blocks passed through) with the
-    looping blocks' bytes taken from runs at ``s`` and ``2 s`` tokens (micro-batch 1) and ``s`` (micro-batch 2):
-    what a block holds grows with the sequence along a line (a Python loop keeps one state per token: its bytes at
-    any length are those at ``s`` plus the slope between ``s`` and ``2 s`` times the tokens added, per sequence of
-    the micro-batch); the weight-sized and per-sequence parts (the scan's initial state, the convolution's padding)
-    are measured as they are."""
-    from dataclasses import replace as _replace
-
-    k = (seq_len - s) / s
-
-    def line(base, lo, hi, b: int, field: str) -> tuple[int, ...]:
-        got, a, z, at = getattr(base, field), getattr(lo, field), getattr(hi, field), getattr(
-            two_at_s if b == 2 else at_s, field)
-        return tuple(int(at[i] + b * (z[i] - a[i]) * k) if i in looping else got[i] for i in range(len(got)))
+def along_the_sequence(one, two, short, long, wide, looping: frozenset[int], b: int):
+    """``one``/``two`` (runs at micro-batch 1 and 2 of ``S`` tokens, the looping blocks passed through) with the
+    looping blocks' bytes from three runs of as many tokens cut into short sequences: ``short`` (``b`` sequences of
+    ``S / b`` tokens: ``S``), ``long`` (``b`` of twice that: ``2 S``) and ``wide`` (``2 b`` of ``S / b``: ``2 S``).
+    What a block holds, saves and peaks at is weight-sized, per sequence (a scan's state and per-token step, a
+    convolution's padding: ``c`` each) and per token (a loop keeps a state per token), so ``wide - long`` is
+    ``b c``, and ``m`` sequences of the plan's tokens hold what ``b`` do less ``(b - m) c`` — to the byte on a
+    Jamba block at 256 tokens (saves, forward and backward peaks; under int8 with checkpointing the forward's peak
+    within 0.23 %: tests/test_blocks.py). The tokens, and so the
+    kernel paths (bitsandbytes' 1,536-row switch) and a balanced router's tokens per expert, are the plan's."""
+    def fit(base, at, m: int, field: str) -> tuple[int, ...]:
+        got, a, w, z = (getattr(r, field) for r in (base, at, wide, long))
+        return tuple(a[i] - round((b - m) * (w[i] - z[i]) / b) if i in looping else got[i] for i in range(len(got)))
 
     fields = ("saves", "forward", "backward", "backward_net")
-    one = _replace(one, **{f: line(one, at_s, at_2s, 1, f) for f in fields})
-    two = _replace(two, **{f: line(two, at_s, at_2s, 2, f) for f in fields})
-    return one, two
+    return (replace(one, **{f: fit(one, short, 1, f) for f in fields}),
+            replace(two, **{f: fit(two, long, 2, f) for f in fields}))
 
 
 def _saves(plan: "Plan", reps: tuple[int, ...], q: int, p: int, num_layers: int, one, two) -> BlockSaves:
@@ -295,8 +288,9 @@ def _saves(plan: "Plan", reps: tuple[int, ...], q: int, p: int, num_layers: int,
 
 
 def block_bytes(run, reps: tuple[int, ...], q: int, p: int, num_layers: int) -> BlockBytes:
-    """The :class:`BlockBytes` of all ``num_layers`` blocks from a run: each replayed block takes its
-    representative's bytes, the blocks after them those of their replayed block (``kinds.extend``)."""
+    """The :class:`BlockBytes` of all ``num_layers`` blocks from a run (of blocks ``0 .. max(reps)``): each replayed
+    block takes its representative's bytes, the blocks after them those of their replayed block
+    (``kinds.extend``)."""
     def per(values) -> tuple[int, ...]:
         return extend(tuple(values[r] for r in reps), q, p, num_layers)
 

@@ -29,7 +29,6 @@ depends on the data; in practice a handful of columns).
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from typing import Any
 
 #: bnb 0.50 CUDA: above this many rows gemm_4bit falls back to dequantize + F.linear (backends/cuda/ops.py).
@@ -55,27 +54,6 @@ def quant_bytes_4bit(out_features: int, in_features: int, double_quant: bool, bl
 def quant_bytes_int8(out_features: int, in_features: int) -> dict[str, int]:
     """Exact bytes of one bnb int8 linear's storage (unrounded)."""
     return {"weight": out_features * in_features, "SCB": out_features * 4}
-
-
-class _RowScale:
-    """How many rows a 4-bit stand-in's input stands for, per row it has (:func:`tokens_as`)."""
-
-    factor: float = 1.0
-
-
-_ROWS = _RowScale()
-
-
-@contextmanager
-def tokens_as(factor: float):
-    """Inside, the 4-bit stand-ins take bitsandbytes' CUDA kernel path (:data:`GEMM_4BIT_CUSTOM_MAX_M`) as if their
-    inputs had ``factor`` times their rows: a block measured at fewer tokens than the plan's (``engines/blocks.py``)
-    dequantizes whole where the plan's tokens would."""
-    before, _ROWS.factor = _ROWS.factor, factor
-    try:
-        yield
-    finally:
-        _ROWS.factor = before
 
 
 #: Callbacks told of every tensor an int8 matmul keeps on its autograd context instead of ``save_for_backward`` (as
@@ -190,7 +168,7 @@ def _make_classes():
             x = x.to(self.compute_dtype)
             bias = None if self.bias is None else self.bias.to(self.compute_dtype)
             qs = self.quant_state()
-            m = x.numel() // max(x.shape[-1], 1) * _ROWS.factor
+            m = x.numel() // max(x.shape[-1], 1)
             if self.decompose and m > GEMM_4BIT_CUSTOM_MAX_M and torch.is_grad_enabled() and x.requires_grad:
                 out = _MatMul4BitDecomposed.apply(x, self.weight, bias, qs)
             else:

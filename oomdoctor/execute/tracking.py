@@ -190,7 +190,7 @@ class LiveBytes(TorchDispatchMode):
             # is not counted in either (keeps fake-tensor replays and real runs identical)
             return out
         self.events += 1
-        flat, _ = tree_flatten(out)
+        flat = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         new: list[tuple[int, object, int]] = []
         grow = 0
         seen: set[int] = set()
@@ -255,7 +255,11 @@ class LiveBytes(TorchDispatchMode):
     @staticmethod
     def _storage_keys(tree) -> set[int]:
         keys: set[int] = set()
-        for t in tree_flatten(tree)[0]:
+        args, kwargs = tree
+        flat = (*args, *(kwargs or {}).values())
+        if any(isinstance(a, (list, tuple, dict)) for a in flat):  # nested (cat's tensor list...): the full walk
+            flat = tree_flatten(tree)[0]
+        for t in flat:
             if isinstance(t, torch.Tensor):
                 try:
                     keys.add(_local(t).untyped_storage()._cdata)
