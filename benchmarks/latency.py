@@ -10,7 +10,7 @@ Prints one row per case: median wall time of N runs, the goal, and whether the m
 - ``load_spec`` of an unknown id when nothing listens at the hub endpoint (goal: one refused connection, not
   huggingface_hub's retries of about 20 s).
 
-Usage: python benchmarks/latency.py [--runs 3]
+Usage: python benchmarks/latency.py [--runs 3] [--quick: one run each]
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HELP = "from oomdoctor.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
 
@@ -74,9 +77,14 @@ def _inner(code: str, env: dict[str, str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="one run of each case (smoke run)")
     args = ap.parse_args()
-    base = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if args.quick:
+        args.runs = 1
+    here = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # this checkout's oomdoctor
+    base = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": here}
     hub_env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "OOMDOCTOR_OFFLINE")}
+    hub_env["PYTHONPATH"] = here
     hub_env["HF_ENDPOINT"] = f"http://127.0.0.1:{_free_port()}"
     cases = [
         ("oomdoctor --help, fresh process", lambda: _wall(HELP, base), 1.5),
@@ -84,10 +92,10 @@ def main() -> None:
         ("tune Llama-2-7B on 8 GPUs (strategy ladder)", lambda: _inner(TUNE_MULTI, base), 3.0),
         ("unknown id, hub unreachable, fresh process", lambda: _wall(HUB, hub_env), 15.0),
     ]
-    print(f"{'case':<46} {'median s':>9} {'goal s':>7}  ok")
+    print(f"{'case':<46} {'median s':>9} {'goal s':>7}  verdict")
     for name, fn, goal in cases:
         med = statistics.median(fn() for _ in range(args.runs))
-        print(f"{name:<46} {med:>9.3f} {goal:>7.1f}  {'yes' if med <= goal else 'NO'}")
+        print(f"{name:<46} {med:>9.3f} {goal:>7.1f}  {'PASS' if med <= goal else 'MISS'}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 For each (model, card): the chosen plan, micro-batch x accumulation, predicted resident peak, predicted tokens/s
 (reference profile) and the wall time of the decision (analytic search, no verification: the part that runs
 without a GPU), next to what the anchors publish for the same model and card where they do. Goal: <= 3 s per
-decision. Run: ``python benchmarks/tune_choices.py`` (``--seq-len``, ``--models a,b``).
+decision (a verdict per row, and for the median). Run: ``python benchmarks/tune_choices.py`` (``--seq-len``,
+``--models a,b``; ``--quick``: two models, a smoke run).
 
 Anchors (public recipes, seq_len 2048 unless noted):
 * unsloth notebooks: QLoRA of 7-8B models on a 16 GB T4 (Llama-3.1-8B, Mistral-7B, Qwen2.5-7B);
@@ -23,6 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CARDS_GB = (8, 16, 24, 48, 80)
+#: Seconds one decision may take.
+GOAL_S = 3.0
 MODELS = (
     "HuggingFaceTB/SmolLM2-360M", "Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B", "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
     "Qwen/Qwen2.5-1.5B", "HuggingFaceTB/SmolLM2-1.7B", "google/gemma-2-2b", "microsoft/phi-2", "meta-llama/Llama-3.2-3B",
@@ -47,13 +50,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--quick", action="store_true", help="two models (smoke run)")
     a = ap.parse_args()
+    if a.quick:
+        a.models = "HuggingFaceTB/SmolLM2-360M,meta-llama/Llama-2-7b-hf"
 
     from oomdoctor.errors import OomDoctorError
     from oomdoctor.tune.tuner import tune
     from oomdoctor.units import format_bytes
 
-    print(f"{'model':<44}{'card':>5}  {'plan':<52}{'micro x acc':>12}{'peak':>11}{'tok/s':>8}{'s':>6}  anchor")
+    print(f"{'model':<44}{'card':>5}  {'plan':<52}{'micro x acc':>12}{'peak':>11}{'tok/s':>8}{'s':>6}{'goal':>6}  "
+          f"verdict  anchor")
     times = []
     for model in a.models.split(","):
         for gb in CARDS_GB:
@@ -68,10 +75,12 @@ def main() -> None:
                 plan, shape, peak, tps = "no plan fits", "-", "-", "-"
             dt = time.perf_counter() - t0
             times.append(dt)
-            print(f"{model:<44}{gb:>4}G  {plan:<52}{shape:>12}{peak:>11}{tps:>8}{dt:>6.2f}  "
-                  f"{ANCHORS.get((model, gb), '')}")
+            print(f"{model:<44}{gb:>4}G  {plan:<52}{shape:>12}{peak:>11}{tps:>8}{dt:>6.2f}{GOAL_S:>6.1f}  "
+                  f"{'PASS' if dt <= GOAL_S else 'MISS':<7}  {ANCHORS.get((model, gb), '')}")
     times.sort()
-    print(f"\ndecisions: {len(times)}; median {times[len(times) // 2]:.2f} s, max {times[-1]:.2f} s (goal <= 3 s)")
+    med = times[len(times) // 2]
+    print(f"\ndecisions: {len(times)}; median {med:.2f} s, max {times[-1]:.2f} s (goal <= {GOAL_S:g} s): "
+          f"{'PASS' if med <= GOAL_S else 'MISS'}")
 
 
 if __name__ == "__main__":

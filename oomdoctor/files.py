@@ -1,39 +1,138 @@
-"""Writing user-facing files without ever leaving half of one: atomic replace, refusal to overwrite."""
+"""Writing user-facing files (``tune --output``, ``diagnose --plot``, ``train``'s summary) through one helper that
+checks the path first and never leaves half a file.
+
+Two kinds of failure, two exit codes (README, "Exit codes"):
+
+* the path cannot take the file — it names a directory, sits under a file, lies in a directory that is read-only or
+  not writable, or exists and may not be replaced: :class:`~oomdoctor.errors.BadInput` (exit 2), raised by
+  :func:`check_output_path`, which the commands call before any work so that the answer comes at once;
+* the write itself fails (disk full, quota, I/O error): :class:`~oomdoctor.errors.WriteFailed` (exit 74), with the
+  free space; the temporary file is removed and a file already at the path is left as it was.
+
+Writes are atomic: a temporary file in the same directory, flushed and fsynced, renamed over the path
+(``os.replace``), so a reader sees the old file or the whole new one.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
-from oomdoctor.errors import BadInput
+from oomdoctor.errors import BadInput, WriteFailed
+from oomdoctor.units import format_bytes
 
 
-def write_text_atomic(path: str | os.PathLike, text: str, *, overwrite: bool = False) -> Path:
-    """Write ``text`` to ``path`` atomically (temp file in the same directory, fsync, rename): a reader never sees
-    a partial file and a failure leaves the old one. An existing file is refused (BadInput) unless ``overwrite``;
-    a directory always is."""
-    out = Path(path)
-    if out.is_dir():
-        raise BadInput(f"--output {out} is a directory", "pass a file name, e.g. --output plan.yaml")
-    if out.exists() and not overwrite:
-        raise BadInput(f"--output {out} exists; not overwriting it",
-                       "pass --force to replace it, or another --output path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free bytes on the filesystem holding ``path`` (or its nearest existing parent); None when unknown."""
     try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        return shutil.disk_usage(_nearest_existing(Path(path))).free
+    except OSError:
+        return None
+
+
+def _nearest_existing(p: Path) -> Path:
+    """``p`` or its nearest parent that exists."""
+    p = p.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _not_writable(d: Path) -> str | None:
+    """Why no file can be created in the directory ``d`` (None: it can). ``os.access`` answers for the real user and
+    sees read-only mounts (EROFS), which even root cannot write."""
+    if os.access(d, os.W_OK | os.X_OK):
+        return None
+    try:
+        if os.statvfs(d).f_flag & os.ST_RDONLY:
+            return "read-only filesystem"
+    except OSError:
+        pass
+    return "permission denied"
+
+
+def check_output_path(path: str | os.PathLike, *, what: str = "--output", overwrite: bool = False,
+                      example: str = "plan.yaml") -> Path:
+    """The path ``what`` (the flag that named it) will write, refused with one message (BadInput, exit 2) when a file
+    cannot be written there: a directory, an existing file unless ``overwrite``, a parent that is a file, a directory
+    that is read-only or not writable. ``example``: a file name for the hint."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise BadInput(f"{what} {out} is a directory", f"name a file in it, e.g. {what} {out / example}")
+    if out.exists() and not overwrite:
+        raise BadInput(f"{what} {out} exists; not overwriting it",
+                       f"pass --force to replace it, or another {what} path")
+    where = _nearest_existing(out.parent)
+    if not where.is_dir():
+        raise BadInput(f"{what} {out}: {where} is a file, not a directory",
+                       f"choose a path in a directory, e.g. {what} {out.name}")
+    why = _not_writable(where)
+    if why:
+        raise BadInput(f"{what} {out}: cannot write in {where} ({why})",
+                       f"choose a writable directory, e.g. {what} {Path.home() / out.name}")
+    return out
+
+
+def write_file_atomic(path: str | os.PathLike, data: str | bytes, *, what: str = "--output", overwrite: bool = False,
+                      example: str = "plan.yaml", hint: str | None = None) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` atomically after :func:`check_output_path`; WriteFailed (exit 74)
+    when the write fails, with nothing left behind (``hint``: what to do then; default: free space or choose another
+    path). Returns the path written."""
+    out = check_output_path(path, what=what, overwrite=overwrite, example=example)
+    existed = out.exists()
+    tmp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, out)
+    except OSError as exc:
+        _remove(tmp)
+        raise write_failed(what, out, exc,
+                           "nothing was written" + (", the file already there is unchanged" if existed else ""),
+                           hint or f"free some space or choose another {what} path, and run the command again"
+                           ) from None
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _remove(tmp)
         raise
     return out
 
 
-__all__ = ["write_text_atomic"]
+def free_path(path: str | os.PathLike) -> Path:
+    """``path``, or when it exists the first free ``STEM-2.SUFFIX``, ``STEM-3.SUFFIX``... beside it (a default output
+    name never replaces a file)."""
+    p = Path(path)
+    n = 2
+    while p.exists():
+        p = p.with_name(f"{Path(path).stem}-{n}{Path(path).suffix}")
+        n += 1
+    return p
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, *, overwrite: bool = False, what: str = "--output") -> Path:
+    """:func:`write_file_atomic` for text (the YAML/JSON configs ``tune`` writes)."""
+    return write_file_atomic(path, text, what=what, overwrite=overwrite)
+
+
+def write_failed(what: str, path: str | os.PathLike, exc: OSError, outcome: str, hint: str) -> WriteFailed:
+    """The one message of a failed write: ``what`` (a flag or a kind of file) ``path`` could not be written because
+    of ``exc`` (its errno's text, and the free space there); ``outcome`` says what was kept."""
+    free = free_bytes(path)
+    return WriteFailed(f"{what} {path}: writing it failed ({exc.strerror or exc}"
+                       + (f"; {format_bytes(free)} free there" if free is not None else "") + f"); {outcome}", hint)
+
+
+def _remove(tmp: str | None) -> None:
+    if tmp is not None:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+__all__ = ["check_output_path", "free_bytes", "free_path", "write_failed", "write_file_atomic", "write_text_atomic"]

@@ -67,3 +67,29 @@ def tiny_spec(tiny_config):
     from oomdoctor.model.load import spec_from_config
 
     return spec_from_config(tiny_config, name="tiny-llama")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``small_fs(size, read_only=False)``: a real tmpfs of ``size`` bytes mounted under ``tmp_path`` (a disk that
+    fills, or a read-only filesystem), unmounted at teardown; the test is skipped where mounting is not allowed (not
+    root, no CAP_SYS_ADMIN)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: int, read_only: bool = False):
+        from pathlib import Path
+
+        d = Path(tmp_path) / f"fs{len(mounted)}"
+        d.mkdir()
+        opts = f"size={size}" + (",ro" if read_only else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)

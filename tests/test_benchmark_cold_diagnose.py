@@ -18,6 +18,6 @@ def test_cold_diagnose_benchmark_quick_mode_prints_its_table():
     lines = p.stdout.splitlines()
     assert "goal 120 s wall" in lines[0] and lines[1].split()[:2] == ["kind", "config"]
     rows = lines[2:]
-    assert len(rows) == 2 and all(r.rstrip().endswith("ok") for r in rows), p.stdout
+    assert len(rows) == 2 and all(r.rstrip().endswith(("PASS", "MISS")) for r in rows), p.stdout
     mamba = next(r for r in rows if "tiny:mamba" in r)
     assert int(mamba.split()[-3]) > 0  # its blocks were measured (cold cache), not priced by formulas

@@ -34,6 +34,12 @@ PLANS = {
     "full bf16": dict(method="full", precision="bf16"),
     "full fp32": dict(method="full", precision="fp32"),
     "qlora bf16-mixed dropout": dict(method="qlora", precision="bf16-mixed", lora_dropout=0.1),
+    # pure bf16 QLoRA without peft's k-bit upcast: bf16 norms and residual stream around the quantized linears
+    "qlora nf4 bf16 no-upcast": dict(method="qlora", precision="bf16", kbit_upcast=False),
+    # LLM.int8() keeps the output projection's input, which SDPA saved as its output already (+16 KiB per block
+    # before: a bf16 input the fp32 adapter copies, or any input with dropout)
+    "qlora int8 bf16 no-upcast": dict(method="qlora", quant="int8", precision="bf16", kbit_upcast=False),
+    "qlora int8 bf16 dropout": dict(method="qlora", quant="int8", precision="bf16", lora_dropout=0.1),
 }
 
 
@@ -72,6 +78,16 @@ def test_measured_blocks_put_the_analytic_engine_within_2_percent_of_simulate(mo
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.02 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
     assert any("measured by replaying" in n for n in a.notes)
+
+
+def test_the_k_bit_upcast_keys_a_measurement_where_it_changes_the_blocks():
+    """peft's k-bit upcast makes a pure-bf16 quantized base's norms (and so its residual stream) fp32: two
+    measurements; an fp32-loaded base (``*-mixed``, ``fp32``) has nothing to cast: one."""
+    qlora = validate(Plan(method="qlora", precision="bf16", seq_len=100))
+    assert blocks.measured_plan(qlora.with_(kbit_upcast=False)).kbit_upcast is False
+    assert blocks.measured_plan(qlora).kbit_upcast is True
+    mixed = qlora.with_(precision="bf16-mixed")
+    assert blocks.measured_plan(mixed.with_(kbit_upcast=False)) == blocks.measured_plan(mixed)
 
 
 def test_types_with_formulas_are_not_measured(tiny_config):
@@ -312,13 +328,17 @@ def test_blocks_that_loop_over_the_tokens_are_measured_on_short_sequences(model_
     assert t1 - t0 < (t2 - t1) / 2
 
 
-def test_a_measurement_tells_its_listeners_once():
-    """The diagnose CLI prints a line on stderr as each cold measurement starts (seconds each); a cached one is
-    silent."""
+def test_a_measurement_reports_its_runs_once():
+    """Each replay run of a cold measurement is reported (``oomdoctor.progress``, task ``blocks``: the CLI draws it on
+    stderr), numbered against the runs it makes; a cached measurement is silent."""
+    from oomdoctor.progress import listening
+
     spec = spec_from_config(tiny("seed_oss", layers=2), name="seed_oss")
     plan = validate(Plan(method="lora", precision="bf16", seq_len=64, lora_r=4))
-    heard: list[str] = []
-    with blocks.progress(heard.append):
+    heard: list = []
+    with listening(heard.append):
         estimate(spec, plan)
         estimate(spec, plan.with_(micro_batch=2))
-    assert heard == ["measuring what seed_oss blocks save under lora bf16 at 64 tokens (once: cached)"]
+    assert {(p.task, p.message) for p in heard} == {
+        ("blocks", "measuring what seed_oss blocks save under lora bf16 at 64 tokens (once: cached)")}
+    assert [(p.step, p.steps) for p in heard] == [(1, 2), (2, 2)]

@@ -19,7 +19,7 @@ from collections import defaultdict
 import pytest
 
 from oomdoctor.model.spec import ModelSpec
-from oomdoctor.model.load import MODELS_DIR, bundled_ids, load_spec, registry_entry
+from oomdoctor.model.load import MODELS_DIR, bundled_ids, listing_of, load_spec, registry_entry
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -118,6 +118,13 @@ def test_bundled_count_close_to_published(entry):
         f"{entry['id']}: ours {spec.num_params:,} vs published {published:,}"
     )
     assert entry["note"].strip()
+
+
+@pytest.mark.parametrize("entry", REGISTRY, ids=[e["id"] for e in REGISTRY])
+def test_registry_listing_is_the_spec(entry):
+    """``oomdoctor models`` prints the registry's precomputed listing: it must be what load_spec builds."""
+    assert entry["listing"] == listing_of(load_spec(entry["id"])), (
+        f"{entry['id']}: stale listing in registry.json; run python scripts/registry_listing.py")
 
 
 def test_registry_is_well_formed():

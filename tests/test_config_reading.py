@@ -123,7 +123,8 @@ def test_a_missing_optional_package_is_named_with_its_install_command(tmp_path):
 
 
 @pytest.mark.parametrize("cfg, says, hint", [
-    ({"model_type": "no_such_kind_xyz"}, "model kind 'no_such_kind_xyz' is not supported: transformers",
+    ({"model_type": "no_such_kind_xyz"},
+     "model kind 'no_such_kind_xyz' is not supported: model_type 'no_such_kind_xyz' is not a kind of model transformers",
      "pip install -U transformers"),
     ({"model_type": "vit"}, "model kind 'vit' is not supported: oomdoctor prices causal LMs", "oomdoctor models"),
     ({"model_type": "mamba2", "num_heads": "eight"}, "this 'mamba2' config is not supported: transformers",

@@ -193,3 +193,21 @@ def test_fits_only_when_nothing_fits_says_so_without_a_table(capsys):
         assert exc.code in (0, None)
     out = capsys.readouterr().out
     assert "plans fits; run without --fits-only" in out and "Traceback" not in out
+
+
+def test_a_70b_qlora_on_48gb_is_advised_to_skip_the_k_bit_upcast(capsys):
+    """Llama-3.3-70B QLoRA in pure bf16 at 2,048 tokens misses 48 GB by a few hundred MB: peft's k-bit upcast (fp32
+    embeddings, norms and head, an fp32 residual stream) is what does not fit, and the advice says how to skip it;
+    pinned off, the same plan fits (one QLoRA row per stack: the table shows the upcast only when pinned)."""
+    args = ["diagnose", "meta-llama/Llama-3.3-70B-Instruct", "--method", "qlora", "--quant", "nf4", "--double-quant",
+            "--precision", "bf16", "--optimizer", "adamw", "--gradient-checkpointing", "--loss", "chunked",
+            "--seq-len", "2048", "--gpu-mem", "48GB", "--json"]
+    code, out, _ = run_ok(args, capsys)
+    (plan,) = json.loads(out)["plans"]
+    assert plan["fits"] is False and plan["settings"]["kbit_upcast"] is True
+    skip = next(c for c in plan["advice"]["changes"] if c["id"] == "kbit-upcast:off")
+    assert skip["fits"] and skip["flags"] == "--no-kbit-upcast" and skip["yaml"] == "kbit_upcast: false"
+    assert skip["saves_bytes"] > 4 * 10**9  # 2.1 B unquantized weights at 2 bytes less, and half the activations
+    code, out, _ = run_ok(args + ["--no-kbit-upcast"], capsys)
+    (off,) = json.loads(out)["plans"]
+    assert off["fits"] is True and off["settings"]["kbit_upcast"] is False

@@ -19,13 +19,13 @@ GiB = 2**30
 # None = the message does not say (or says something impossible).
 CASES = {
     "v22-forward-llama-trainer": ("cuda-allocator", "torch>=2.2", "cuda:0", "172.00 MiB", "23.64 GiB", "95.81 MiB",
-                                  "22.87 GiB", "211.16 MiB", 0, "forward", "capacity"),
+                                  "22.87 GiB", "211.16 MiB", 0, "forward", "fragmentation"),
     "v22-fragmentation-backward": ("cuda-allocator", "torch>=2.2", "cuda:0", "1.25 GiB", "39.38 GiB", "731.38 MiB",
                                    "33.14 GiB", "5.02 GiB", 0, "backward", "fragmentation"),
     "v22-other-processes": ("cuda-allocator", "torch>=2.2", "cuda:0", "512.00 MiB", "23.68 GiB", "301.56 MiB",
                             "11.41 GiB", "276.46 MiB", S("9.86 GiB") + S("1.37 GiB"), "forward", "other-processes"),
     "v29-ranks-private-pools-optimizer": ("cuda-allocator", "torch>=2.2", "cuda:0", "2.03 GiB", "79.19 GiB",
-                                          "1.58 GiB", "74.12 GiB", "2.84 GiB", 0, "optimizer-step", "capacity"),
+                                          "1.58 GiB", "74.12 GiB", "2.84 GiB", 0, "optimizer-step", "fragmentation"),
     "v21-capacty-eval-logits": ("cuda-allocator", "torch-2.1", "cuda:0", "7.83 GiB", "39.39 GiB", "5.61 GiB",
                                 "30.28 GiB", "2.98 GiB", 0, "evaluation", "huge-allocation"),
     "v20-old-format-loss": ("cuda-allocator", "torch<=2.0", "cuda:0", "3.91 GiB", "79.15 GiB", "2.31 GiB",
@@ -33,26 +33,26 @@ CASES = {
     "v113-allowed-backward": ("cuda-allocator", "torch<=2.0", "cuda:0", "768.00 MiB", "23.69 GiB", "10.71 GiB",
                               "10.94 GiB", S("11.50 GiB") - S("10.94 GiB"), None, "backward", "capacity"),
     "v14-cached-forward": ("cuda-allocator", "torch<1.5", "cuda:0", "96.00 MiB", "10.92 GiB", "85.38 MiB",
-                           "9.87 GiB", S("10.16 GiB") - S("9.87 GiB"), None, "forward", "capacity"),
+                           "9.87 GiB", S("10.16 GiB") - S("9.87 GiB"), None, "forward", "fragmentation"),
     "wsl-absurd-process-values": ("cuda-allocator", "torch>=2.2", "cuda:0", "250.00 MiB", "8.00 GiB", 0,
                                   "6.91 GiB", "183.27 MiB", None, "backward", "capacity"),
     "zero-free-checkpoint-merge": ("cuda-allocator", "torch>=2.2", "cuda:0", "2.00 MiB", "15.70 GiB", 0,
-                                   "15.31 GiB", "64.52 MiB", 0, "checkpoint-save", "capacity"),
+                                   "15.31 GiB", "64.52 MiB", 0, "checkpoint-save", "fragmentation"),
     "fsdp-clone-warning-save": ("fsdp-clone-warning", "torch<=2.0", "cuda:0", "172.00 MiB", "79.15 GiB",
                                 "49.25 MiB", "76.02 GiB", S("77.94 GiB") - S("76.02 GiB"), None, "checkpoint-save",
-                                "capacity"),
-    "cuda-error-context": ("cuda-error", "cuda-runtime", "cuda", None, None, None, None, None, None, None,
+                                "fragmentation"),
+    "cuda-error-context": ("cuda-error", "cuda-runtime", "cuda", None, None, None, None, None, None, "model-load",
                            "other-processes"),
     "cublas-alloc-failed-forward": ("cuda-error", "cuda-runtime", "cuda", None, None, None, None, None, None,
                                     "forward", "other-processes"),
-    "cpu-allocator-not-enough": ("cpu-allocator", "torch-cpu", "cpu", 655360000, None, None, None, None, None, None,
-                                 "capacity"),
+    "cpu-allocator-not-enough": ("cpu-allocator", "torch-cpu", "cpu", 655360000, None, None, None, None, None,
+                                 "model-load", "capacity"),
     "cpu-allocator-cant-allocate-optimizer": ("cpu-allocator", "torch-cpu", "cpu", 536870912, None, None, None, None,
                                               None, "optimizer-step", "capacity"),
     "bnb-dispatched-cpu-disk": ("quantized-offload", "transformers/accelerate", "cuda", None, None, None, None, None,
-                                None, None, "capacity"),
+                                None, "model-load", "capacity"),
     "accelerate-8bit-offload-train": ("quantized-offload", "transformers/accelerate", "cuda", None, None, None, None,
-                                      None, None, None, "capacity"),
+                                      None, None, "model-load", "capacity"),
     "hip-rocm-backward": ("cuda-allocator", "torch>=2.2", "cuda:3", "14.68 GiB", "191.98 GiB", "9.21 GiB",
                           "176.33 GiB", "5.87 GiB", None, "backward", "capacity"),
     "mps-backend": ("mps-allocator", "torch-mps", "mps", 594 * 2**20, S("18.13 GiB"), None, S("16.97 GiB"), None,
@@ -60,21 +60,53 @@ CASES = {
     "packing-bug-huge-request": ("cuda-allocator", "torch-2.1", "cuda:0", "341.58 GiB", "79.15 GiB", "62.04 GiB",
                                  "15.53 GiB", "916.95 MiB", 0, "forward", "huge-allocation"),
     "container-own-pid-hidden": ("cuda-allocator", "torch>=2.2", "cuda:0", "2.32 GiB", "21.98 GiB", "1.07 GiB",
-                                 "19.84 GiB", "579.21 MiB", 0, "loss", "capacity"),
+                                 "19.84 GiB", "579.21 MiB", 0, "loss", "huge-allocation"),
     "wrapped-lightning-validation": ("cuda-allocator", "torch>=2.2", "cuda:0", "3.12 GiB", "11.72 GiB", "1.12 GiB",
                                      "7.94 GiB", "2.41 GiB", 0, "evaluation", "huge-allocation"),
     "gc-recompute-backward": ("cuda-allocator", "torch>=2.2", "cuda:0", "344.00 MiB", "44.53 GiB", "187.25 MiB",
-                              "43.41 GiB", "431.77 MiB", 0, "backward", "capacity"),
+                              "43.41 GiB", "431.77 MiB", 0, "backward", "fragmentation"),
     "jupyter-colab-backward": ("cuda-allocator", "torch>=2.2", "cuda:0", "1.02 GiB", "14.75 GiB", "469.06 MiB",
-                               "12.91 GiB", "1.24 GiB", 0, "backward", "capacity"),
+                               "12.91 GiB", "1.24 GiB", 0, "backward", "fragmentation"),
     "xpu-intel-forward": ("cuda-allocator", "torch-xpu", "xpu:0", "136.00 MiB", "15.11 GiB", None, "14.62 GiB",
-                          "171.35 MiB", None, "forward", "capacity"),
+                          "171.35 MiB", None, "forward", "fragmentation"),
     "accelerate-batch-size-exhausted": ("batch-size-exhausted", "accelerate", "cuda", None, None, None, None, None,
                                         None, None, "capacity"),
     "linux-oom-killer-offload": ("cpu-oom-killer", "linux-oom-killer", "cpu", None, None, None, None, None, None,
                                  None, "capacity"),
     "deepspeed-save-checkpoint": ("cuda-allocator", "torch>=2.2", "cuda:0", "1002.00 MiB", "23.55 GiB",
                                   "817.94 MiB", "21.47 GiB", "827.63 MiB", 0, "checkpoint-save", "capacity"),
+    # Issue 28's misreadings, one sample each (every row fails on the code before the fix): a lone process line is
+    # this process; one large allocation is its own cause; load/save/eval phases; formats read as no OOM at all.
+    "v23-lone-process-is-self": ("cuda-allocator", "torch>=2.2", "cuda:1", "384.00 MiB", "23.68 GiB", "361.69 MiB",
+                                 "20.31 GiB", "92.17 MiB", 0, "backward", "capacity"),
+    "wsl-process-listed-twice": ("cuda-allocator", "torch>=2.2", "cuda:0", "224.00 MiB", "8.00 GiB", 0,
+                                 "6.62 GiB", "102.42 MiB", 0, "forward", "capacity"),
+    "v26-full-vocab-logits-loss": ("cuda-allocator", "torch>=2.2", "cuda:0", "15.66 GiB", "79.19 GiB", "4.17 GiB",
+                                   "73.40 GiB", "634.88 MiB", 0, "loss", "huge-allocation"),
+    "v24-eval-gathered-logits": ("cuda-allocator", "torch>=2.2", "cuda:0", "9.28 GiB", "39.39 GiB", "3.74 GiB",
+                                 "34.73 GiB", "378.92 MiB", 0, "evaluation", "huge-allocation"),
+    "trl-sft-eval-full-logits": ("cuda-allocator", "torch>=2.2", "cuda:0", "4.64 GiB", "23.64 GiB", "1.10 GiB",
+                                 "21.72 GiB", "358.40 MiB", 0, "evaluation", "huge-allocation"),
+    "cudnn-not-supported-after-oom": ("cuda-allocator", "torch>=2.2", "cuda:0", "2.44 GiB", "15.77 GiB",
+                                      "870.38 MiB", "14.20 GiB", "285.61 MiB", 0, "forward", "huge-allocation"),
+    "v25-load-allocator-warmup": ("cuda-allocator", "torch>=2.2", "cuda:0", "13.54 GiB", "14.74 GiB", "11.97 GiB",
+                                  "2.35 GiB", "20.44 MiB", 0, "model-load", "huge-allocation"),
+    "v24-load-trainer-moves-fp32-model": ("cuda-allocator", "torch>=2.2", "cuda:0", "224.00 MiB", "23.64 GiB",
+                                          "215.81 MiB", "23.02 GiB", "1.95 MiB", 0, "model-load", "capacity"),
+    "mps-load-to-device": ("mps-allocator", "torch-mps", "mps", 1002 * 2**20, S("18.13 GiB"), None, S("17.44 GiB"),
+                           None, None, "model-load", "capacity"),
+    "mps-invalid-buffer-size-logits": ("mps-allocator", "torch-mps-buffer", "mps", S("15.62 GiB"), None, None, None,
+                                       None, None, "loss", "huge-allocation"),
+    "fsdp2-full-state-dict-gather": ("cuda-allocator", "torch>=2.2", "cuda:0", "1.96 GiB", "79.19 GiB", "937.69 MiB",
+                                     "77.10 GiB", "621.40 MiB", 0, "checkpoint-save", "capacity"),
+    "lightning-validation-epoch-end-cat": ("cuda-allocator", "torch>=2.2", "cuda:0", "5.86 GiB", "23.64 GiB",
+                                           "5.78 GiB", "17.20 GiB", "215.04 MiB", 0, "evaluation", "huge-allocation"),
+    "v24-memory-fraction-cap": ("cuda-allocator", "torch>=2.2", "cuda:0", "1.00 GiB", "79.19 GiB", "39.20 GiB",
+                                "38.90 GiB", "410.00 MiB", 0, "backward", "capacity"),
+    "cudnn-not-supported-whisper": ("cuda-error", "cudnn", "cuda", None, None, None, None, None, None, "forward",
+                                    "capacity"),
+    "oom-killer-cgroup-journal": ("cpu-oom-killer", "linux-oom-killer-cgroup", "cpu", None, 67108864 * 1024, None,
+                                  None, None, None, None, "capacity"),
 }
 
 
@@ -159,7 +191,11 @@ def test_zero_bytes_process_entry_is_unknown():
         "is allocated by PyTorch, and 31.72 MiB is reserved by PyTorch but unallocated."
     )
     r = parse_oom(text)
-    assert r.other_processes_bytes is None
+    # The lone entry is this process (its usage unknown): no other process is listed.
+    assert [p.is_self for p in r.processes] == [True]
+    assert r.this_process_bytes is None
+    assert r.other_processes_bytes == 0
+    assert any("0 bytes" in n and "other processes' share is unknown" not in n for n in r.notes)
     assert r.requested_bytes == 20 * 2**20
 
 
@@ -253,10 +289,49 @@ def test_no_oom_is_bad_input():
         ("loss = fixed_cross_entropy(logits, labels)", "ForCausalLMLoss", "/t/transformers/loss/loss_utils.py",
          "loss"),
         ("hidden_states = self.mlp(hidden_states)", "forward", "/t/transformers/models/llama/m.py", "forward"),
+        # model load: transformers 5.x, the Trainer moving the model, bitsandbytes quantizing, peft's fp32 upcast
+        ("_ = torch.empty(int(byte_count // 2), dtype=torch.float16, device=device, requires_grad=False)",
+         "caching_allocator_warmup", "/t/transformers/modeling_utils.py", "model-load"),
+        ("model = model.to(device)", "_move_model_to_device", "/t/transformers/trainer.py", "model-load"),
+        ("return self._apply(convert)", "to", "/t/torch/nn/modules/module.py", "model-load"),
+        ("w = self.data.contiguous().to(device)", "_quantize", "/t/bitsandbytes/nn/modules.py", "model-load"),
+        ("param.data = param.data.to(torch.float32)", "prepare_model_for_kbit_training", "/t/peft/utils/other.py",
+         "model-load"),
+        ("model = load_checkpoint_and_dispatch(model, ckpt, device_map='auto')", "main", "/x/infer.py", "model-load"),
+        # checkpoint save: DCP / FSDP2 gathers, DeepSpeed's 16-bit consolidation, accelerate's state-dict gather
+        ("state_dict = get_model_state_dict(model, options=opts)", "save_consolidated", "/x/train.py",
+         "checkpoint-save"),
+        ("return _iterate_state_dict(", "_gather_state_dict", "/t/torch/distributed/_state_dict_utils.py",
+         "checkpoint-save"),
+        ("model_engine.save_16bit_model(out_dir)", "main", "/x/train.py", "checkpoint-save"),
+        ("state_dict = accelerator.get_state_dict(model)", "main", "/x/train.py", "checkpoint-save"),
+        # evaluation: Lightning's epoch-end hooks and loops, a trainer.validate() call
+        ("logits = torch.cat(self.val_logits)", "on_validation_epoch_end", "/x/module.py", "evaluation"),
+        ("self._on_evaluation_epoch_end()", "on_run_end", "/t/lightning/pytorch/loops/evaluation_loop.py",
+         "evaluation"),
+        ("trainer.validate(module, datamodule=dm)", "<module>", "/x/run.py", "evaluation"),
     ],
 )
 def test_single_frame_phase(code, func, path, phase):
     assert detect_phase([(path, 10, func, code)])[0] == phase
+
+
+def test_phase_precedence_outer_contexts():
+    # bf16_full_eval moves the model inside the evaluation loop: evaluation, not model load
+    frames = [
+        ("/t/transformers/trainer.py", 2871, "evaluate", "output = self.evaluation_loop("),
+        ("/t/transformers/trainer.py", 2953, "evaluation_loop",
+         "model = model.to(dtype=torch.bfloat16, device=args.device)"),
+        ("/t/torch/nn/modules/module.py", 1383, "to", "return self._apply(convert)"),
+    ]
+    assert detect_phase(frames)[0] == "evaluation"
+    # a DTensor redistribute's autograd forward inside a state-dict gather is the save, not a forward pass
+    frames = [
+        ("/x/train.py", 131, "save_consolidated", "state_dict = get_model_state_dict(model, options=opts)"),
+        ("/t/torch/distributed/tensor/_redistribute.py", 1918, "forward", "output = redistribute_local_tensor("),
+    ]
+    phase, frame = detect_phase(frames)
+    assert phase == "checkpoint-save" and "get_model_state_dict" in frame
 
 
 def test_phase_precedence_backward_over_checkpoint_recompute_forward():
@@ -271,12 +346,24 @@ def test_phase_precedence_backward_over_checkpoint_recompute_forward():
 
 
 def test_logits_matcher_is_strict():
+    from oomdoctor.explain.logits import LogitsShape
+
     # 4 x 4096 tokens x 32000 x 4 bytes = 2,097,152,000 bytes -> torch prints "1.95 GiB"
-    assert "32000" in _logits_match(S("1.95 GiB"), (32000,))
+    assert "32000" in _logits_match(S("1.95 GiB"), LogitsShape((32000,)))
     # the user's own micro-batch x seq (not a power of two) is accepted as a hint
-    assert _logits_match(3 * 1000 * 32000 * 4, (32000,), tokens_hint=3000) is not None
-    assert _logits_match(3 * 1000 * 32000 * 4, (32000,)) is None
-    assert _logits_match(S("1.23 GiB"), (32000, 128256)) is None
+    assert _logits_match(3 * 1000 * 32000 * 4, LogitsShape((32000,), tokens=3000)) is not None
+    assert _logits_match(3 * 1000 * 32000 * 4, LogitsShape((32000,))) is None
+    assert _logits_match(S("1.23 GiB"), LogitsShape((32000, 128256))) is None
+
+
+def test_logits_matcher_names_the_given_model_and_whole_sequences():
+    from oomdoctor.explain.logits import LogitsShape
+
+    # 152 eval sequences of 1024 tokens gathered so far, bf16 logits of a 32000 vocabulary: 9500 MiB = "9.28 GiB"
+    shape = LogitsShape((32000,), tokens=1024, seq_len=1024, model="meta-llama/Llama-2-13b-hf")
+    match = _logits_match(S("9.28 GiB"), shape)
+    assert "meta-llama/Llama-2-13b-hf" in match and "sequence(s) of your 1024 tokens" in match
+    assert _logits_match(S("9.28 GiB"), LogitsShape((32000,))) is None  # 155648 tokens: no power of two
 
 
 def test_tracking_cap_oom_round_trips():
@@ -301,7 +388,8 @@ def test_tracking_cap_oom_round_trips():
     assert r.total_bytes == 3 * MiB
     assert r.free_bytes == 1 * MiB
     assert r.allocated_bytes == 2 * MiB
-    assert explain(text).causes[0].id == "capacity"
+    # 2 MiB is 67% of the 3 MiB cap and twice what remained: one large request, by rule
+    assert explain(text).causes[0].id == "huge-allocation"
 
 
 def test_oom_killer_reads_resident_memory():
@@ -384,3 +472,199 @@ def test_memory_held_outside_pytorch_by_this_process():
     assert any("outside PyTorch's allocator" in e for e in cap.evidence)
     assert cap.fixes[0].id == "non-pytorch-memory"
     assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in cap.fixes[0].how
+
+
+def _cause(d, cause_id):
+    return next(c for c in d.causes if c.id == cause_id)
+
+
+def _explain(name: str, **kw):
+    return explain((DATA / f"{name}.txt").read_text(), **kw)
+
+
+# ---------------------------------------------------------------------------------------------- issue 28 misreadings
+
+
+def test_lone_process_line_is_this_process():
+    """A container hides the process's PID: its only 'Process N' line is this process, not another one."""
+    d = _explain("v23-lone-process-is-self")
+    r = d.report
+    assert [(p.pid, p.is_self) for p in r.processes] == [(2786, True)]
+    assert r.this_process_bytes == S("23.12 GiB") and r.other_processes_bytes == 0
+    assert "other-processes" not in [c.id for c in d.causes]
+    assert any("lists one process, process 2786" in n for n in r.notes)
+    cap = d.causes[0]
+    assert cap.id == "capacity"
+    # 23.12 GiB in use vs 20.40 GiB reserved by PyTorch: 2.72 GiB outside the allocator, in this process
+    assert any("outside PyTorch's allocator" in e and "2.72 GiB" in e for e in cap.evidence)
+    assert cap.fixes[0].id == "non-pytorch-memory"
+
+
+def test_process_listed_twice_is_this_process():
+    """WSL: 'Process N' reports exactly what 'this process' reports: the same process, listed twice."""
+    d = _explain("wsl-process-listed-twice")
+    r = d.report
+    assert [p.is_self for p in r.processes] == [True, True]
+    assert r.other_processes_bytes == 0 and r.this_process_bytes == S("7.21 GiB")
+    assert "other-processes" not in [c.id for c in d.causes]
+    assert any("listed twice" in n for n in r.notes)
+    # Another process with a different usage is still another process.
+    other = (DATA / "wsl-process-listed-twice.txt").read_text().replace("Process 1873 has 7.21 GiB",
+                                                                      "Process 1873 has 512.00 MiB")
+    assert parse_oom(other).other_processes_bytes == S("512.00 MiB")
+
+
+def test_one_large_request_is_its_own_cause_not_capacity():
+    """15.66 GiB (20% of the card, 3.3x what remained) = the fp32 logits of 4 x 8192 tokens of Llama-3."""
+    d = _explain("v26-full-vocab-logits-loss")
+    huge = d.causes[0]
+    assert huge.id == "huge-allocation"
+    assert any("3.3x what remained" in e for e in huge.evidence)
+    assert any("32768 tokens x vocab 128256 x 4 bytes" in e for e in huge.evidence)
+    assert huge.fixes[0].id == "chunked-loss"
+    assert "loss: chunked" in huge.fixes[0].how and "use_liger_kernel=True" in huge.fixes[0].how
+    assert {"micro-batch", "seq-len"} <= {f.id for f in huge.fixes}
+    cap = _cause(d, "capacity")
+    assert any(e.startswith("headroom:") and "one large request ran out" in e for e in cap.evidence)
+
+
+def test_large_eval_request_gets_eval_batch_fixes():
+    """TRL SFTTrainer's eval asks for the logits (prediction_loss_only=False): 16384 tokens x 151936 x 2 bytes."""
+    d = _explain("trl-sft-eval-full-logits")
+    huge = d.causes[0]
+    assert huge.id == "huge-allocation" and d.report.phase == "evaluation"
+    hows = " ".join(f.how for f in huge.fixes)
+    for key in ("per_device_eval_batch_size", "eval_accumulation_steps", "prediction_loss_only", "max_length"):
+        assert key in hows
+    assert "gradient-checkpointing" not in [f.id for f in huge.fixes]  # nothing is saved for backward in eval
+
+
+def test_gathered_eval_logits_put_keeping_logits_off_the_gpu_first():
+    d = _explain("v24-eval-gathered-logits")
+    huge = d.causes[0]
+    assert huge.id == "huge-allocation"
+    assert huge.fixes[0].id == "eval-logits"  # the failing frame concatenates batch after batch
+    assert "eval_accumulation_steps" in huge.fixes[0].how
+
+
+def test_eval_logits_of_the_given_model_are_named():
+    from oomdoctor.model.load import load_spec
+    from oomdoctor.plan import Plan
+
+    d = _explain("v24-eval-gathered-logits", spec=load_spec("meta-llama/Llama-2-13b-hf"),
+                 plan=Plan(method="lora", seq_len=1024))
+    huge = d.causes[0]
+    assert huge.id == "huge-allocation"
+    assert any("logits of meta-llama/Llama-2-13b-hf" in e and "sequence(s) of your 1024 tokens" in e
+               for e in huge.evidence)
+
+
+def test_model_load_phase_and_fixes():
+    d = _explain("v25-load-allocator-warmup")
+    assert d.report.phase == "model-load" and "from_pretrained" in d.report.phase_frame
+    assert "caching_allocator_warmup" in d.report.failing_frame
+    huge = d.causes[0]
+    assert huge.id == "huge-allocation"
+    ids = [f.id for f in huge.fixes]
+    assert ids[0] == "load-quantized" and {"load-dtype", "free-before-load"} <= set(ids)
+    assert "chunked-loss" not in ids and "gradient-checkpointing" not in ids
+    d = _explain("v24-load-trainer-moves-fp32-model")
+    assert d.report.phase == "model-load" and "_move_model_to_device" in d.report.phase_frame
+    cap = d.causes[0]
+    assert cap.id == "capacity" and cap.fixes[0].id == "load-quantized"
+    assert "dtype=torch.bfloat16" in next(f.how for f in cap.fixes if f.id == "load-dtype")
+    assert _explain("mps-load-to-device").report.phase == "model-load"
+
+
+def test_checkpoint_save_phase_from_a_state_dict_gather():
+    d = _explain("fsdp2-full-state-dict-gather")
+    assert d.report.phase == "checkpoint-save" and "get_model_state_dict" in d.report.phase_frame
+    cap = _cause(d, "capacity")
+    assert cap.fixes[0].id == "fsdp-state-dict-offload" and "cpu_offload=True" in cap.fixes[0].how
+    assert {"deepspeed-save-sharded", "save-only-model"} <= {f.id for f in cap.fixes}
+
+
+def test_lightning_validation_epoch_end_is_evaluation():
+    d = _explain("lightning-validation-epoch-end-cat")
+    assert d.report.phase == "evaluation" and "evaluation_loop.py" in d.report.phase_frame
+    assert "on_validation_epoch_end" in d.report.failing_frame
+    assert d.causes[0].id == "huge-allocation"
+    assert d.causes[0].fixes[0].id == "eval-logits" and ".cpu()" in d.causes[0].fixes[0].how
+
+
+def test_fragmentation_first_when_reserved_unallocated_covers_the_request():
+    """431.77 MiB reserved but unallocated >= the 344 MiB request: fragmentation first, the headroom next to
+    capacity (87.77 MiB to spare, under 5% of the card left: capacity comes right after)."""
+    d = _explain("gc-recompute-backward")
+    assert [c.id for c in d.causes] == ["fragmentation", "capacity"]
+    cap = d.causes[1]
+    head = next(e for e in cap.evidence if e.startswith("headroom:"))
+    assert "431.77 MiB reserved but unallocated vs the 344.00 MiB request" in head and "87.77 MiB to spare" in head
+    assert "fail anyway" in head and cap.score >= 0.85
+    # Roomy (11% of the card left after the request): capacity stays far behind, the headroom says so too.
+    d = _explain("v22-fragmentation-backward")
+    cap = _cause(d, "capacity")
+    assert d.causes[0].id == "fragmentation" and cap.score < 0.5
+    assert any(e.startswith("headroom:") and "fail anyway" not in e for e in cap.evidence)
+
+
+def test_memory_fraction_cap_in_the_new_wording():
+    """torch >= 2.1 prints 'M allowed; ' before 'Of the allocated memory' under set_per_process_memory_fraction."""
+    d = _explain("v24-memory-fraction-cap")
+    assert d.report.allowed_bytes == S("39.59 GiB")
+    assert d.causes[0].id == "capacity" and d.causes[0].fixes[0].id == "memory-fraction"
+    assert "fragmentation" not in [c.id for c in d.causes]
+
+
+def test_cudnn_not_supported_is_an_oom_in_disguise():
+    d = _explain("cudnn-not-supported-whisper")
+    assert (d.report.kind, d.report.format, d.report.phase) == ("cuda-error", "cudnn", "forward")
+    assert any("non-contiguous" in n for n in d.report.notes)
+    assert d.causes[0].id == "capacity" and "micro-batch" in [f.id for f in d.causes[0].fixes]
+
+
+def test_cudnn_error_after_an_oom_is_noted():
+    r = parse_oom((DATA / "cudnn-not-supported-after-oom.txt").read_text())
+    assert r.kind == "cuda-allocator" and r.requested_bytes == S("2.44 GiB")
+    assert any("later CUDNN_STATUS_NOT_SUPPORTED" in n for n in r.notes)
+
+
+def test_oom_killer_cgroup_and_old_kernel_wordings():
+    d = _explain("oom-killer-cgroup-journal")
+    r = d.report
+    assert r.total_bytes == 64 * GiB and r.this_process_bytes == 61254180 * 1024
+    assert d.causes[0].fixes[0].id == "container-memory-limit"
+    old = ("[ 8812.114532] Out of memory: Kill process 3114 (python) score 912 or sacrifice child\n"
+           "[ 8812.118203] Killed process 3114 (python) total-vm:71328400kB, anon-rss:60113232kB, file-rss:1024kB\n")
+    r = parse_oom(old)
+    assert (r.kind, r.format) == ("cpu-oom-killer", "linux-oom-killer")
+    assert r.this_process_bytes == 60113232 * 1024
+
+
+def test_mps_buffer_larger_than_metal_allows():
+    d = _explain("mps-invalid-buffer-size-logits")
+    huge = d.causes[0]
+    assert huge.id == "huge-allocation" and huge.score >= 0.9
+    assert any("largest single buffer" in e for e in huge.evidence)
+    assert huge.fixes[0].id == "chunked-loss"
+
+
+def test_which_process_entry_is_this_process():
+    """The rules, one by one: a lone entry; the entry listed twice; the one entry holding PyTorch's reservation."""
+    from oomdoctor.explain.parsers.cuda import holding_reservation, identify_self, listed_twice, lone_entry
+    from oomdoctor.explain.report import ProcessUse
+
+    me, other = ProcessUse(7, 23 * GiB), ProcessUse(8, 3 * GiB)
+    assert lone_entry([me], None)[0] is me
+    assert lone_entry([ProcessUse(None, 5 * GiB, is_self=True)], None) is None
+    twin = ProcessUse(None, 23 * GiB, is_self=True)
+    assert listed_twice([me, twin], None)[0] is me
+    assert listed_twice([other, twin], None) is None  # a different usage: another process
+    # Containers, two processes: this one holds the 19 GiB reservation plus 4 GiB outside the allocator.
+    assert holding_reservation([other, me], 19 * GiB)[0] is me
+    procs, notes = identify_self([other, me], 19 * GiB)
+    assert [p.is_self for p in procs] == [False, True] and "19.00 GiB reservation" in notes[0]
+    # Two entries above the reservation: only one within 2 GiB of context is taken, else none.
+    close = ProcessUse(9, 20 * GiB)
+    assert holding_reservation([me, close], 19 * GiB)[0] is close
+    assert holding_reservation([me, ProcessUse(9, 24 * GiB)], 19 * GiB) is None

@@ -9,6 +9,7 @@ import pytest
 
 from oomdoctor.explain import causes
 from oomdoctor.explain.causes import Term, combine
+from oomdoctor.explain.logits import LogitsShape
 from oomdoctor.explain.pricing import PricedPlan
 from oomdoctor.explain.report import Cause, OomReport, ProcessUse
 
@@ -42,12 +43,24 @@ def test_usable_free_respects_the_per_process_cap():
 def test_fragmentation_when_cached_blocks_exceed_the_request():
     roomy = report(requested_bytes=1 * GiB, reserved_unallocated_bytes=3 * GiB, free_bytes=2 * GiB)
     c = causes.fragmentation(roomy, causes.usable_free(roomy))
-    assert c.id == "fragmentation" and c.score == 0.9 and len(c.evidence) == 1
+    assert c.id == "fragmentation" and c.score == causes.FRAGMENTATION_FIRST and len(c.evidence) == 1
     assert c.fixes[0].id == "expandable-segments"
-    # Barely enough: fixing fragmentation would leave < 5% of the card, so the step fails next anyway.
+    # Barely enough (< 5% of the card left after the request): still first; capacity's headroom says the rest.
     tight = replace(roomy, reserved_unallocated_bytes=1 * GiB + 10 * MiB, free_bytes=0)
     c = causes.fragmentation(tight, 0)
-    assert c.score == 0.6 and "would be left" in c.evidence[1]
+    assert c.score == causes.FRAGMENTATION_FIRST and len(c.evidence) == 1
+    head = causes.headroom_term(tight, 0)
+    assert head.floor == 0.85 and "10.00 MiB to spare" in head.evidence and "fail anyway" in head.evidence
+    assert causes.headroom_term(roomy, 2 * GiB).floor is None
+
+
+def test_fragmentation_first_over_every_other_cause():
+    """U >= R outranks the strongest other readings: a huge request that fits the card, other processes."""
+    r = report(requested_bytes=8 * GiB, reserved_unallocated_bytes=9 * GiB, free_bytes=0, allocated_bytes=14 * GiB,
+               phase="loss", failing_frame="x.py:1 in f: logits = logits.float()", other_processes_bytes=0)
+    frag = causes.fragmentation(r, 0)
+    huge = causes.huge_allocation(r, 0, LogitsShape())
+    assert huge.score == causes.HUGE_MOST < frag.score
 
 
 def test_fragmentation_cached_plus_free_and_weak_share():
@@ -75,20 +88,39 @@ def test_other_processes_listed_and_unlisted():
 
 def test_huge_allocation_adds_logits_line_and_phase():
     vocab, tokens = 32000, 8192
+    shape = LogitsShape((vocab,))
     r = report(requested_bytes=tokens * vocab * 4, failing_frame="x.py:1 in forward: logits = self.lm_head(h)",
                phase="loss")
-    terms = [causes.request_size_term(r), causes.logits_term(r, (vocab,), None), causes.failing_line_term(r),
+    terms = [causes.request_size_term(r), causes.logits_term(r, shape), causes.failing_line_term(r),
              causes.logits_phase_term(r)]
     assert terms[0] is None  # 0.98 GiB is 4% of the card: not big by itself
     assert terms[1].bonus == 0.15 and "vocab 32000" in terms[1].evidence
     assert terms[2].bonus == 0.1 and terms[3].bonus == 0.1
-    c = causes.huge_allocation(r, (vocab,), None)
+    c = causes.huge_allocation(r, None, shape)
     assert c.score == pytest.approx(0.3 + 0.15 + 0.1 + 0.1)
     assert c.fixes[0].id == "chunked-loss"
     whole_card = report(requested_bytes=30 * GiB, phase="evaluation", failing_frame="a.py:1 in f: logits = x")
-    c = causes.huge_allocation(whole_card, (vocab,), None)
+    c = causes.huge_allocation(whole_card, None, shape)
     assert c.score == 0.97 and c.fixes[0].id == "eval-batch-size"
-    assert causes.huge_allocation(report(requested_bytes=20 * MiB), (vocab,), None) is None
+    assert causes.huge_allocation(report(requested_bytes=20 * MiB), None, shape) is None
+
+
+def test_large_against_the_card_or_against_what_remained():
+    """The two readings that make one request its own cause, and their thresholds."""
+    assert causes.request_size_term(report(requested_bytes=2 * GiB)) is None  # 8% of 24 GiB
+    assert causes.request_size_term(report(requested_bytes=3 * GiB)).floor == 0.6  # 12.5%
+    assert causes.request_size_term(report(requested_bytes=7 * GiB)).floor == 0.85  # 29%
+    r = report(requested_bytes=2 * GiB, reserved_unallocated_bytes=200 * MiB)
+    assert causes.remaining_term(r, 800 * MiB) is not None  # 2 GiB vs 1000 MiB left: 2.0x, 8% of the card
+    assert causes.remaining_term(r, 900 * MiB) is None  # 1.9x: not far more
+    small = report(requested_bytes=1 * GiB, reserved_unallocated_bytes=0)
+    assert causes.remaining_term(small, 0) is None  # 4% of the card: the card is full, not one tensor too big
+    both = causes.huge_allocation(replace(r, requested_bytes=4 * GiB), 800 * MiB, LogitsShape(()))
+    assert both.score == pytest.approx(0.6 + 0.2)  # against the card (17%) and what remained (4.1x)
+    # Capacity states the shortfall but does not claim the plan is too big when one request explains it.
+    big = replace(r, requested_bytes=4 * GiB, free_bytes=800 * MiB)
+    assert causes.headroom_term(big, 800 * MiB).floor is None
+    assert causes.headroom_term(replace(big, requested_bytes=1 * GiB), 0).floor == 0.85
 
 
 def test_capacity_terms():
@@ -100,9 +132,11 @@ def test_capacity_terms():
     assert causes.outside_pytorch_term(replace(outside, this_process_bytes=4 * GiB)) is None
     assert causes.live_tensors_term(report(allocated_bytes=22 * GiB)).floor == 0.75
     assert causes.live_tensors_term(report(allocated_bytes=10 * GiB)).floor is None
-    short = report(requested_bytes=4 * GiB, reserved_unallocated_bytes=1 * GiB, other_processes_bytes=1 * GiB)
-    assert causes.card_too_small_term(short, 1 * GiB).floor == 0.85
-    assert causes.card_too_small_term(short, 2 * GiB) is None
+    short = report(requested_bytes=1 * GiB, reserved_unallocated_bytes=256 * MiB, other_processes_bytes=256 * MiB)
+    head = causes.headroom_term(short, 256 * MiB)
+    assert head.floor == 0.85 and "short by 256.00 MiB" in head.evidence
+    fits_with_others = causes.headroom_term(short, 600 * MiB)
+    assert fits_with_others.floor is None and "other processes hold" in fits_with_others.evidence
 
 
 def test_plan_term_confirms_or_weakens_capacity():

@@ -152,5 +152,55 @@ def test_rich_output_keeps_brackets_and_shows_eval_fixes_first():
     out = " ".join(p.stdout.split())  # undo terminal wrapping
     assert "[batch, seq, vocab]" in out  # not eaten as rich markup
     assert "1. huge-allocation" in out
-    assert out.index("per_device_eval_batch_size=1") < out.index("2. capacity")
+    assert out.index("per_device_eval_batch_size=1") < out.index("capacity (weight")
     assert "phase: evaluation" in out
+
+
+def test_piped_output_never_folds_a_line():
+    """Piped, every line is printed whole (COLUMNS=120 here): sentences, frames and commands are never cut."""
+    p = run(str(DATA / "v22-other-processes.txt"))
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    evidence = next(ln for ln in lines if "other processes hold" in ln)
+    assert evidence.rstrip().endswith("would have fit (301.56 MiB free + 11.23 GiB)")
+    assert any("--format=csv -i 0; kill 41873 42210" in ln for ln in lines)
+    assert any(ln.startswith("phase: forward") and "scaled_dot_product_attention(" in ln for ln in lines)
+    assert max(map(len, lines)) > 120
+
+
+def _terminal_output(name: str, width: int) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    from oomdoctor.cli.explain_render import print_explanation
+    from oomdoctor.explain.core import explain
+
+    buf = io.StringIO()
+    con = Console(file=buf, force_terminal=True, width=width, color_system=None)
+    d = explain((DATA / f"{name}.txt").read_text())
+    print_explanation(d, name, None, con)
+    return buf.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("width", [60, 100])
+def test_terminal_output_folds_prose_at_the_width_and_keeps_commands_whole(width):
+    from oomdoctor.cli.explain_render import alternatives
+    from oomdoctor.explain.core import explain
+
+    lines = _terminal_output("v21-capacty-eval-logits", width)
+    d = explain((DATA / "v21-capacty-eval-logits.txt").read_text())
+    whole = {f.how[a:b] for c in d.causes for f in c.fixes for a, b in alternatives(f.how)}
+    stripped = [ln.strip() for ln in lines]
+    shown = [alt for alt in whole if any(alt in ln for ln in stripped)]
+    assert "TrainingArguments(per_device_eval_batch_size=1)" in shown
+    for ln in lines:
+        if len(ln) > width:  # only an unsplittable piece may overflow: a command alternative or a traceback frame
+            body = ln.strip()
+            assert body.rstrip(";") in whole or ".py:" in body, ln
+    # Prose is folded at word boundaries with a hanging indent, never through a size or a code span.
+    assert any(ln.startswith("     ") and not ln.startswith("      ") for ln in lines)
+    joined = " ".join(ln.strip() for ln in lines)
+    assert "`logits = logits.float()`" in joined
+    for this, nxt in zip(lines, lines[1:]):  # a size's number and unit stay on one line
+        assert not (this.rstrip()[-1:].isdigit() and nxt.strip().startswith(("GiB", "MiB", "KiB", "B "))), this

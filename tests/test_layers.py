@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parent.parent / "oomdoctor"
 
 #: Rank of each top-level unit of the package; an import must go to a rank <= its own.
 RANK: dict[str, int] = {
-    "errors": 0, "units": 0, "noise": 0, "gpu": 0, "resources": 0, "files": 0,
+    "errors": 0, "units": 0, "noise": 0, "gpu": 0, "resources": 0, "files": 0, "progress": 0, "imports": 0,
     "plan": 1,
     "model": 2,
     "memory": 3,

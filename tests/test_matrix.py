@@ -37,6 +37,15 @@ def test_quant_flag_restricts_to_qlora_and_lora_flags_to_adapters():
     assert all(p.micro_batch == 4 for p in enumerate_plans({"micro_batch": 4}))
 
 
+def test_kbit_upcast_is_spanned_only_when_pinned():
+    """diagnose's table keeps peft's k-bit upcast on (one QLoRA row per stack); --no-kbit-upcast shows the QLoRA
+    plans without it, and only them (the knob means nothing without a quantized base)."""
+    assert all(p.kbit_upcast for p in enumerate_plans({}))
+    off = enumerate_plans({"kbit_upcast": False})
+    assert off and {p.method for p in off} == {"qlora"} and not any(p.kbit_upcast for p in off)
+    assert {p.method for p in enumerate_plans({"kbit_upcast": True})} == {"full", "lora", "qlora"}
+
+
 def test_impossible_pins_raise():
     with pytest.raises(BadInput, match="--method full"):
         enumerate_plans({"method": "full", "quant": "nf4"})

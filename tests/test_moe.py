@@ -29,12 +29,20 @@ def moe_spec():
     return spec_from_config(dict(QWEN3_MOE), name="tiny-qwen3-moe")
 
 
-@pytest.mark.parametrize("precision, kernel", [("bf16", "grouped_mm"), ("fp32", "eager"), ("bf16-mixed", "eager")])
-def test_the_executor_picks_the_experts_kernel_that_runs(moe_spec, precision, kernel):
+@pytest.mark.parametrize("method, precision, upcast, kernel", [
+    ("lora", "bf16", True, "grouped_mm"), ("lora", "fp32", True, "eager"), ("lora", "bf16-mixed", True, "eager"),
+    # peft's k-bit upcast makes a quantized base's experts fp32; without it they stay bf16
+    ("qlora", "bf16", True, "eager"), ("qlora", "bf16", False, "grouped_mm")])
+def test_the_executor_picks_the_experts_kernel_that_runs(moe_spec, method, precision, upcast, kernel):
+    import torch
+
     from oomdoctor.execute.build import build_model
 
-    built = build_model(moe_spec, validate(Plan(method="lora", precision=precision, seq_len=32)), device="meta")
+    plan = validate(Plan(method=method, precision=precision, seq_len=32, kbit_upcast=upcast))
+    built = build_model(moe_spec, plan, device="meta")
     assert built.model.get_base_model().config._experts_implementation == kernel
+    experts = {p.dtype for n, p in built.model.named_parameters() if ".experts." in n and "lora" not in n}
+    assert experts == {torch.bfloat16 if kernel == "grouped_mm" else torch.float32}
 
 
 def test_bf16_experts_replay_equals_the_real_cpu_step(moe_spec):

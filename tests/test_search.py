@@ -117,11 +117,15 @@ def test_micro_batch_search_is_the_exact_boundary_of_the_memory_model(tiny_spec)
 def test_search_llama7b_24gb_prefers_fidelity_and_keeps_global_exact():
     spec = load_spec("meta-llama/Llama-2-7b-hf")
     plans = enumerate_candidates({}, Plan(seq_len=1024))
-    res = search(spec, plans, card(24 * 10**9, 0.1), global_batch=32, estimator=analytic)
+    res = search(spec, plans, card(24 * 10**9, 0.1), global_batch=32, estimator=analytic, host_ram=128 * 2**30)
     best = res.best
     assert best is not None
-    # full fine-tuning of 6.7B parameters cannot fit 24 GB with AdamW: the best plan is an adapter method
+    # full fine-tuning of 6.7B parameters cannot fit 24 GB with AdamW: the best plan is an adapter method. (With
+    # unlimited host RAM it could: the optimizer in backward at micro-batch 32, every activation offloaded without
+    # checkpointing, 54 GB of paged AdamW states paged out — host RAM the machine must have.)
     assert best.plan.method in ("lora", "qlora")
+    unlimited = search(spec, plans, card(24 * 10**9, 0.1), global_batch=32, estimator=analytic).best.plan
+    assert unlimited.method == "full" and unlimited.optimizer_is_paged and unlimited.offload_activations
     assert best.plan.micro_batch * best.plan.grad_accum == 32
     assert 32 % best.plan.micro_batch == 0
     assert res.budget.fits(best.memory) and best.memory.resident_device <= res.budget.limit_bytes
@@ -132,7 +136,7 @@ def test_search_llama7b_24gb_prefers_fidelity_and_keeps_global_exact():
     for c in res.candidates:
         if not c.fits and not c.why_not:
             assert c.memory.resident_device > res.budget.limit_bytes
-    assert all("cannot accumulate" in c.why_not for c in res.candidates if c.why_not)
+    assert all("cannot accumulate" in c.why_not or "host RAM" in c.why_not for c in res.candidates if c.why_not)
 
 
 def test_prefer_speed_ranks_by_throughput(tiny_spec):
@@ -245,6 +249,50 @@ def test_ranking_like_an_expert_on_device_before_offload_and_the_fastest_of_the_
     out = [c for c in small.candidates if c.why_not]
     assert out and all(not c.fits and "host RAM" in c.why_not for c in out)
     assert not any(c.plan.offload_optimizer for c in small.fitting)
+
+
+def test_the_search_drops_peft_s_k_bit_upcast_only_when_that_is_what_fits():
+    """tune searches QLoRA in bf16 without the k-bit upcast (TRL's recipe) next to peft's, and ranks it below every
+    upcast plan of its method and quantization, offloaded ones included: Llama-3.3-70B QLoRA at 2,048 tokens on
+    48 GB fits on the device only without the upcast, and with it when activations can be offloaded (5 GiB of
+    host RAM)."""
+    plans = enumerate_candidates({"method": "qlora"}, Plan(seq_len=2048))
+    assert {p.kbit_upcast for p in plans if p.precision == "bf16"} == {True, False}
+    assert all(p.kbit_upcast for p in plans if p.precision != "bf16")
+    assert all(p.kbit_upcast for p in enumerate_candidates({"method": "qlora", "kbit_upcast": True}, Plan()))
+    up = Plan(method="qlora", quant="nf4", precision="bf16", offload_activations=True)
+    assert fidelity_key(up) < fidelity_key(Plan(method="qlora", quant="nf4", precision="bf16", kbit_upcast=False))
+    assert fidelity_key(up.with_(precision="bf16-mixed", kbit_upcast=False)) == fidelity_key(
+        up.with_(precision="bf16-mixed"))  # an fp32-loaded base: nothing to upcast
+    spec = load_spec("meta-llama/Llama-3.3-70B-Instruct")
+    no_host = search(spec, plans, card(48 * 10**9), estimator=analytic, host_ram=2**30)
+    assert not no_host.best.plan.kbit_upcast and not no_host.best.plan.offload_activations
+    assert not any(c.plan.kbit_upcast for c in no_host.fitting)
+    host = search(spec, plans, card(48 * 10**9), estimator=analytic, host_ram=24 * 2**30)
+    assert host.best.plan.kbit_upcast and host.best.plan.offload_activations
+    assert fidelity_key(host.best.plan) < min(fidelity_key(c.plan) for c in host.fitting if not c.plan.kbit_upcast)
+
+
+def test_every_single_pin_selects_plans_the_unpinned_search_considers():
+    """What one pin can select is in the unpinned candidate list (paged 32-bit AdamW for a full fine-tune, the
+    optimizer in backward for LoRA, activation offload without checkpointing, tiled MLPs without it), and a pinned
+    tiled MLP is never combined with the optimizer in backward (validate refuses it: tune --tiled-mlp crashed)."""
+    from oomdoctor.tune.search import ADAMW_FAMILY
+
+    from oomdoctor.memory.context import upcast_changes_bytes
+
+    def same_bytes(p: Plan) -> Plan:  # kbit_upcast off where there is nothing to upcast is the same plan
+        return p if upcast_changes_bytes(p) else p.with_(kbit_upcast=True)
+
+    base = Plan(seq_len=8192)
+    every = set(enumerate_candidates({}, base, tiled_mlp=True))
+    pins = ([("optimizer", o) for o in ADAMW_FAMILY] + [("kbit_upcast", False), ("offload_activations", True),
+            ("optimizer_in_backward", True), ("gradient_checkpointing", False), ("loss", "chunked")])
+    for k, v in pins:
+        assert {same_bytes(p) for p in enumerate_candidates({k: v}, base, tiled_mlp=True)} <= every, (k, v)
+    tiled = enumerate_candidates({"tiled_mlp": True}, base)
+    assert tiled and not any(p.optimizer_in_backward for p in tiled)
+    assert {p for p in tiled if not p.gradient_checkpointing} <= every
 
 
 def test_qlora_7b_fits_a_16gb_t4_with_pure_bf16_and_paged_optimizers_in_the_search():

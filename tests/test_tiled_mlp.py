@@ -62,8 +62,11 @@ def test_tiled_mlp_gives_the_same_loss_and_gradients(method, precision, gc):
     assert max(t0) == 400 and max(t1) == 58 and sum(t1) > sum(t0)  # 7 tiles of 58 tokens, recomputed in backward
     assert l1 == pytest.approx(l0, rel=1e-6)
     tol = 1e-5 if precision == "fp32" else 1e-2
+    # a gradient at rounding-noise level (layer 0's q/k lora_B in bf16: ~1e-12 against ~0.3) carries no signal to
+    # compare: the tolerance floor is a millionth of the largest gradient
+    floor = 1e-6 * max(g.abs().max().item() for g in g0.values())
     for n in g0:
-        assert torch.allclose(g1[n], g0[n], rtol=tol, atol=tol * g0[n].abs().max().item()), n
+        assert torch.allclose(g1[n], g0[n], rtol=tol, atol=tol * max(g0[n].abs().max().item(), floor)), n
 
 
 def test_eval_runs_the_tiles_too_and_is_priced_so():
@@ -200,7 +203,9 @@ def test_tune_adds_tiled_plans_only_for_long_sequences():
     assert not tiling_applies(load_spec("mistralai/Mixtral-8x7B-v0.1"), 131072)
     plans = enumerate_candidates({"method": "qlora"}, Plan(seq_len=32768), tiled_mlp=True)
     tiled = [p for p in plans if p.tiled_mlp]
-    assert tiled and all(p.gradient_checkpointing for p in tiled)
+    # checkpointed or not (a pinned --tiled-mlp spans both; without checkpointing tiles free the MLP's saves)
+    assert tiled and {p.gradient_checkpointing for p in tiled} == {False, True}
+    assert not any(p.optimizer_in_backward for p in tiled)
     assert not any(p.tiled_mlp for p in enumerate_candidates({"method": "qlora"}, Plan(seq_len=32768)))
 
 

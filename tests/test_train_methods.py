@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -90,6 +91,50 @@ def test_qlora_with_bf16_adapters_as_trl_runs_it(tmp_path):
     assert abs(res.measured_peak_bytes - pred) / res.measured_peak_bytes < 0.015, (res.measured_peak_bytes, pred)
 
 
+@pytest.mark.parametrize("quant,gc", [pytest.param("nf4", True, marks=pytest.mark.slow), ("int8", False)])
+def test_qlora_without_kbit_upcast_keeps_the_base_in_bf16_and_trains(tmp_path, quant, gc):
+    """``kbit_upcast: false`` (TRL's SFTTrainer, axolotl's ``skip_prepare_model_for_kbit_training``): the base is
+    frozen as peft's k-bit preparation freezes it, but its norms, embeddings and head stay bf16 (the upcast makes
+    them fp32); it learns, and what it allocates is what was priced (``device="cpu"``)."""
+    from oomdoctor.execute.load import load_model, load_tokenizer, resolve_device
+    from oomdoctor.memory.analytic import estimate_analytic
+    from oomdoctor.train.loop import predict_memory
+
+    kw = dict(method="qlora", load_in_8bit=quant == "int8", precision="bf16", gradient_checkpointing=gc, r=4,
+              lora_alpha=8, learning_rate=1e-2)
+    dtypes = {}
+    for up in (True, False):
+        cfg = tiny_cfg(tmp_path / f"load-{up}", kbit_upcast=up, **kw)
+        built = load_model(cfg.model, cfg.to_plan(), resolve_device(cfg.device), vocab_size=len(load_tokenizer(cfg.model)))
+        dtypes[up] = {p.dtype for n, p in built.model.named_parameters() if "norm" in n or "embed" in n or "lm_head" in n}
+        assert all("lora_" in n for n, p in built.model.named_parameters() if p.requires_grad)
+    assert dtypes == {True: {torch.float32}, False: {torch.bfloat16}}
+    res = _run(tmp_path, f"no-upcast-{quant}", kbit_upcast=False, **kw)
+    _finite_and_learning(res)
+    assert "no-upcast" in res.plan
+    spec, plan, _, _ = predict_memory(tiny_cfg(tmp_path / "p", kbit_upcast=False, **kw), res.micro_batch_size)
+    assert not plan.kbit_upcast
+    pred = estimate_analytic(spec, plan, device="cpu").peak_allocated
+    assert abs(res.measured_peak_bytes - pred) / res.measured_peak_bytes < 0.015, (res.measured_peak_bytes, pred)
+
+
+@pytest.mark.slow
+def test_a_train_yaml_with_kbit_upcast_false_trains_and_resumes_only_as_the_same_run(tmp_path):
+    """``kbit_upcast: false`` in a train YAML reaches the executor through ``oomdoctor train``; a resume that would
+    put the upcast back is a different run (the fingerprint names the key)."""
+    from train_util import cli, run_json, write_yaml
+
+    cfg = tiny_cfg(tmp_path / "run", method="qlora", load_in_8bit=True, precision="bf16", kbit_upcast=False, r=4,
+                   lora_alpha=8, learning_rate=1e-2, max_steps=2, save_steps=1)
+    path = write_yaml(tmp_path / "no-upcast.yaml", cfg)
+    assert "kbit_upcast: false" in path.read_text()
+    out, _ = run_json(path)
+    assert out["optimizer_steps"] == 2 and "no-upcast" in out["plan"]
+    back_on = write_yaml(tmp_path / "upcast.yaml", replace(cfg, kbit_upcast=True, max_steps=3))
+    p = cli("train", back_on, "--resume")
+    assert p.returncode == 2 and "kbit_upcast: False -> True" in p.stderr, p.stderr
+
+
 def test_qlora_base_is_quantized(tmp_path):
     from oomdoctor.execute.load import load_model, load_tokenizer, resolve_device
 
@@ -167,17 +212,16 @@ _PEAK_FAST = {("full", "fp32", False), ("full", "bf16-mixed", True), ("lora", "b
 def test_measured_peak_matches_the_prediction(tmp_path, method, precision, gc):
     """What train really allocates is what diagnose/tune priced: train builds, steps and optimizes through the
     executor the engines price (e.g. peft's fp32 adapters on a pure-bf16 base; k-bit preparation's fp32 upcast under
-    pure-bf16 QLoRA). train prints the memory model's (CUDA) prediction; the real CPU run's peak is within 1.5 % of
-    the same formulas priced with the CPU's semantics (``device="cpu"``: CPU dropout noise, and peft's bitsandbytes
-    LoRA layers copying their inputs, as they do when CUDA autocast is off)."""
-    from oomdoctor.memory.analytic import estimate_analytic
+    pure-bf16 QLoRA). train prints the prediction for the device it runs on (here the CPU's semantics: CPU dropout
+    noise, peft's bitsandbytes LoRA layers copying their inputs as they do when CUDA autocast is off, no CUDA
+    context); the real CPU run's peak is within 1.5 % of it."""
     from oomdoctor.train.loop import predict_memory
 
     kw = dict(method=method, precision=precision, gradient_checkpointing=gc)
     if method != "full":
         kw.update(r=4, lora_alpha=8)
     res = _run(tmp_path, f"{method}-{precision}-{gc}", **kw)
-    spec, plan, priced, _ = predict_memory(tiny_cfg(tmp_path / "p", **kw), res.micro_batch_size)
-    assert res.memory["peak_allocated_bytes"] == priced.peak_allocated
-    pred = estimate_analytic(spec, plan, device="cpu").peak_allocated
+    _, _, priced, _ = predict_memory(tiny_cfg(tmp_path / "p", **kw), res.micro_batch_size, device="cpu")
+    pred = priced.peak_allocated
+    assert res.memory["peak_allocated_bytes"] == pred
     assert abs(res.measured_peak_bytes - pred) / res.measured_peak_bytes < 0.015, (res.measured_peak_bytes, pred)

@@ -111,3 +111,8 @@ def test_a_setting_added_after_the_checkpoint_was_written_counts_at_its_default(
     assert fingerprint_changes(older, now) == []
     assert fingerprint_changes(older, _fingerprint(replace(TrainConfig(), adapter_dtype="bf16"))) == [
         "adapter_dtype: 'fp32' -> 'bf16'"]
+    # kbit_upcast (peft's k-bit upcast, added later): checkpoints without it ran with the upcast
+    older = {k: v for k, v in now.items() if k != "kbit_upcast"}
+    assert fingerprint_changes(older, now) == []
+    assert fingerprint_changes(older, _fingerprint(replace(TrainConfig(), kbit_upcast=False))) == [
+        "kbit_upcast: True -> False"]

@@ -330,7 +330,8 @@ def test_host_mem_lets_offload_plans_reach_longer_contexts(monkeypatch, tmp_path
     assert here.exit_code == 0 and big.exit_code == 0, (here.output, big.output)
     small, large = json.loads(here.stdout)["plan"], json.loads(big.stdout)["plan"]
     assert not small["offload_activations"] and large["offload_activations"]
-    assert large["seq_len"] > 1.5 * small["seq_len"]
+    # longer by half, or as far as the model's positions go (131,072 on Llama-3.1-8B)
+    assert large["seq_len"] > 1.5 * small["seq_len"] or large["seq_len"] == 131072 > small["seq_len"]
     assert isinstance(_cli(args + ["--host-mem", "512"], monkeypatch, tmp_path).exception, BadInput)  # no unit
 
 

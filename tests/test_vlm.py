@@ -142,7 +142,7 @@ def test_emitted_targets_adapt_what_the_executor_adapts(spec, targets, head):
 
     from oomdoctor.execute.build import build_model, hf_config
     from oomdoctor.model.inventory import auto_model_class
-    from oomdoctor.tune.emit import lora_targets
+    from oomdoctor.execute.trainers.common import lora_targets
 
     plan = validate(Plan(method="lora", precision="bf16", seq_len=64, lora_targets=targets, lora_on_head=head))
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests/test_train_*.py files (not a test module)."""
+"""Helpers shared by the tests/test_train_*.py files and the CLI tests (not a test module)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,19 @@ def cli(*args, env_extra: dict | None = None, timeout: int = 180) -> subprocess.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "oomdoctor", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=timeout)
+
+
+def run_main(args, capsys) -> tuple[int, str, str]:
+    """``oomdoctor ARGS`` in this process (``oomdoctor.cli.main``): (exit code, stdout, stderr)."""
+    from oomdoctor.cli import main
+
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def load_weights(ckpt_dir) -> dict:

@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 
 from oomdoctor.cli.app import app
-from oomdoctor.cli.options import offload_option, pins_from, plan_option
+from oomdoctor.cli.console import showing_progress
+from oomdoctor.cli.options import device_option, mem_option, offload_option, pins_from, plan_option
 from oomdoctor.cli.output import emit_json
 
 HELP = """Memory of fine-tuning MODEL under each stack of techniques, from its config alone (no weights, no GPU).
@@ -16,6 +17,9 @@ MODEL is a Hugging Face id (bundled configs resolve offline: `oomdoctor models`)
 config.json, or a config.json path. Flags you give pin that technique; the table spans the rest. With --gpu-mem
 (or a GPU found through NVML) each plan gets a fit verdict, and plans that do not fit get the smallest changes
 that make them fit, with the bytes each saves.
+
+CPU runs: --device cpu prices the plan as PyTorch runs it on the CPU: its tensors, with no CUDA context, cuBLAS
+workspace or allocator slack; --mem (the same option as --gpu-mem) is then the RAM the run may fill with tensors.
 
 Several GPUs: --gpus N prices one rank of N data-parallel GPUs (every number is per GPU) under each strategy (DDP,
 FSDP, DeepSpeed ZeRO-2/3; pin one with --strategy); offload plans also show the host RAM a node needs.
@@ -46,6 +50,7 @@ def diagnose(
     adapter_dtype: Optional[str] = plan_option("adapter_dtype", "fp32, peft's default"),
     quant: Optional[str] = plan_option("quant"),
     double_quant: Optional[bool] = plan_option("double_quant"),
+    kbit_upcast: Optional[bool] = plan_option("kbit_upcast", "on with a quantized base (peft's k-bit preparation)"),
     offload: Optional[str] = offload_option(),
     world_size: Optional[int] = plan_option("world_size", "1"),
     strategy: Optional[str] = plan_option("strategy", "single on one GPU; with --gpus N > 1 ddp, fsdp, zero2, "
@@ -53,9 +58,11 @@ def diagnose(
     shard_group: Optional[int] = plan_option("shard_group", "every rank"),
     reshard_after_forward: Optional[bool] = plan_option("reshard_after_forward", "on"),
     bucket_size: Optional[int] = plan_option("bucket_size", "hidden^2 for ZeRO"),
+    trainer: Optional[str] = plan_option("trainer", "oomdoctor"),
     micro_batch: Optional[int] = plan_option("micro_batch", "1"),
     seq_len: Optional[int] = plan_option("seq_len", "min(2048, model max)"),
-    gpu_mem: Optional[str] = typer.Option(None, help="card size: 24GB (10^9), 24GiB (2^30), 24000MiB; default: NVML"),
+    gpu_mem: Optional[str] = mem_option("NVML's free memory of the local GPU (none on the CPU: no verdicts)"),
+    device: str = device_option(),
     fits_only: bool = typer.Option(False, "--fits-only", help="show only the plans that fit (needs a capacity)"),
     top: Optional[int] = typer.Option(None, "--top", help="show only the first N plans (most faithful first)"),
     engine: str = typer.Option("analytic", help="analytic (formulas) | simulate (real step on fake tensors) | measure (GPU)"),
@@ -63,28 +70,34 @@ def diagnose(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
     from oomdoctor.diagnose.report import diagnose as run_diagnose
+    from oomdoctor.engines import DEVICES
     from oomdoctor.errors import BadInput
     from oomdoctor.units import parse_size
 
     if plot and not plot.lower().endswith((".png", ".html", ".htm")):
         raise BadInput(f"--plot {plot!r}: use a .png or .html file name")
+    if plot:  # the picture is drawn after the pricing: a path that cannot take it is refused now
+        from oomdoctor.diagnose.plot import PLOT_FLAG
+        from oomdoctor.files import check_output_path
+
+        check_output_path(plot, what=PLOT_FLAG, overwrite=True, example="memory.png")
     pins = pins_from(
         method=method, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
         gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
         optimizer_in_backward=optimizer_in_backward, tiled_mlp=tiled_mlp, lora_targets=lora_targets,
-        lora_on_head=lora_on_head, adapter_dtype=adapter_dtype, quant=quant, double_quant=double_quant,
+        lora_on_head=lora_on_head, adapter_dtype=adapter_dtype, quant=quant, double_quant=double_quant, kbit_upcast=kbit_upcast,
         offload=offload,
         micro_batch=micro_batch, seq_len=seq_len, world_size=world_size, strategy=strategy, shard_group=shard_group,
-        reshard_after_forward=reshard_after_forward, bucket_size=bucket_size,
+        reshard_after_forward=reshard_after_forward, bucket_size=bucket_size, trainer=trainer,
     )
+    if device not in DEVICES:
+        raise BadInput(f"--device {device!r}: use one of {', '.join(DEVICES)}")
     capacity = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
-    from oomdoctor.engines.blocks import progress
-
-    # a cold cache measures blocks the formulas do not know: seconds each, one line on stderr as each starts
-    with progress(lambda line: typer.echo(line, err=True)):
-        report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top)
-    if plot:
-        _write_plot(report, plot)
+    with showing_progress():
+        report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top,
+                                     device=device)
+        if plot:
+            _write_plot(report, plot)
     if as_json:
         emit_json(report.to_dict())
         return
@@ -103,7 +116,7 @@ def _write_plot(report, path: str) -> None:
     if report.engine == "simulate" and len(report.results) == 1:
         from oomdoctor.engines.simulate import simulate_plan
 
-        timeline = simulate_plan(report.spec, report.results[0].plan, timeline=True).timeline
+        timeline = simulate_plan(report.spec, report.results[0].plan, timeline=True, device=report.device).timeline
     if timeline is not None:
         plotting.plot_timeline(timeline, path, capacity_bytes=report.capacity_bytes)
     else:

@@ -16,9 +16,12 @@ rest went, the likely causes with their numbers, and the fixes, best first.
 
 FILE is a log file; `-` (or no FILE with piped input) reads stdin: `python train.py 2>&1 | oomdoctor explain -`.
 Understands every PyTorch CUDA/HIP/XPU OOM wording (<= 2.0, 2.1, >= 2.2), rank prefixes (\\[rank0]:), process
-lists, FSDP "Failed to clone()" warnings, `CUDA error: out of memory`, CPU and MPS allocator errors, the Linux OOM
-killer, accelerate's auto batch size giving up, and the bitsandbytes / accelerate offload errors. With --model (and optionally --config or plan flags) the fixes are ranked by the bytes
-they save for your plan, computed with the memory model.
+lists, FSDP "Failed to clone()" warnings, `CUDA error: out of memory`, cuBLAS/cuDNN errors, CPU and MPS allocator
+errors, the Linux OOM killer (host or container), accelerate's auto batch size giving up, and the bitsandbytes /
+accelerate offload errors; the phase (model load, forward, loss, backward, optimizer step, evaluation, checkpoint
+save) comes from the traceback. With --model (and optionally --config or plan flags) the fixes are ranked by the
+bytes they save for your plan, computed with the memory model. On a terminal the text folds to its width; piped,
+every line is whole.
 """
 HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
 

@@ -33,21 +33,17 @@ def models(
     if as_json:
         emit_json({"models": rows})
         return
-    from rich.console import Console
-    from rich.table import Table
+    from oomdoctor.cli.console import fold_column, new_table, out_console, print_table, whole_column
 
-    console = Console()
-    console.width = max(console.width, 110)  # the longest row (TinyLlama) needs ~105 columns
+    console = out_console()
     if not rows:
         console.print(f"no bundled model matches {pattern!r}; run `oomdoctor models` for all of them")
         raise typer.Exit(0)
-    from rich import box
-
-    t = Table(title=f"Bundled model configs ({len(rows)})", title_justify="left", box=box.SIMPLE_HEAD,
-              pad_edge=False)
-    for col, just in [("id", "left"), ("family", "left"), ("params", "right"), ("layers", "right"),
-                      ("hidden", "right"), ("vocab", "right")]:
-        t.add_column(col, justify=just, overflow="fold", no_wrap=True)
+    t = new_table(f"Bundled model configs ({len(rows)})")
+    fold_column(t, "id")  # at a narrow terminal the id folds onto more lines (whole when piped)
+    fold_column(t, "family")
+    for col in ("params", "layers", "hidden", "vocab"):
+        whole_column(t, col, justify="right")
     for r in sorted(rows, key=lambda r: (r["family"], r["params"])):
         fam = r["family"]
         if r["arch_kind"] != "decoder":
@@ -55,6 +51,6 @@ def models(
         if r["experts"]:
             fam += f" (MoE {r['experts']})"
         t.add_row(r["id"], fam, _b(r["params"]), str(r["layers"]), str(r["hidden"]), f"{r['vocab']:,}")
-    console.print(t)
+    print_table(console, t)
     console.print("[dim]heads, KV heads, tied embeddings and aliases (-chat/-Instruct variants of the same shape): "
                   "`oomdoctor models --json`[/]")

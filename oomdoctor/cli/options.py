@@ -11,6 +11,24 @@ from oomdoctor.plan.techniques import technique
 
 OFFLOAD_PARTS = ("optimizer", "activations", "params")
 
+#: What ``--device`` means, for diagnose and tune (train reads ``device`` from its YAML).
+DEVICE_HELP = ("cuda (default): a GPU, priced with its CUDA context, cuBLAS workspace and caching-allocator slack | "
+               "cpu: a CPU run, its tensors alone (none of those), the budget (--mem) capping live tensor bytes as "
+               "`oomdoctor train` does on the CPU")
+
+
+def mem_option(default: str) -> Any:
+    """``--gpu-mem`` / ``--mem`` (one option, two names): the memory of the device the plan runs on. ``default``: what
+    is used when it is not given."""
+    return typer.Option(None, "--gpu-mem", "--mem",
+                        help="memory of the device: the GPU's (24GB = 10^9 bytes, 24GiB = 2^30, 24000MiB) or, with "
+                             f"--device cpu, the RAM the run may fill with tensors; default: {default}")
+
+
+def device_option() -> Any:
+    """``--device cuda|cpu``: the device the plan is priced for."""
+    return typer.Option("cuda", "--device", help=DEVICE_HELP)
+
 
 def plan_option(name: str, unset: str = "spanned/searched") -> Any:
     """A pinning option for the plan knob ``name`` (default None: not pinned; ``unset`` says what the command does

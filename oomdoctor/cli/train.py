@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Optional
 
 import typer
 
 from oomdoctor.cli.app import app
+from oomdoctor.cli.console import showing_progress
 from oomdoctor.cli.output import emit_json
+from oomdoctor.progress import report
 
-HELP = """Train from a YAML config (what `oomdoctor tune` writes; see configs/train/ and docs/train.md).
+HELP = """Train from a YAML config (what `oomdoctor tune` writes; `oomdoctor keys` lists every key with its meaning).
 
 Every technique in the config is really applied (precision, bitsandbytes 4/8-bit + LoRA, gradient checkpointing,
 the optimizer, optimizer/activation offload). When a micro-batch runs out of memory it is split in two and both
@@ -32,7 +35,8 @@ micro-batch, --max-restarts). offload_params: true runs FSDP2 with CPU offload, 
 DeepSpeed ZeRO (pip install 'oomdoctor[deepspeed]'): same loop, checkpoints and OOM restarts as fsdp.
 
 Exit codes: 0 done / fits, 2 bad input (every config problem listed), 3 does not fit, 4 OOM not recoverable,
-130 interrupted (checkpoint saved).
+74 a checkpoint or output could not be written (disk full: the previous checkpoint is intact), 130 interrupted
+(checkpoint saved).
 """
 HELP = "\n\n".join(" ".join(par.split()) for par in HELP.strip().split("\n\n"))
 
@@ -51,6 +55,8 @@ class _Reporter:
 
         self.tty = tty
         self.console = Console(stderr=True)
+        self.setup_view = None
+        """The set-up's progress display (``oomdoctor.cli.console.showing_progress``), closed when training starts."""
         self.progress = None
         self.task = None
         self._first: tuple[int, float] | None = None
@@ -58,6 +64,8 @@ class _Reporter:
     def __call__(self, e: dict) -> None:
         kind = e["type"]
         if kind == "start":
+            if self.setup_view is not None:
+                self.setup_view.close()
             line = (f"training on {e['device']}: {e['plan']}; {e['params']:,} params ({e['trainable']:,} trainable); "
                     f"{e['samples']} samples; effective batch {e['effective_batch']} (micro {e['micro_batch']})"
                     + (f"; memory cap {_fmt(e['cap'])}" if e.get("cap") else ""))
@@ -119,15 +127,14 @@ class _Reporter:
 
 
 def _print_dry(d) -> None:
-    from rich.console import Console
-
+    from oomdoctor.cli.console import out_console, print_table
     from oomdoctor.cli.render import breakdown_table
 
-    con = Console()
+    con = out_console()
     ranks = f" x {d.plan.world_size} GPUs" if d.plan.world_size > 1 else ""
     con.print(f"[bold]{d.spec.name}[/]: {d.plan.label()}; micro-batch {d.plan.micro_batch} x {d.plan.grad_accum} "
               f"accumulation{ranks} = effective batch {d.plan.effective_batch}; seq_len {d.plan.seq_len}")
-    con.print(breakdown_table(d.memory))
+    print_table(con, breakdown_table(d.memory))
     if d.eval_memory is not None:
         e = d.eval_memory
         con.print(f"eval phase (per_device_eval_batch_size, no gradients): {d.compared.replace('_', ' ')} "
@@ -249,7 +256,8 @@ def train(
     config: str = typer.Argument(..., help="train YAML (e.g. configs/train/tiny-cpu.yaml)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and estimate only: exit 0 fits, 3 does not"),
     gpu_mem: Optional[str] = typer.Option(
-        None, "--gpu-mem", help="memory budget, e.g. 24GB / 24GiB: dry-run verdict; caps the run (CPU: live bytes)"
+        None, "--gpu-mem", "--mem", help="memory budget of the device, e.g. 24GB / 24GiB: the dry-run verdict; caps "
+                                         "the run (on the CPU: its live tensor bytes)"
     ),
     engine: str = typer.Option("analytic", "--engine", help="estimator: analytic | simulate | measure"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in output_dir"),
@@ -310,6 +318,9 @@ def train(
 
         cfg = resolve_topology(cfg, world)  # one message here rather than one per rank
     if not dry_run and (nproc > 1 or nnodes) and not launched:
+        from oomdoctor.train.preflight import check
+
+        check(cfg, source=config)  # one message here rather than one per rank
         rest = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else [config]
         if max_restarts is None:
             from oomdoctor.plan.plan import SHARDED
@@ -320,7 +331,8 @@ def train(
     if dry_run:  # priced per rank, for the world size the launch flags (or the config) give
         from oomdoctor.train.dryrun import dry_run as do_dry
 
-        d = do_dry(cfg, gpu_mem=cap, engine=engine)
+        with showing_progress():
+            d = do_dry(cfg, gpu_mem=cap, engine=engine, source=config)
         if json_out:
             emit_json({"config": config, **d.to_dict()}, indent=1)
         else:
@@ -329,15 +341,18 @@ def train(
             raise typer.Exit(code=3)
         return
 
-    from oomdoctor.train.loop import train as run_train
-
     from oomdoctor.errors import OomDoctorError
 
     rep = _Reporter(tty=sys.stderr.isatty() and not json_out)
     job = restart.job()
     try:
-        res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, overwrite=overwrite, engine=engine,
-                        on_event=rep, command=f"oomdoctor train {config}")  # --json: oomdoctor.cli.output
+        with showing_progress() if os.environ.get("RANK", "0") == "0" else nullcontext() as rep.setup_view:
+            report("train", "setting up: loading torch and transformers")
+            from oomdoctor.train.loop import train as run_train
+
+            res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, overwrite=overwrite,
+                            engine=engine, on_event=rep, command=f"oomdoctor train {config}",
+                            source=config)  # --json: cli.output
     except OomDoctorError as exc:
         if _failed_because_of_a_peer(cfg, job):
             raise typer.Exit(restart.earlier_failure(job) or 1) from None

@@ -3,7 +3,8 @@
 Every candidate is a one-knob change of the plan, priced with the memory model (bytes saved = what ``Budget.fits``
 counts, before minus after). Candidates are ranked by what they cost the user — first changes that
 keep the same math (micro-batch split with more accumulation, memory-efficient attention, fused optimizer), then
-compute for memory (gradient checkpointing, offload), then numerics (bf16, 8-bit states), then what is trained
+compute for memory (gradient checkpointing, offload), then numerics (bf16, 8-bit states, a quantized base without
+peft's fp32 upcast), then what is trained
 (LoRA, QLoRA), and last the data (shorter sequences). If no single change fits, the cheapest combination of changes is
 returned; if nothing fits at all, the largest bundled model of the same family that does.
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from oomdoctor.memory import MemoryBreakdown
-from oomdoctor.memory.context import tiling_applies
+from oomdoctor.memory.context import tiling_applies, upcast_to_fp32
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget
@@ -184,6 +185,15 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
             "(halves model states; small updates can be lost to bf16 rounding)",
             3,
             dict(precision="bf16"),
+        ))
+    if upcast_to_fp32(plan):
+        c.append((
+            "kbit-upcast:off",
+            "skip peft's k-bit upcast (as TRL's SFTTrainer, axolotl and unsloth run QLoRA): the quantized base's "
+            "embeddings, norms, head and biases stay bf16 instead of fp32, and so does the residual stream "
+            "(half their bytes and of the activations; norms computed from bf16 weights)",
+            3,
+            dict(kbit_upcast=False),
         ))
     if plan.optimizer in ("adamw", "paged-adamw"):
         c.append((

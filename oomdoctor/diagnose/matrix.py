@@ -3,7 +3,9 @@
 Every flag the user gives pins that dimension; the matrix spans the rest over curated values (the stacks people
 actually run: full fine-tune in fp32 / AMP / pure bf16, LoRA, QLoRA; +/- gradient checkpointing; leaner
 optimizers; optimizer offload; with ``--gpus N`` > 1, the strategies DDP, FSDP, ZeRO-2, ZeRO-3). When every technique
-is pinned there is exactly one plan.
+is pinned there is exactly one plan. peft's k-bit upcast stays on (peft's recipe) unless pinned: ``--no-kbit-upcast``
+shows the quantized plans without it (one QLoRA row per stack, not two; tune searches both, and diagnose's advice
+proposes it when it is what makes a plan fit).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def _strategies(pins: dict[str, Any]) -> tuple[str, ...]:
 def _pinned_methods(pins: dict[str, Any]) -> tuple[str, ...]:
     if "method" in pins:
         return (pins["method"],)
-    if any(k in pins for k in QUANT_FIELDS):
+    if any(k in pins for k in QUANT_FIELDS) or pins.get("kbit_upcast") is False:
         return ("qlora",)
     if any(k in pins for k in LORA_FIELDS):
         return ("lora", "qlora")

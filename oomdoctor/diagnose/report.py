@@ -17,6 +17,7 @@ from oomdoctor.memory import MemoryBreakdown
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget, resolve_budget
+from oomdoctor.progress import report as show_progress
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.model.load import load_spec
 
@@ -54,11 +55,14 @@ class DiagnoseReport:
     budget: Budget | None
     """What the verdicts use (None: no --gpu-mem and no GPU found)."""
     gpu: GpuInfo | None
+    device: str = "cuda"
+    """The device the plans are priced for: ``cuda`` or ``cpu`` (``--device``)."""
     results: list[PlanResult] = field(default_factory=list)
     smaller_model: SmallerModel | None = None
     """Set when no plan fits and a smaller bundled model of the same family does."""
     notes: list[str] = field(default_factory=list)
-    """Warnings about the inputs (a sequence longer than the model's positions...)."""
+    """What the user should know about the inputs (the capacity: other processes on the card, a --gpu-mem bigger
+    than its free memory)."""
     priced: int = 0
     """Plans priced (``results`` may show fewer: ``--fits-only``, ``--top``)."""
     fitting_count: int = 0
@@ -89,6 +93,7 @@ class DiagnoseReport:
                 "vocab_size": s.vocab_size,
             },
             "engine": self.engine,
+            "device": self.device,
             "capacity_bytes": self.capacity_bytes,
             "capacity_source": self.capacity_source,
             "budget": self.budget.to_dict() if self.budget else None,
@@ -103,8 +108,9 @@ class DiagnoseReport:
 
 def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_mem: int | None = None,
              engine: str = "analytic", advice: bool = True, fits_only: bool = False,
-             top: int | None = None) -> DiagnoseReport:
-    """Price the matrix of plans for ``model`` (pins fix dimensions; see ``oomdoctor.diagnose.matrix``).
+             top: int | None = None, device: str = "cuda") -> DiagnoseReport:
+    """Price the matrix of plans for ``model`` (pins fix dimensions; see ``oomdoctor.diagnose.matrix``) on ``device``
+    (``cpu``: no CUDA context, workspace or allocator slack; the budget, ``gpu_mem`` only, counts live tensor bytes).
     ``fits_only``: keep the plans that fit (needs a capacity); ``top``: keep the first N (most faithful first)."""
     if top is not None and top < 1:
         raise BadInput(f"--top must be >= 1, got {top}")
@@ -113,25 +119,30 @@ def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_
     if "seq_len" not in pins and spec.max_position_embeddings:
         pins["seq_len"] = min(Plan().seq_len, spec.max_position_embeddings)
     plans = enumerate_plans(pins)
+    spec.check_seq_len(plans[0].seq_len, "--seq-len")
     if engine != "analytic" and len(plans) > MAX_PLANS_SLOW_ENGINE:
         raise BadInput(
             f"--engine {engine} runs a real training step per plan and these flags leave {len(plans)} plans",
             "pin more techniques (e.g. --method lora --precision bf16-mixed --optimizer adamw "
             "--gradient-checkpointing), or use --engine analytic for the whole matrix",
         )
-    gpu = None if gpu_mem is not None else detect_gpu()
-    budget = resolve_budget(gpu_mem, None, gpu)
-    report = DiagnoseReport(spec=spec, engine=engine, budget=budget, gpu=gpu)
-    note = spec.context_note(plans[0].seq_len, "--seq-len")
-    if note:
-        report.notes.append(note)
+    gpu = None if gpu_mem is not None or device != "cuda" else detect_gpu()
+    budget = resolve_budget(gpu_mem, None, gpu, on_cpu=device == "cpu")
+    report = DiagnoseReport(spec=spec, engine=engine, budget=budget, gpu=gpu, device=device,
+                            notes=list(budget.notes) if budget is not None else [])
+
+    def priced(s: ModelSpec, p: Plan) -> MemoryBreakdown:
+        return estimate(s, p, "analytic", device)
     headline = {p.method: p for p in reversed(plans)}  # most faithful plan of each method: full advice path
-    for plan in plans:
-        mem = estimate(spec, plan, engine)
+    for i, plan in enumerate(plans):
+        if engine != "analytic":  # a replay (or a GPU run) per plan: seconds each
+            show_progress("diagnose", f"pricing {plan.label()} with the {engine} engine", i + 1, len(plans))
+        mem = estimate(spec, plan, engine, device)
         ok = budget.fits(mem) if budget is not None else None
         adv = None
         if advice and ok is False:
-            adv = advise(spec, plan, budget, with_path=headline.get(plan.method) == plan or len(plans) == 1)
+            adv = advise(spec, plan, budget, estimator=priced,
+                         with_path=headline.get(plan.method) == plan or len(plans) == 1)
         report.results.append(PlanResult(plan, mem, ok, adv))
     if fits_only and budget is None:
         raise BadInput("--fits-only needs a capacity: no --gpu-mem given and no GPU found",
@@ -139,7 +150,7 @@ def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_
     rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single)) for r in report.results)
     if budget is not None and not report.fitting and advice and not rescued:
         # only when no change above makes a plan fit: the advice and this verdict never contradict each other
-        report.smaller_model = smaller_model_that_fits(spec, plans[0], budget)
+        report.smaller_model = smaller_model_that_fits(spec, plans[0], budget, estimator=priced)
     report.priced, report.fitting_count = len(report.results), len(report.fitting)
     if fits_only:
         report.results = [r for r in report.results if r.fits]

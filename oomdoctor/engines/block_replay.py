@@ -184,6 +184,7 @@ class BlockReplay:
         from oomdoctor.execute.bnb_standin import CONTEXT_HELD
         from oomdoctor.execute.build import make_batch
         from oomdoctor.execute.step import TrainStep
+        from oomdoctor.memory.context import runs_autocast
 
         model, layers = self.built.model, self.layers
         batch = make_batch(self.spec, plan, "cpu")
@@ -202,7 +203,7 @@ class BlockReplay:
 
         # what a block saves: activations, and without autocast the casts of its parameters too (peft's bf16 copies
         # of fp32 expert adapters, ``ParamWrapper``); under autocast weight casts are AMP copies, priced as such
-        saved_categories = ("activations",) if plan.precision.endswith("-mixed") else ("activations", "master_weights")
+        saved_categories = ("activations",) if runs_autocast(plan) else ("activations", "master_weights")
 
         def storage_id(t) -> tuple[int, int] | None:
             key = t.untyped_storage()._cdata

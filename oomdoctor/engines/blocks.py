@@ -23,8 +23,8 @@ the plan's tokens cut into sequences of :data:`LOOP_SEQ_LEN` (and of twice it, a
 :func:`along_the_sequence` takes out what grows with the number of sequences); the other blocks still run at the
 plan's length. Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
 ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config, the plan's settings at
-micro-batch 1 and the versions of torch, transformers and peft; :func:`progress` tells a listener (the diagnose CLI)
-when a measurement starts.
+micro-batch 1 and the versions of torch, transformers and peft. Each replay run of a measurement is reported
+(``oomdoctor.progress``, task ``blocks``: the CLI draws it on stderr).
 """
 
 from __future__ import annotations
@@ -32,21 +32,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from contextlib import contextmanager
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from oomdoctor.engines.kinds import extend
 from oomdoctor.memory.activations import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
+from oomdoctor.progress import report
 
 if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 18
+VERSION = 19
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
@@ -62,9 +62,10 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     """Whether the analytic engine prices ``spec``'s blocks from a measurement: decoder types without a hand builder
     (``model/architectures.BUILDERS``, whose blocks the formulas were written for) and not in :data:`FORMULA_TYPES`
     (transformers' eager experts included, up to :data:`EAGER_REPLAY_MAX_EXPERTS`: a balanced router sizes their
-    tokens in the replay, ``engines/routing``), and every plan with bf16 adapters (the formulas follow peft's fp32 ones)
-    or a tiled MLP (``execute/tiled``: the formulas price whole-sequence MLPs). The measured plan runs on one device
-    without offload (:func:`measured_plan`), so every topology and plan is measurable."""
+    tokens in the replay, ``engines/routing``), and every plan with bf16 adapters run by oomdoctor's executor (for
+    another trainer's bf16 adapters, TRL's QLoRA, the formulas price the adapter dtype as that trainer's replay runs
+    it: ``engines/trainers``) or a tiled MLP (``execute/tiled``: the formulas price whole-sequence MLPs). The measured
+    plan runs on one device without offload (:func:`measured_plan`), so every topology and plan is measurable."""
     from oomdoctor.execute.build import runs_eager_experts
     from oomdoctor.model.architectures import BUILDERS
 
@@ -73,21 +74,27 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     if spec.num_experts > EAGER_REPLAY_MAX_EXPERTS and runs_eager_experts(spec, plan):
         return False
     formulas = spec.model_type in BUILDERS or spec.model_type in FORMULA_TYPES
-    return not formulas or (plan.uses_lora and plan.adapter_dtype == "bf16") or plan.tiled_mlp
+    bf16_adapters = plan.uses_lora and plan.adapter_dtype == "bf16" and plan.trainer == "oomdoctor"
+    return not formulas or bf16_adapters or plan.tiled_mlp
 
 
 def measured_plan(plan: "Plan") -> "Plan":
     """The plan the measurement runs, one per set of knobs that decide what a block saves (method, precision, attention,
     checkpointing, tiled MLP, sequence length rounded up to a power of two, LoRA targets/head/rank/dropout/dtype
     (with ``lora_on_head`` peft gets explicit names, which changes its MoE conversion in the blocks), int8 or
-    4-bit): micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation,
-    topology, LoRA's scale, the 4-bit data type and double quantization do not touch the blocks and take their
-    defaults (one cache entry for them all)."""
+    4-bit, in pure bf16 whether peft's k-bit preparation upcasts the quantized base's norms and biases to fp32
+    (``kbit_upcast``: the blocks' dtypes), the trainer: pure bf16 runs under autocast outside oomdoctor's own step):
+    micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation, topology,
+    LoRA's scale, the 4-bit data type, double quantization and the upcast of an fp32-loaded base (a no-op) do not
+    touch the blocks and take their defaults (one cache entry for them all)."""
+    from oomdoctor.memory.context import upcast_changes_bytes
     from oomdoctor.plan.techniques import DEFAULTS
 
-    keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant", "tiled_mlp")
+    keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant", "tiled_mlp", "trainer")
     if plan.uses_lora:
         keep += ("lora_r", "lora_dropout", "lora_targets", "lora_on_head", "adapter_dtype")
+    if upcast_changes_bytes(plan):
+        keep += ("kbit_upcast",)
     canonical = {k: v for k, v in DEFAULTS.items() if k not in keep and k in Plan.__dataclass_fields__}
     if plan.quant == "fp4":
         canonical["quant"] = "nf4"  # same shapes, same dequantized compute
@@ -147,9 +154,6 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
                           int(doc["seq_len"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    knobs = " ".join(k for k in (plan.method, plan.quant, plan.precision, "GC" if plan.gradient_checkpointing else "")
-                     if k)
-    _tell(f"measuring what {spec.model_type} blocks save under {knobs} at {plan.seq_len} tokens (once: cached)")
     try:
         saves = measure_saves(spec, plan)
     except Exception:  # noqa: BLE001 - passing blocks through broke a model whose blocks depend on each other
@@ -166,27 +170,6 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     except OSError:
         pass  # a read-only cache only costs the next run a replay
     return saves
-
-
-# ---------------------------------------------------------------------------------------------- progress
-
-#: Who hears of a measurement starting (a cold cache: seconds each): ``oomdoctor diagnose`` prints them on stderr.
-_LISTENERS: list[Callable[[str], None]] = []
-
-
-@contextmanager
-def progress(listener: Callable[[str], None]):
-    """Call ``listener`` with one line each time a block measurement starts, inside the ``with`` block."""
-    _LISTENERS.append(listener)
-    try:
-        yield
-    finally:
-        _LISTENERS.remove(listener)
-
-
-def _tell(line: str) -> None:
-    for listener in list(_LISTENERS):
-        listener(line)
 
 
 # ---------------------------------------------------------------------------------------------- what is replayed
@@ -241,26 +224,46 @@ def measure_saves(spec: "ModelSpec", plan: "Plan", *, one_per_kind: bool = True)
     reduced = 2 * s < S  # at short lengths every block runs at the plan's: loops are short too
     every = frozenset(reps)
     built = max(reps) + 1  # the blocks after the last one measured pass their input through: not built
+    known = not reduced or key in _LOOPING
+    runs = _Runs(spec, plan, 2 + (3 if _LOOPING.get(key) else 0) if known else 2)
     with BlockReplay(spec, plan, built if built < spec.num_layers else None) as replay:
         looping, short = (_LOOPING.get(key, frozenset()) & every if reduced else frozenset()), {}
-        if reduced and key not in _LOOPING:
+        if not known:
             try:
-                one = replay.run(1, S, every, budget=LOOP_BUDGET)
+                one = runs.run(replay, 1, S, every, budget=LOOP_BUDGET)
             except LoopBudget:  # which blocks loop: those whose forward grows with the sequence
-                short = {(b, s): replay.run(b, s, every), (b, 2 * s): replay.run(b, 2 * s, every)}
+                runs.steps = 6  # this run, three short ones, two at the plan's length
+                short = {(b, s): runs.run(replay, b, s, every), (b, 2 * s): runs.run(replay, b, 2 * s, every)}
                 looping = frozenset(i for i in every if short[b, 2 * s].ops[i] > short[b, s].ops[i])
             else:
                 _LOOPING[key] = frozenset()
-                return _saves(plan, reps, q, p, spec.num_layers, one, replay.run(2, S, every))
+                return _saves(plan, reps, q, p, spec.num_layers, one, runs.run(replay, 2, S, every))
             _LOOPING[key] = frozenset(j for j in range(replayed) if reps[j] in looping)  # every block of their kinds
         if looping:  # first: the full-length runs pass the looping blocks through as the short runs return them
             for n, length in ((b, s), (b, 2 * s), (2 * b, s)):
                 if (n, length) not in short:
-                    short[n, length] = replay.run(n, length, looping)
-        one, two = replay.run(1, S, every - looping), replay.run(2, S, every - looping)
+                    short[n, length] = runs.run(replay, n, length, looping)
+        one, two = runs.run(replay, 1, S, every - looping), runs.run(replay, 2, S, every - looping)
         if looping:
             one, two = along_the_sequence(one, two, short[b, s], short[b, 2 * s], short[2 * b, s], looping, b)
     return _saves(plan, reps, q, p, spec.num_layers, one, two)
+
+
+class _Runs:
+    """The replay runs of one measurement, each reported as it starts (``oomdoctor.progress``, task ``blocks``)."""
+
+    def __init__(self, spec: "ModelSpec", plan: "Plan", steps: int):
+        knobs = " ".join(k for k in (plan.method, plan.quant, plan.precision,
+                                     "GC" if plan.gradient_checkpointing else "") if k)
+        self.message = f"measuring what {spec.model_type} blocks save under {knobs} at {plan.seq_len} tokens " \
+                       "(once: cached)"
+        self.steps = steps  # runs the measurement makes, as far as known (a loop over the tokens found adds some)
+        self.step = 0
+
+    def run(self, replay, micro_batch: int, seq_len: int, measured: frozenset[int], budget: int | None = None):
+        self.step += 1
+        report("blocks", self.message, self.step, max(self.steps, self.step))
+        return replay.run(micro_batch, seq_len, measured, budget=budget)
 
 
 def along_the_sequence(one, two, short, long, wide, looping: frozenset[int], b: int):

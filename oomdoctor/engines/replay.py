@@ -123,9 +123,11 @@ def cuda_autocast_answers():
 
 @contextmanager
 def hf_data_paths():
-    """Make transformers take the branch real (unpacked) data takes where it branches on tensor values: with fake
-    tensors ``is_tracing`` is true and ``find_packed_sequence_indices`` would report a packed batch (and a mask would
-    be built). Same ops, then the answer real position ids give: not packed."""
+    """Make transformers take the branch real (unpacked, unpadded) data takes where it branches on tensor values:
+    with fake tensors ``is_tracing`` is true, so ``find_packed_sequence_indices`` would report a packed batch (and a
+    mask would be built), and SDPA's causal-mask skip would never look at an attention mask (a trainer's collator
+    passes one, all ones for a full batch). Same ops, then the answer real data gives: not packed; an all-ones mask
+    is skipped like no mask (``is_causal``)."""
     import torch
 
     try:
@@ -134,7 +136,8 @@ def hf_data_paths():
         yield
         return
     orig = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if orig is None:
+    orig_skip = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if orig is None or orig_skip is None:
         yield
         return
     from torch._subclasses.fake_tensor import FakeTensor
@@ -148,11 +151,19 @@ def hf_data_paths():
         (packed_sequence_mask[:, -1] == 0).all()
         return None
 
+    def skip(padding_mask, *args, **kwargs):
+        if not isinstance(padding_mask, FakeTensor):
+            return orig_skip(padding_mask, *args, **kwargs)
+        masking_utils.fast_all(padding_mask)  # what the real check computes, its answer: all ones
+        return orig_skip(None, *args, **kwargs)
+
     masking_utils.find_packed_sequence_indices = patched
+    masking_utils._ignore_causal_mask_sdpa = skip
     try:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = orig
+        masking_utils._ignore_causal_mask_sdpa = orig_skip
 
 
 @dataclass
@@ -253,6 +264,24 @@ def _head_region_hooks(head, lb) -> list:
             head.register_forward_hook(_head_out)]
 
 
+def _backbone_region_hooks(backbone, lb) -> list:
+    """Classify what runs after ``backbone``'s forward as ``logits`` (a loss that reads the head's weight directly,
+    never calling the head module: TRL's fused LM head), and the backward's ``logits`` region as over once the
+    backbone's output gradient exists."""
+    import torch
+
+    if backbone is None:
+        return []
+
+    def _done(m, a, out):
+        hidden = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", out)
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(lambda g: lb.set_backward_region(None))
+        lb.push_region("logits")
+
+    return [backbone.register_forward_hook(_done)]
+
+
 def replay_step(model, plan: "Plan", lb, *, target: str, head=None) -> Any:
     """The executor's :class:`~oomdoctor.execute.step.TrainStep` for a replay: the plan's optimizer (offloaded to
     host memory outside ``lb`` when the plan says so), tracking hooks, constant fp16 loss scale off a real GPU."""
@@ -274,6 +303,67 @@ def replay_step(model, plan: "Plan", lb, *, target: str, head=None) -> Any:
                      hooks=TrackingHooks(lb, plan, head=head, target=target, model=model), offload=offload)
 
 
+class Instruments:
+    """What a replay sets up around a model's training steps, shared by :func:`run_steps` (the executor's step) and
+    the trainers' replay (``oomdoctor.engines.trainers``: TRL's / transformers' own step): the model's tensors
+    tracked by ``lb``, the ``logits`` region (from the LM head's forward — or, for a loss that never calls the head
+    module, from the end of the ``backbone``'s forward — until the backward leaves it), the moment the input
+    embedding's backward starts (an aligned moment for the extrapolation), checkpointed blocks recomputed under the
+    CUDA policy, and, while entered, the CUDA policy and ``lb`` themselves. :meth:`stats` turns the run into
+    :class:`RunStats`."""
+
+    def __init__(self, model, plan: "Plan", lb, *, target: str = "cuda", head=None, backbone=None,
+                 checkpoint_region: bool = True):
+        import torch
+
+        self.model, self.plan, self.lb, self.target, self.checkpoint_region = model, plan, lb, target, checkpoint_region
+        lb.track_module(model)
+        self.adapter_bytes = sum(lb.counted_bytes(p) for n, p in model.named_parameters() if "lora_" in n)
+        self.trainable_bytes = sum(lb.counted_bytes(p) for p in model.parameters() if p.requires_grad)
+        self.param_bytes = lb.current
+        self.hooks = _head_region_hooks(head, lb) + _backbone_region_hooks(backbone, lb)
+        self.tail_starts: list[int] = []
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if emb is not None:
+            # the input embedding's backward starts the tail of backward (after every block): a moment aligned
+            # across block counts for the extrapolation (a tied head's gradients are summed there, with every
+            # gradient alive)
+            def _mark_tail(_m, _a, out):
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(lambda _g: self.tail_starts.append(lb.events))
+
+            self.hooks.append(emb.register_forward_hook(_mark_tail))
+        self.policy_cls = _cuda_policy_mode_cls() if target == "cuda" else None
+        self.restore_ckpt: list = []
+        self._stack: ExitStack | None = None
+
+    def wrap_checkpoints(self) -> None:
+        """Make each checkpointed block recompute under the CUDA policy (call once checkpointing is enabled)."""
+        self.restore_ckpt += _wrap_checkpoint_functions(self.model, self.lb, self.policy_cls,
+                                                        classify=self.checkpoint_region)
+
+    def __enter__(self) -> "Instruments":
+        st = self._stack = ExitStack()
+        st.enter_context(hf_data_paths())
+        if self.target == "cuda":
+            st.enter_context(cuda_autocast_answers())
+            st.enter_context(self.policy_cls())
+        st.enter_context(self.lb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        for h in self.hooks:
+            h.remove()
+        for mod, fn in self.restore_ckpt:
+            mod._gradient_checkpointing_func = fn
+        self.lb.remove_hooks()
+
+    def stats(self, step_peaks: list[int]) -> RunStats:
+        return _stats(self.lb, step_peaks, self.param_bytes, self.adapter_bytes, self.trainable_bytes,
+                      self.tail_starts[-1:])
+
+
 def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: str = "cuda", head=None,
               checkpoint_region: bool = True, on_step=None, micro_batches: int | None = None) -> RunStats:
     """Run ``steps`` training steps of ``model`` on ``batch`` under the live tracker ``lb`` (this function enters it).
@@ -283,34 +373,12 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
     ``on_step(step_index)`` is called after each step (the measured engine samples NVML there).
     ``micro_batches``: forward/backward passes per optimizer step (None: 2 when ``plan.grad_accum >= 2`` — the
     later micro-batches all run with the gradients allocated (accumulated in place) and are identical — else 1)."""
-    import torch
-
-    lb.track_module(model)
-    adapter_bytes = sum(lb.counted_bytes(p) for n, p in model.named_parameters() if "lora_" in n)
-    trainable_bytes = sum(lb.counted_bytes(p) for p in model.parameters() if p.requires_grad)
-    param_bytes = lb.current
     step_peaks: list[int] = []
-    n_micro = min(max(plan.grad_accum, 1), 2) if micro_batches is None else micro_batches
-    hooks = _head_region_hooks(head, lb)
-    tail_starts: list[int] = []
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if emb is not None:
-        # the input embedding's backward starts the tail of backward (after every block): a moment aligned across
-        # block counts for the extrapolation (a tied head's gradients are summed there, with every gradient alive)
-        def _mark_tail(_m, _a, out):
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(lambda _g: tail_starts.append(lb.events))
-
-        hooks.append(emb.register_forward_hook(_mark_tail))
-    policy_cls = _cuda_policy_mode_cls() if target == "cuda" else None
-    restore_ckpt = _wrap_checkpoint_functions(model, lb, policy_cls, classify=checkpoint_region) \
-        if plan.gradient_checkpointing else []
-    with ExitStack() as stack:
-        stack.enter_context(hf_data_paths())
-        if target == "cuda":
-            stack.enter_context(cuda_autocast_answers())
-            stack.enter_context(policy_cls())
-        stack.enter_context(lb)
+    n_micro = replayed_micro_batches(plan) if micro_batches is None else micro_batches
+    inst = Instruments(model, plan, lb, target=target, head=head, checkpoint_region=checkpoint_region)
+    if plan.gradient_checkpointing:
+        inst.wrap_checkpoints()
+    with inst:
         step = replay_step(model, plan, lb, target=target, head=head)
         divisor = plan.grad_accum if n_micro > 1 else 1  # Trainer: loss / gradient_accumulation_steps
         for i in range(steps):
@@ -321,12 +389,13 @@ def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: s
             step_peaks.append(lb.peak)
             if on_step is not None:
                 on_step(i)
-    for h in hooks:
-        h.remove()
-    for mod, fn in restore_ckpt:
-        mod._gradient_checkpointing_func = fn
-    lb.remove_hooks()
-    return _stats(lb, step_peaks, param_bytes, adapter_bytes, trainable_bytes, tail_starts[-1:])
+    return inst.stats(step_peaks)
+
+
+def replayed_micro_batches(plan: "Plan") -> int:
+    """Micro-batches a replay runs per optimizer step: 2 when ``plan.grad_accum >= 2`` (the 3rd and later run with
+    every gradient already allocated, as the 2nd does), else 1."""
+    return min(max(plan.grad_accum, 1), 2)
 
 
 def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int, trainable_bytes: int,
@@ -422,4 +491,5 @@ def _wrap_checkpoint_functions(model, lb, policy_cls=None, *, classify: bool = T
     return restore
 
 
-__all__ = ["RunStats", "run_steps", "replay_step", "TrackingHooks", "cuda_autocast_answers", "hf_data_paths"]
+__all__ = ["Instruments", "RunStats", "run_steps", "replay_step", "replayed_micro_batches", "TrackingHooks",
+           "cuda_autocast_answers", "hf_data_paths"]

@@ -49,6 +49,7 @@ from oomdoctor.execute.step import PHASES
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 from oomdoctor.memory.sharding import LOAD
 from oomdoctor.plan.plan import DEEPSPEED
+from oomdoctor.progress import report
 from oomdoctor.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -191,7 +192,12 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
             _retie(model)
             batch = make_batch(spec, plan, "cpu")
             lb = LiveBytes(round_to=round_to, record_timeline=timeline, param_copy_category="master_weights")
-            stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=built.head_module)
+
+            def stepped(i: int, blocks: int = built.num_layers) -> None:
+                report("simulate", f"replayed step {i + 1} of {steps} with {blocks} blocks")
+
+            stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=built.head_module,
+                              on_step=stepped)
         stats.layers = built.num_layers
         del model, built
     return stats
@@ -255,6 +261,19 @@ def _retie(model) -> None:
         base.tie_weights()
 
 
+def _first_replay() -> str:
+    """What a replay's progress line adds when this process has not loaded transformers' models yet (seconds)."""
+    import sys
+
+    return "" if "transformers.modeling_utils" in sys.modules else " (loading torch and transformers first)"
+
+
+def _report_run(spec, blocks: int, then: str, step: int | None, steps: int | None) -> None:
+    """Progress: one replay of ``blocks`` blocks starts (replay ``step`` of ``steps``)."""
+    report("simulate", f"replaying the training step of {spec.name} with {blocks} blocks{then}{_first_replay()}",
+           step, steps)
+
+
 def _extrapolate(a: int, b: int, la: int, lb_: int, n: int) -> int:
     """Linear extrapolation of a per-block-linear quantity measured at ``la`` and ``lb_`` blocks to ``n`` blocks."""
     if lb_ == la:
@@ -281,11 +300,14 @@ def _extrapolate_categories(c2: dict, c4: dict, la: int, lb_: int, n: int, total
 
 
 def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", timeline: bool = False,
-                  round_to: int = 512, timeline_layers: str = "full") -> SimulationResult:
-    """Simulate ``plan`` on ``spec``. ``layers="auto"`` simulates 2 and 3 blocks (whole periods for periodic blocks)
+                  round_to: int = 512, timeline_layers: str = "full", device: str = "cuda",
+                  run=None) -> SimulationResult:
+    """Simulate ``plan`` on ``spec``, its device overheads those of ``device`` (:func:`device_overheads`). ``layers="auto"`` simulates 2 and 3 blocks (whole periods for periodic blocks)
     and extrapolates (else the full model); ``"full"`` always simulates every block. ``timeline=True`` also records
     the memory curve for plots: of the full model (``timeline_layers="full"``, one more replay of every block) or of
-    the 3-block model (``"sample"``, fast, not the real peak)."""
+    the 3-block model (``"sample"``, fast, not the real peak). ``run(spec, plan, num_layers, *, timeline, round_to)
+    -> RunStats`` replays one model (default :func:`simulate_run`, the executor's step; the trainers' replay passes
+    ``oomdoctor.engines.trainers.trainer_run``)."""
     from oomdoctor.plan import validate
 
     plan = validate(plan)
@@ -294,13 +316,15 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
         raise BadInput(f"the simulated engine cannot run this plan: {why}", "use --engine analytic")
     if plan.strategy == "fsdp" and _has_process_group():
         return _in_subprocess(simulate_plan, spec, plan, layers=layers, timeline=timeline, round_to=round_to,
-                              timeline_layers=timeline_layers)
+                              timeline_layers=timeline_layers, device=device, run=run)
     t0 = time.perf_counter()
     n = spec.num_layers
+    report("simulate", f"preparing the replay of {spec.name}{_first_replay()}")
     period = layer_period(spec, plan) if layers == "auto" else None
     extrap = period is not None and n % period == 0 and n > (extrapolate_from(plan)[1] + 1) * period
     try:
-        return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1, timeline_layers)
+        return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1, timeline_layers, device,
+                              run or simulate_run)
     except BadInput:
         raise
     except Exception as exc:  # noqa: BLE001 - an op or model path the replay cannot run: say so, point to analytic
@@ -337,12 +361,15 @@ def _call_reporting(fn, args, kwargs):
 
 
 def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: int, t0: float,
-                   period: int = 1, timeline_layers: str = "full") -> SimulationResult:
+                   period: int = 1, timeline_layers: str = "full", device: str = "cuda",
+                   run=simulate_run) -> SimulationResult:
     base = extrapolate_from(plan)
     if extrap:
         la, lb_ = base[0] * period, base[1] * period
-        r2 = simulate_run(spec, plan, la, timeline=False, round_to=round_to)
-        r4 = simulate_run(spec, plan, lb_, timeline=False, round_to=round_to)
+        _report_run(spec, la, f", then {lb_}, extrapolated to {n}", 1, 2)
+        r2 = run(spec, plan, la, timeline=False, round_to=round_to)
+        _report_run(spec, lb_, f", extrapolated to {n}", 2, 2)
+        r4 = run(spec, plan, lb_, timeline=False, round_to=round_to)
         runs = (r2, r4)
         ex = lambda a, b: max(_extrapolate(a, b, r2.layers, r4.layers, n), 0)  # noqa: E731
         phase_peaks, phase_cats = {}, {}
@@ -360,16 +387,18 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         stored = ex(r2.param_bytes, r4.param_bytes)
         ref = r4
     else:
-        r = simulate_run(spec, plan, None, timeline=timeline, round_to=round_to)
+        _report_run(spec, n, "", None, None)
+        r = run(spec, plan, None, timeline=timeline, round_to=round_to)
         runs = (r,)
         phase_peaks, phase_cats, external, adapter, ref = r.phase_peaks, r.phase_categories, r.external, r.adapter_bytes, r
         trainable, stored = r.trainable_bytes, r.param_bytes
     tl_run = ref
     if timeline and extrap and timeline_layers == "full":
         # a plot needs the real curve: one more replay of every block (slower: ~N/5 times the extrapolated cost)
-        tl_run = simulate_run(spec, plan, None, timeline=True, round_to=round_to)
+        _report_run(spec, n, " for the memory timeline", None, None)
+        tl_run = run(spec, plan, None, timeline=True, round_to=round_to)
     elif timeline and extrap:
-        tl_run = simulate_run(spec, plan, base[1] * period, timeline=True, round_to=round_to)
+        tl_run = run(spec, plan, base[1] * period, timeline=True, round_to=round_to)
     notes = []
     timeline_samples = tl_run.timeline
     if plan.strategy == "ddp":
@@ -408,7 +437,7 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         # gathered units (and bf16 all-gather inputs) = the weights at the peak beyond the stored shards
         comm, load = max(cats["parameters"] + cats["master_weights"] - stored, 0), stored
     bd = breakdown_from(cats, peak, peak_phase, phase_peaks, adapter, external, spec, plan, notes, comm=comm,
-                        load=load)
+                        load=load, device=device)
     return SimulationResult(
         breakdown=bd,
         timeline=timeline_samples,
@@ -433,15 +462,17 @@ def _with_ddp_bucket(phase_peaks: dict, phase_cats: dict, bucket: int) -> tuple[
 
 
 def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, adapter: int, external: dict,
-                   spec, plan, notes: list[str], *, comm: int = 0, load: int | None = None) -> MemoryBreakdown:
-    """Fill a MemoryBreakdown from tensor categories at the peak plus the device-level model (runtime constants).
+                   spec, plan, notes: list[str], *, comm: int = 0, load: int | None = None,
+                   device: str = "cuda") -> MemoryBreakdown:
+    """Fill a MemoryBreakdown from tensor categories at the peak plus the device-level model of ``device`` (runtime
+    constants).
     ``comm``: of the tensor bytes at the peak, the communication buffers (``MemoryBreakdown.comm_buffers``);
     ``load``: the ``load`` phase of multi-rank plans (the weights a rank holds once built; below every step
     phase)."""
     paged = external.get("paged_optimizer", 0)
     offloaded = external.get("cpu_offloaded", 0)
     transient = cats["activations"] + cats["logits"] + cats["temporaries"] + cats["master_weights"]
-    dev = device_overheads(spec, plan, transient)
+    dev = device_overheads(spec, plan, transient, device)
     reserved = peak + dev["allocator_slack"] + dev["cublas_workspace"]
     phases = {ph: int(phase_peaks.get(ph, 0)) for ph in PHASES}
     if load is not None:
@@ -462,58 +493,56 @@ def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, ad
         peak_phase=peak_phase,
         phases=phases,
         engine="simulate",
-        notes=tuple(notes) + tuple(dev.get("notes", ())),
+        notes=tuple(notes),
     )
 
 
-def device_overheads(spec, plan, transient_bytes: int) -> dict:
+def device_overheads(spec, plan, transient_bytes: int, device: str = "cuda") -> dict:
     """CUDA context, cuBLAS workspace, NCCL buffers (several ranks) and allocator slack around a simulated tensor
-    peak.
+    peak on ``device``: none of them on the CPU.
 
     Taken from the analytic engine's runtime model (``oomdoctor.memory.runtime``: named constants calibrated on a
     GPU), so both engines agree on everything outside the tensor bytes: slack = per-block rounding of the
     persistent tensors + segment tails + a fragmentation share of the transient bytes at the peak; cuBLAS workspace
     is allocator memory counted in ``peak_reserved``; the context only in ``peak_device``."""
-    try:
-        from oomdoctor.memory import optimizer as optm
-        from oomdoctor.memory import runtime as rt
-        from oomdoctor.memory.analytic import _persistent_tensors
-        from oomdoctor.memory.context import make_ctx
+    from oomdoctor.memory import optimizer as optm
+    from oomdoctor.memory import runtime as rt
+    from oomdoctor.memory.analytic import _persistent_tensors
+    from oomdoctor.memory.context import make_ctx
 
-        c = make_ctx(spec, plan, "cuda")
-        slack = rt.allocator_slack_bytes(_persistent_tensors(c, optm.optimizer_memory(c)), transient_bytes)
-        return {
-            "allocator_slack": int(slack),
-            "cuda_context": int(rt.cuda_context_bytes(c)),
-            "cublas_workspace": int(rt.cublas_workspace_bytes(c)),
-            "nccl_buffers": int(rt.nccl_buffer_bytes(c)),
-        }
-    except (ImportError, AttributeError, TypeError):  # runtime model absent or changed: documented fallback
-        return {
-            "allocator_slack": int(transient_bytes * 0.08) + 12 * 2**20,
-            "cuda_context": 512 * 2**20,
-            "cublas_workspace": 64 * 2**20,
-            "nccl_buffers": 0,
-            "notes": ("device overheads: fallback constants (oomdoctor.memory.runtime not importable)",),
-        }
+    c = make_ctx(spec, plan, device)
+    return {
+        "allocator_slack": int(rt.allocator_slack_bytes(c, _persistent_tensors(c, optm.optimizer_memory(c)),
+                                                        transient_bytes)),
+        "cuda_context": int(rt.cuda_context_bytes(c)),
+        "cublas_workspace": int(rt.cublas_workspace_bytes(c)),
+        "nccl_buffers": int(rt.nccl_buffer_bytes(c)),
+    }
 
 
-def estimate_simulated(spec: "ModelSpec", plan: "Plan") -> MemoryBreakdown:
-    """Entry point of ``oomdoctor.memory.estimate(spec, plan, "simulate")``. Plans the simulation cannot run
-    (:func:`not_simulated`: DeepSpeed ZeRO, parameter offload) get the analytic estimate, with a note."""
+def estimate_simulated(spec: "ModelSpec", plan: "Plan", device: str = "cuda") -> MemoryBreakdown:
+    """Entry point of ``oomdoctor.engines.estimate(spec, plan, "simulate", device)`` for ``trainer: oomdoctor``
+    (another trainer's step: ``oomdoctor.engines.trainers.estimate_trainer``). Plans the simulation cannot run
+    (:func:`not_simulated`: DeepSpeed ZeRO, parameter offload) get the analytic estimate, with a note. The replay's
+    tensors follow CUDA's autocast and kernels on either device; ``device`` sets what surrounds them."""
     from oomdoctor.plan import validate
 
     plan = validate(plan)
     why = not_simulated(plan)
     if why:
-        import dataclasses
-
-        from oomdoctor.engines import estimate
-
-        bd = estimate(spec, plan, "analytic")
-        return dataclasses.replace(bd, notes=bd.notes + (f"{why}: analytic estimate",))
-    return simulate_plan(spec, plan).breakdown
+        return analytic_with_note(spec, plan, why, device)
+    return simulate_plan(spec, plan, device=device).breakdown
 
 
-__all__ = ["simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run", "real_cpu_run", "random_sharded_model",
-           "fake_process_group", "extrapolate_from", "not_simulated"]
+def analytic_with_note(spec: "ModelSpec", plan: "Plan", why: str, device: str = "cuda") -> MemoryBreakdown:
+    """The analytic estimate of a plan the simulated engine cannot run, with a note saying why."""
+    import dataclasses
+
+    from oomdoctor.engines import estimate
+
+    bd = estimate(spec, plan, "analytic", device)
+    return dataclasses.replace(bd, notes=bd.notes + (f"{why}: analytic estimate",))
+
+
+__all__ = ["analytic_with_note", "simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run",
+           "real_cpu_run", "random_sharded_model", "fake_process_group", "extrapolate_from", "not_simulated"]

@@ -272,27 +272,35 @@ def quantize_model_standin(model, plan, *, device: str = "meta", decompose: bool
     """
     from oomdoctor.execute.dtypes import torch_dtype
 
+    return quantize_standin(model, quant=plan.quant, compute_dtype=torch_dtype(plan.compute_dtype),
+                            double_quant=plan.double_quant, device=device, decompose=decompose)
+
+
+def quantize_standin(model, *, quant: str, compute_dtype, double_quant: bool, device: str = "meta",
+                     decompose: bool = True) -> int:
+    """:func:`quantize_model_standin` from the quantization settings themselves (``quant``: int8, nf4 or fp4;
+    ``compute_dtype``: the torch dtype 4-bit layers compute and dequantize in), as a ``BitsAndBytesConfig`` gives
+    them to ``from_pretrained``; returns how many modules were replaced."""
     L4, L8 = standin_classes()
-    compute = torch_dtype(plan.compute_dtype)
     targets = bnb_targets(model)
     for name, child in targets:
         fin, fout = linear_features(child)
-        if plan.quant == "int8":
+        if quant == "int8":
             new = L8(fin, fout, child.bias is not None, device=device)
         else:
-            new = L4(fin, fout, child.bias is not None, compute_dtype=compute, quant_type=plan.quant,
-                     double_quant=plan.double_quant, quant_dtype=compute, device=device, decompose=decompose)
+            new = L4(fin, fout, child.bias is not None, compute_dtype=compute_dtype, quant_type=quant,
+                     double_quant=double_quant, quant_dtype=compute_dtype, device=device, decompose=decompose)
         model.set_submodule(name, new)
-    _mark_quantized(model, plan)
+    _mark_quantized(model, quant)
     return len(targets)
 
 
-def _mark_quantized(model, plan) -> None:
+def _mark_quantized(model, quant: str) -> None:
     """The flags transformers sets on a bnb-loaded model: ``is_loaded_in_4bit``/``_8bit`` and ``is_quantized``
     (peft and the Trainer read them), and ``config._is_quantized`` on every submodel (``quantizers/base.py``
     ``_assign_is_quantized``), which some models' code reads: Jamba's mixer calls ``dt_proj`` as a module, not
     ``dt_proj.weight @ x``, when it is set."""
-    if plan.quant == "int8":
+    if quant == "int8":
         model.is_loaded_in_8bit = True
     else:
         model.is_loaded_in_4bit = True
@@ -347,6 +355,7 @@ def quantized_storage_bytes(model: Any, granularity: int = 1) -> int:
 
 __all__ = [
     "quantize_model_standin",
+    "quantize_standin",
     "standin_classes",
     "quant_bytes_4bit",
     "quant_bytes_int8",
@@ -384,5 +393,5 @@ def quantize_model_real(model, plan, *, device: str = "cuda", std: float = 0.02)
         if child.bias is not None:
             new.bias = torch.nn.Parameter(torch.zeros(fout, device=device), requires_grad=False)
         model.set_submodule(name, new.to(device))  # bnb quantizes on the move to the device
-    _mark_quantized(model, plan)
+    _mark_quantized(model, plan.quant)
     return len(targets)

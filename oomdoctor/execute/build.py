@@ -16,8 +16,8 @@ What :func:`build_model` applies, in the order a Hugging Face fine-tuning script
    the bytes bnb stores (``oomdoctor.execute.bnb_standin``); the model is flagged as transformers flags it
    (``is_loaded_in_4bit`` / ``is_loaded_in_8bit``, ``config._is_quantized``) so peft wraps the layers with its bnb
    LoRA classes.
-3. :func:`apply_plan_techniques`, shared with real loads (``oomdoctor.execute.load``): k-bit preparation, gradient
-   checkpointing (non-reentrant), peft LoRA, ``model.train()``.
+3. :func:`apply_plan_techniques`, shared with real loads (``oomdoctor.execute.load``): k-bit preparation (or, with
+   ``kbit_upcast: false``, only the freezing), gradient checkpointing (non-reentrant), peft LoRA, ``model.train()``.
 """
 
 from __future__ import annotations
@@ -60,9 +60,14 @@ class BuiltModel:
 
 
 def config_with_layers(cfg: dict, num_layers: int | None) -> dict:
-    """A copy of ``cfg`` with ``num_layers`` transformer blocks (per-layer lists such as ``layer_types`` cut/extended
-    periodically); a multimodal config's blocks are its ``text_config``'s. ``None`` keeps the original."""
-    out = dict(cfg)
+    """A deep copy of ``cfg`` with ``num_layers`` transformer blocks (per-layer lists such as ``layer_types``
+    cut/extended periodically); a multimodal config's blocks are its ``text_config``'s. ``None`` keeps the original
+    count. Deep: transformers edits nested dicts in place (it adds ``rope_theta`` to ``rope_scaling``), which would
+    change the spec's config and with it every cache key derived from it (engines/blocks.py measured each block
+    plan twice per process)."""
+    from copy import deepcopy
+
+    out = deepcopy(cfg)
     if num_layers is None:
         return out
     if isinstance(out.get("text_config"), dict) and not any(k in out for k in LAYER_KEYS):
@@ -219,9 +224,16 @@ def enable_gradient_checkpointing(model) -> None:
 def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
     """What a Hugging Face fine-tuning script does after loading, for every engine and ``train`` alike:
 
-    * a quantized base: ``peft.prepare_model_for_kbit_training`` — freezes every weight, upcasts the non-quantized
-      fp16/bf16 parameters (norms, embeddings, head, biases) to fp32, enables non-reentrant checkpointing with GC;
-    * otherwise LoRA freezes the base, and GC is enabled (non-reentrant);
+    * a quantized base with ``kbit_upcast`` (peft's QLoRA recipe): ``peft.prepare_model_for_kbit_training`` with
+      ``use_gradient_checkpointing=False`` (GC is enabled below, as for every plan), which then does exactly two
+      things (peft 0.21 ``utils/other.py``): freeze every parameter, and cast every fp16/bf16 parameter that is not
+      a ``Params4bit`` (norms, embeddings, head, biases; int8 weights are int8) to fp32;
+    * without the upcast (``kbit_upcast: false``: TRL's SFTTrainer, axolotl's
+      ``skip_prepare_model_for_kbit_training``, unsloth) and for LoRA on an unquantized base: the base is frozen,
+      nothing else (peft has no switch that skips only the cast; the input-grad hook it would add with GC is for
+      reentrant checkpointing, and the non-reentrant GC below makes the input embeddings' output require grad
+      itself);
+    * gradient checkpointing (non-reentrant);
     * LoRA: peft ``get_peft_model`` with the plan's rank, alpha, dropout and ``lora_targets`` (peft's default
       ``autocast_adapter_dtype=True`` keeps the adapters in fp32 under every precision); ``adapter_dtype: bf16``
       then casts every trainable parameter to bf16, as TRL's SFTTrainer does for a quantized model (the QLoRA
@@ -235,7 +247,7 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
     from oomdoctor.model.inventory import in_tower, tower_prefixes, towers_pattern
 
     towers = tower_prefixes(model)
-    if plan.quant is not None:
+    if plan.upcasts_kbit:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False, auto_clear_cache=False)

@@ -33,8 +33,11 @@ def weight_dtype(plan: "Plan") -> "torch.dtype":
 
 
 def autocast_dtype(plan: "Plan") -> "torch.dtype | None":
-    """Autocast dtype of a mixed-precision plan (``fp16-mixed``/``bf16-mixed``), None otherwise."""
-    return torch_dtype(plan.compute_dtype) if plan.is_mixed else None
+    """Autocast dtype of a plan whose forward runs under autocast (``fp16-mixed``/``bf16-mixed``, and pure bf16 as
+    another trainer runs it: ``memory.context.runs_autocast``), None otherwise."""
+    from oomdoctor.memory.context import runs_autocast
+
+    return torch_dtype(plan.compute_dtype) if runs_autocast(plan) else None
 
 
 __all__ = ["DTYPE_NAMES", "torch_dtype", "weight_dtype", "autocast_dtype"]

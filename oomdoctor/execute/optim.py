@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
@@ -110,18 +111,45 @@ def _bnb_optimizer(groups: list, plan: "Plan", lr: float, betas: tuple, eps: flo
     class ReplayedPaged(base):  # type: ignore[misc, valid-type]
         """bnb optimizer whose paged buffers are counted as unified memory (outside the allocator)."""
 
+        def fill_qmap(self):
+            # bnb computes its two quantization maps in every optimizer, ~50 tensor ops each (a replay with an
+            # optimizer per parameter ran thousands of them); the values are computed once per process here and each
+            # optimizer gets its own tensors, made from Python data as bnb makes them
+            signed, unsigned = _dynamic_maps()
+            self.name2qmap["dynamic"] = torch.tensor(signed, dtype=torch.float32)
+            self.name2qmap["udynamic"] = torch.tensor(unsigned, dtype=torch.float32)
+
         def get_state_buffer(self, p, dtype=torch.float32):
-            if paged and p.numel() >= PAGED_MIN_NUMEL and lb is not None:
-                with lb.paused():
-                    buf = torch.zeros_like(p, dtype=dtype, device=p.device)
-                lb.ignore(buf, external="paged_optimizer")
-                return buf
-            return torch.zeros_like(p, dtype=dtype, device=p.device)
+            return replayed_state_buffer(p, dtype, paged, lb)
 
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # bnb builds its quantization maps from data (real tensors, shared by all params)
         return ReplayedPaged(groups, is_paged=False, **kw)
+
+
+def replayed_state_buffer(p, dtype, paged: bool, lb: Any):
+    """A bitsandbytes optimizer state buffer as bnb allocates it on CUDA (``Optimizer8bit.get_state_buffer``): in
+    unified memory when the optimizer is paged and the tensor has >= :data:`PAGED_MIN_NUMEL` elements — made outside
+    the tracker ``lb`` and counted as ``paged_optimizer`` —, else on the device."""
+    import torch
+
+    if paged and p.numel() >= PAGED_MIN_NUMEL and lb is not None:
+        with lb.paused():
+            buf = torch.zeros_like(p, dtype=dtype, device=p.device)
+        lb.ignore(buf, external="paged_optimizer")
+        return buf
+    return torch.zeros_like(p, dtype=dtype, device=p.device)
+
+
+@functools.lru_cache(maxsize=1)
+def _dynamic_maps() -> tuple[list[float], list[float]]:
+    """bitsandbytes' signed and unsigned dynamic quantization maps (``create_dynamic_map``), as Python floats,
+    computed outside every dispatch mode."""
+    from bitsandbytes import functional as F
+
+    with _disable_modes():
+        return F.create_dynamic_map(signed=True).tolist(), F.create_dynamic_map(signed=False).tolist()
 
 
 class CPUOffloadOptimizer:
@@ -271,8 +299,8 @@ def activation_offload(enabled: bool, device_type: str) -> ContextManager:
 
 
 __all__ = ["OptimizerArgs", "PAGED_MIN_NUMEL", "make_optimizer", "make_plan_optimizer", "param_groups",
-           "CPUOffloadOptimizer", "make_scheduler", "activation_offload", "HostActivationOffload",
-           "scheduler_target"]
+           "replayed_state_buffer", "CPUOffloadOptimizer", "make_scheduler", "activation_offload",
+           "HostActivationOffload", "scheduler_target"]
 
 
 def _optimizer_base():

@@ -54,7 +54,6 @@ from typing import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS
 from oomdoctor.units import format_bytes
@@ -82,6 +81,25 @@ def _local(t):
     """A DTensor's local shard (FSDP2 parameters, gradients, optimizer state); any other tensor itself."""
     lt = getattr(t, "_local_tensor", None)
     return lt if lt is not None else t
+
+
+def _tensors(tree) -> list:
+    """The tensors in an ATen op's arguments or outputs: a tensor, or lists, tuples (named ones too) and dicts of
+    them, at any depth (what op schemas allow; ``tree_flatten``'s general pytree walk cost a third of the tracker's
+    time). Anything else is a leaf that holds no tensor."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = tuple(tree.values())
+    elif not isinstance(tree, (list, tuple)):
+        return []
+    found = []
+    for x in tree:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (list, tuple, dict)):
+            found.extend(_tensors(x))
+    return found
 
 
 def _canon(category: str) -> str:
@@ -190,14 +208,12 @@ class LiveBytes(TorchDispatchMode):
             # is not counted in either (keeps fake-tensor replays and real runs identical)
             return out
         self.events += 1
-        flat = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
         new: list[tuple[int, object, int]] = []
+        resized: list[tuple[int, StorageRecord, int]] = []
         grow = 0
         seen: set[int] = set()
         input_keys: set[int] | None = None
-        for t in flat:
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _tensors(out):
             t = _local(t)
             if t.device.type == "meta" or (self.device_type is not None and t.device.type != self.device_type):
                 continue
@@ -219,24 +235,16 @@ class LiveBytes(TorchDispatchMode):
                 new.append((key, st, nb))
                 grow += nb
             elif nb != rec.nbytes:  # resize_ / set_ grew or shrank a tracked storage
+                resized.append((key, rec, nb))
                 grow += nb - rec.nbytes
         if grow > 0 and self.cap_bytes is not None and self.current + grow > self.cap_bytes:
             self.oom_count += 1
             # drop every reference to the refused outputs before raising (the traceback keeps this frame alive)
-            out = flat = new = seen = t = st = None  # noqa: F841
+            out = new = resized = seen = t = st = rec = None  # noqa: F841
             raise torch.OutOfMemoryError(self.oom_message(grow))
         if new or grow:
-            for t in flat:
-                if isinstance(t, torch.Tensor):
-                    try:
-                        st = _local(t).untyped_storage()
-                    except (RuntimeError, NotImplementedError):
-                        continue
-                    rec = self.records.get(st._cdata)
-                    if rec is not None:
-                        nb = self._count(st.nbytes())
-                        if nb != rec.nbytes:
-                            self._resized(st._cdata, rec, nb)
+            for key, rec, nb in resized:
+                self._resized(key, rec, nb)
             region = None
             if self.param_copy_category and func is torch.ops.aten._to_copy.default and args:
                 src = args[0]
@@ -255,16 +263,11 @@ class LiveBytes(TorchDispatchMode):
     @staticmethod
     def _storage_keys(tree) -> set[int]:
         keys: set[int] = set()
-        args, kwargs = tree
-        flat = (*args, *(kwargs or {}).values())
-        if any(isinstance(a, (list, tuple, dict)) for a in flat):  # nested (cat's tensor list...): the full walk
-            flat = tree_flatten(tree)[0]
-        for t in flat:
-            if isinstance(t, torch.Tensor):
-                try:
-                    keys.add(_local(t).untyped_storage()._cdata)
-                except (RuntimeError, NotImplementedError):
-                    pass
+        for t in _tensors(tree):
+            try:
+                keys.add(_local(t).untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError):
+                pass
         return keys
 
     def _count(self, n: int) -> int:

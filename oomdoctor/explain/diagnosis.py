@@ -3,10 +3,11 @@ user's plan priced by the memory model when it is known (:mod:`oomdoctor.explain
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from oomdoctor.explain import causes
-from oomdoctor.explain.logits import COMMON_VOCABS
+from oomdoctor.explain.logits import LogitsShape
 from oomdoctor.explain.pricing import rank_plan_fixes
 from oomdoctor.explain.report import Diagnosis, OomReport
 from oomdoctor.units import format_bytes
@@ -22,6 +23,16 @@ def card_label(capacity: int | None, given: bool) -> str:
     return format_bytes(capacity, binary=not given).replace(" ", "") if capacity else "SIZE"
 
 
+def logits_shape(spec: ModelSpec | None, plan: Plan | None) -> LogitsShape:
+    """The logits the user's model and plan would make (common vocabularies when the model is not given)."""
+    shape = LogitsShape()
+    if spec is not None:
+        shape = replace(shape, vocabs=(spec.vocab_size,), model=spec.name)
+    if plan is not None:
+        shape = replace(shape, tokens=plan.micro_batch * plan.seq_len, seq_len=plan.seq_len)
+    return shape
+
+
 def diagnose(report: OomReport, spec: ModelSpec | None = None, plan: Plan | None = None,
              capacity_bytes: int | None = None) -> Diagnosis:
     """Order the likely causes of ``report``; with ``spec`` and ``plan``, price the plan fixes with the memory model."""
@@ -30,10 +41,8 @@ def diagnose(report: OomReport, spec: ModelSpec | None = None, plan: Plan | None
     mem = card_label(cap, given=capacity_bytes is not None)
     priced = rank_plan_fixes(spec, plan, cap, capacity_label=mem) if spec is not None and plan is not None else None
     free = causes.usable_free(r)
-    vocabs = (spec.vocab_size,) if spec is not None else COMMON_VOCABS
-    tokens = plan.micro_batch * plan.seq_len if plan is not None else None
     found = [c for c in (causes.fragmentation(r, free), causes.other_processes(r),
-                         causes.huge_allocation(r, vocabs, tokens)) if c]
+                         causes.huge_allocation(r, free, logits_shape(spec, plan))) if c]
     found.append(causes.capacity(r, free, found, priced, cap, plan))
     found.sort(key=lambda c: -c.score)
     nxt = None

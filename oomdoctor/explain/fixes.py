@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from oomdoctor.explain.report import Fix, OomReport
@@ -35,8 +36,9 @@ PICK_FREE_GPU = Fix(
 CHUNKED_LOSS = Fix(
     "chunked-loss",
     "Do not materialise the full [batch, seq, vocab] logits and their fp32 upcast: use a fused/chunked "
-    "linear-cross-entropy (the logits of a 128k-256k vocabulary are often the largest single tensor).",
-    "TrainingArguments(use_liger_kernel=True) (pip install liger-kernel); TRL SFTConfig(loss_type='chunked_nll')",
+    "linear-cross-entropy (the logits of a 128k-256k vocabulary are often the largest single tensor). TRL 1.x's "
+    "SFTTrainer already computes its loss this way (loss_type='nll'); older TRL had loss_type='chunked_nll'.",
+    "oomdoctor train YAML: loss: chunked; TrainingArguments(use_liger_kernel=True) (pip install liger-kernel)",
 )
 ATTENTION_KERNEL = Fix(
     "attention-kernel",
@@ -58,10 +60,11 @@ EVAL_FIXES: tuple[Fix, ...] = (
     ),
     Fix(
         "eval-logits",
-        "By default the Trainer gathers every eval batch's logits on the GPU (N x seq x vocab x 4 bytes); keep "
-        "only what the metric needs, or move them to the CPU every few steps.",
+        "By default the Trainer gathers every eval batch's logits on the GPU (N x seq x vocab x 2|4 bytes, growing "
+        "until evaluation ends); keep only what the metric needs, or move them to the CPU every few steps.",
         "Trainer(preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1)); "
-        "TrainingArguments(eval_accumulation_steps=4) or prediction_loss_only=True",
+        "TrainingArguments(eval_accumulation_steps=4) or prediction_loss_only=True; "
+        "Lightning / plain PyTorch: keep logits.argmax(-1).cpu() per batch, or update a torchmetrics metric",
     ),
     Fix(
         "eval-half-precision",
@@ -74,14 +77,62 @@ SAVE_FIXES: tuple[Fix, ...] = (
         "fsdp-state-dict-offload",
         "Gathering the full state dict on the GPU needs the whole model (fp32) at once; gather to the CPU on "
         "rank 0 only, or save sharded.",
-        "FullStateDictConfig(offload_to_cpu=True, rank0_only=True); accelerate: "
-        "fsdp_state_dict_type: SHARDED_STATE_DICT",
+        "FSDP1: FullStateDictConfig(offload_to_cpu=True, rank0_only=True); FSDP2/DCP: "
+        "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)); "
+        "accelerate: fsdp_state_dict_type: SHARDED_STATE_DICT",
+    ),
+    Fix(
+        "deepspeed-save-sharded",
+        "ZeRO-3 gathers every 16-bit weight to save a consolidated model; save the sharded checkpoint and "
+        "consolidate it offline on the CPU.",
+        "DeepSpeed config: zero_optimization.stage3_gather_16bit_weights_on_model_save: false; then "
+        "python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR",
+    ),
+    Fix(
+        "save-only-model",
+        "Leave the optimizer state out of periodic checkpoints (gathering it needs two fp32 values per trainable "
+        "parameter on top of the model).",
+        "TrainingArguments(save_only_model=True)",
     ),
     Fix(
         "save-adapter-only",
         "Save only the LoRA adapter; merge (merge_and_unload) on the CPU or in a separate process, never with a "
         "deepcopy of the model on the GPU.",
         "model.save_pretrained(dir)  # a PeftModel saves the adapter only; merge later with device_map='cpu'",
+    ),
+)
+SMALLER_MODEL = Fix(
+    "smaller-model",
+    "Use a smaller model of the same family, or 4-bit instead of 8-bit.",
+    "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'); `oomdoctor tune MODEL --gpu-mem SIZE`",
+)
+LOAD_FIXES: tuple[Fix, ...] = (
+    Fix(
+        "load-quantized",
+        "Quantize the weights as they load: 4-bit NF4 keeps about half a byte per parameter (plus small "
+        "quantization constants) instead of 2 (bf16) or 4 (fp32); train adapters on top (QLoRA).",
+        "from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')); "
+        "oomdoctor: --method qlora",
+    ),
+    Fix(
+        "load-dtype",
+        "Load the weights in the dtype you train in: fp32 weights take twice the bytes of bf16 (transformers 5 "
+        "loads the checkpoint's dtype by default; an explicit float32, or transformers 4 without torch_dtype, "
+        "loads fp32).",
+        "from_pretrained(..., dtype=torch.bfloat16)  # torch_dtype= in transformers 4",
+    ),
+    Fix(
+        "free-before-load",
+        "Memory held before the load (an earlier model in the notebook, a previous trainer, another process) "
+        "counts against the new one; free it first.",
+        "del model, trainer; import gc; gc.collect(); torch.cuda.empty_cache()  # or restart the kernel",
+    ),
+    Fix(
+        "load-sharded",
+        "Spread the weights over every GPU instead of loading a full copy on each: FSDP/ZeRO-3 shard them as they "
+        "load (device_map='auto' splits them across GPUs for inference).",
+        "accelerate: fsdp_cpu_ram_efficient_loading: true with FSDP, or DeepSpeed zero_stage: 3; inference: "
+        "from_pretrained(..., device_map='auto', max_memory={0: '20GiB', 1: '20GiB'})",
     ),
 )
 OPTIMIZER_8BIT = Fix(
@@ -139,11 +190,7 @@ QUANT_OFFLOAD_FIXES: tuple[Fix, ...] = (
         "For inference only: keep the offloaded modules unquantized on the CPU.",
         "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True) with a custom device_map",
     ),
-    Fix(
-        "smaller-model",
-        "Use a smaller model of the same family, or 4-bit instead of 8-bit.",
-        "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'); `oomdoctor tune MODEL --gpu-mem SIZE`",
-    ),
+    SMALLER_MODEL,
 )
 CPU_FIXES: tuple[Fix, ...] = (
     Fix(
@@ -159,6 +206,12 @@ CPU_FIXES: tuple[Fix, ...] = (
         "TrainingArguments(dataloader_num_workers=0)",
     ),
 )
+CONTAINER_LIMIT = Fix(
+    "container-memory-limit",
+    "The container's memory limit, not the machine's RAM, was reached: raise the limit, or keep what the process "
+    "holds on the host under it.",
+    "docker run --memory=64g ...; Kubernetes: resources.limits.memory: 64Gi; systemd: MemoryMax=",
+)
 NON_PYTORCH_MEMORY = Fix(
     "non-pytorch-memory",
     "Stop other GPU users inside this process: TensorFlow and JAX grab most of the card at import; bitsandbytes "
@@ -170,6 +223,12 @@ MEMORY_FRACTION = Fix(
     "Raise or drop the per-process memory cap this process set.",
     "torch.cuda.set_per_process_memory_fraction(0.95)  # or remove the call",
 )
+
+
+#: Phases whose memory the memory model does not price (it prices the training step): their own fixes come first.
+UNPRICED_PHASES = ("evaluation", "checkpoint-save", "model-load")
+#: A failing frame that piles up outputs batch after batch (Trainer's nested_concat, torch.cat of a list, a gather).
+_ACCUMULATES_RE = re.compile(r"concat|torch\.cat\(|gather_for_metrics|_nested_gather|all_gather")
 
 
 def expandable_segments(alloc_conf_var: str) -> Fix:
@@ -205,19 +264,46 @@ def other_process_fixes(r: OomReport) -> tuple[Fix, ...]:
     return free_them, PICK_FREE_GPU
 
 
-def huge_allocation_fixes(phase: str | None) -> tuple[Fix, ...]:
-    """The phase's own fixes (evaluation, saving) first, then the ones that shrink one big tensor."""
-    first = {"evaluation": EVAL_FIXES, "checkpoint-save": SAVE_FIXES}.get(phase or "", ())
-    return first + (CHUNKED_LOSS, ATTENTION_KERNEL, CHECK_SHAPES)
+def eval_fixes(r: OomReport) -> tuple[Fix, ...]:
+    """The evaluation fixes, keeping the logits off the GPU first when the failing frame concatenates or gathers
+    outputs (they pile up batch after batch, whatever the batch size)."""
+    if _ACCUMULATES_RE.search(r.failing_frame or ""):
+        return (EVAL_FIXES[1], EVAL_FIXES[0]) + EVAL_FIXES[2:]
+    return EVAL_FIXES
 
 
-def phase_capacity_fixes(phase: str | None) -> tuple[Fix, ...]:
-    """Plan fixes for an OOM in ``phase``. Under no_grad (evaluation) and while saving nothing is saved for backward:
-    gradient checkpointing and the train micro-batch do not matter there; weights and optimizer state do."""
+def huge_allocation_fixes(r: OomReport) -> tuple[Fix, ...]:
+    """Fixes that shrink one big tensor, for the phase it was asked in: the phase's own fixes (evaluation, saving,
+    loading, the optimizer step) first; in a training step the logits' (chunked loss), then the batch and sequence
+    that size every activation; the attention kernel first when the failing line computes attention."""
+    phase = r.phase
+    if phase == "model-load":
+        return LOAD_FIXES + (SMALLER_MODEL,)
+    if phase == "checkpoint-save":
+        return SAVE_FIXES
+    if phase == "optimizer-step":
+        return OPTIMIZER_FIXES + (CHECK_SHAPES,)
     if phase == "evaluation":
-        return EVAL_FIXES + (SEQ_LEN, LORA, OPTIMIZER_8BIT)
+        return eval_fixes(r) + (CHUNKED_LOSS, SEQ_LEN, CHECK_SHAPES)
+    step = (CHUNKED_LOSS, MICRO_BATCH, SEQ_LEN, ATTENTION_KERNEL, CHECK_SHAPES)
+    if phase is None:  # it may have been an evaluation
+        step = step[:1] + EVAL_FIXES[:1] + step[1:]
+    if re.search(r"attn|attention|softmax", (r.failing_frame or "").split(": ", 1)[-1]):
+        step = (ATTENTION_KERNEL,) + tuple(f for f in step if f is not ATTENTION_KERNEL)
+    return step
+
+
+def phase_capacity_fixes(r: OomReport) -> tuple[Fix, ...]:
+    """Plan fixes for an OOM in ``r.phase``. Under no_grad (evaluation), while saving and while loading nothing is
+    saved for backward: gradient checkpointing and the train micro-batch do not matter there; weights and optimizer
+    state do."""
+    phase = r.phase
+    if phase == "evaluation":
+        return eval_fixes(r) + (SEQ_LEN, LORA, OPTIMIZER_8BIT)
     if phase == "checkpoint-save":
         return SAVE_FIXES + (LORA, OPTIMIZER_8BIT)
+    if phase == "model-load":
+        return LOAD_FIXES + (SMALLER_MODEL,)
     if phase == "optimizer-step":
         return OPTIMIZER_FIXES + (LORA, GRADIENT_CHECKPOINTING, MICRO_BATCH, SEQ_LEN)
     if phase == "loss":
@@ -225,8 +311,11 @@ def phase_capacity_fixes(phase: str | None) -> tuple[Fix, ...]:
     return GENERIC_CAPACITY_FIXES
 
 
-def kind_capacity_fixes(kind: str) -> tuple[Fix, ...] | None:
+def kind_capacity_fixes(r: OomReport) -> tuple[Fix, ...] | None:
     """Fixes that replace the phase's for message kinds that are not a training step on a GPU (``None``: keep)."""
+    kind = r.kind
+    if r.format == "linux-oom-killer-cgroup":
+        return (CONTAINER_LIMIT,) + CPU_FIXES
     if kind in ("cpu-allocator", "cpu-oom-killer"):
         return CPU_FIXES
     if kind == "batch-size-exhausted":
@@ -255,17 +344,18 @@ def capacity_fixes(r: OomReport, outside_pytorch: bool, priced: tuple[Fix, ...],
     priced by the memory model (``oomdoctor.explain.pricing``), which replace the generic plan fixes; without them,
     the generic fixes ``plan`` (when known) already applies are dropped.
     """
-    fixes = phase_capacity_fixes(r.phase)
+    fixes = phase_capacity_fixes(r)
     if outside_pytorch:
         fixes = (NON_PYTORCH_MEMORY,) + fixes
     if r.allowed_bytes is not None:
         fixes = (MEMORY_FRACTION,) + fixes
-    fixes = kind_capacity_fixes(r.kind) or fixes
+    fixes = kind_capacity_fixes(r) or fixes
     if priced:
-        # Fixes the memory model cannot price (eval settings, save settings) stay first in their phases;
-        # elsewhere the priced fixes lead, largest saving first. Generic plan fixes give way to the priced ones.
+        # Fixes the memory model cannot price (eval, save and load settings) stay first in their phases (it prices the
+        # training step); elsewhere the priced fixes lead, largest saving first. Generic plan fixes give way to the
+        # priced ones.
         unpriced = tuple(f for f in fixes if f.id not in PLAN_FIX_IDS)
-        return unpriced + priced if r.phase in ("evaluation", "checkpoint-save") else priced + unpriced
+        return unpriced + priced if r.phase in UNPRICED_PHASES else priced + unpriced
     if plan is not None:
         return tuple(f for f in fixes if not already_applied(plan, f.id))
     return fixes

@@ -13,7 +13,8 @@ from oomdoctor.explain import render
 #: Cause ids, in no particular order (the diagnosis orders them by likelihood).
 CAUSE_IDS: tuple[str, ...] = ("fragmentation", "other-processes", "huge-allocation", "capacity")
 #: Phases a traceback can reveal.
-PHASES: tuple[str, ...] = ("forward", "loss", "backward", "optimizer-step", "evaluation", "checkpoint-save")
+PHASES: tuple[str, ...] = (
+    "model-load", "forward", "loss", "backward", "optimizer-step", "evaluation", "checkpoint-save")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class OomMessage:
     ``batch-size-exhausted`` (accelerate/HF auto batch size gave up: every batch size down to 1 ran out of memory)
     or ``cpu-oom-killer`` (the Linux kernel killed the process: host RAM)."""
     format: str
-    """Which wording was recognised, e.g. ``torch>=2.2``, ``torch-2.1``, ``torch<=2.0``."""
+    """Which wording was recognised, e.g. ``torch>=2.2``, ``torch-2.1``, ``torch<=2.0``, ``cudnn``,
+    ``torch-mps-buffer``, ``linux-oom-killer-cgroup``."""
     device: str
     """``cuda:0``, ``cpu``, ``mps``... (``cuda`` when the index is not printed)."""
     message: str
@@ -47,7 +49,8 @@ class OomMessage:
     requested_bytes: int | None = None
     """Size of the allocation that failed (``Tried to allocate``)."""
     total_bytes: int | None = None
-    """Total memory of the device (``total capacity``; MPS: ``max allowed``)."""
+    """Total memory of the device (``total capacity``; MPS: ``max allowed``; a container's OOM kill: its memory
+    cgroup's limit)."""
     free_bytes: int | None = None
     """Memory the driver reported free on the device when the allocation failed."""
     allocated_bytes: int | None = None
@@ -59,7 +62,7 @@ class OomMessage:
     private_pool_bytes: int | None = None
     """Of ``allocated_bytes``: allocated in private pools (CUDA Graphs), torch >= 2.2 only."""
     allowed_bytes: int | None = None
-    """Per-process cap set with ``torch.cuda.set_per_process_memory_fraction`` (``allowed``), torch <= 2.0 only."""
+    """Per-process cap set with ``torch.cuda.set_per_process_memory_fraction`` (``M allowed;``, printed only then)."""
     this_process_bytes: int | None = None
     """``Including non-PyTorch memory, this process has X memory in use`` (PyTorch + CUDA context + other libs)."""
     other_processes_bytes: int | None = None

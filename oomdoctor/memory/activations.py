@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from oomdoctor.memory import parameters as prm
+from oomdoctor.memory.logits import fused_head
 from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx, experts_implementation
 from oomdoctor.model.spec import ModelSpec
 
@@ -238,18 +239,19 @@ def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_save
         if not c.is_adapted(name):
             continue
         t = tokens * m_tok(c, m)
-        a_bytes = 2 if c.mixed else 4
+        a_bytes = 2 if c.autocast else c.adapter_b  # lora_A's output
         if p > 0:
-            d_bytes = 2 if c.mixed else 4  # dropout output (fp32), re-cast to bf16 by autocast in mixed
+            # the dropout output (in the adapter's dtype), re-cast to bf16 by autocast
+            d_bytes = 2 if c.autocast else c.adapter_b
             total += t * i * (d_bytes + c.mask_b)
         elif adapter_reads_input(c, name, x_bytes):
             shared_x = True
-        elif c.mixed:
+        elif c.autocast:
             # per-module bf16 cast of the input that lora_A saves: autocast's cast of an fp32 input, or of peft's
             # fp32 copy of a 16-bit one (``_cast_input_dtype`` to the fp32 adapter's dtype)
             total += 2 * t * i
         else:
-            total += 4 * t * i  # per-module fp32 copy from _cast_input_dtype
+            total += c.adapter_b * t * i  # per-module copy to the adapter's dtype (_cast_input_dtype)
         total += a_bytes * t * r
     if shared_x and not already_saved:
         total += x_bytes * tokens * max(m_tok(c, m) * i for _n, i, _o, m in consumers)
@@ -258,15 +260,16 @@ def consumers_saved(c: Ctx, tokens: float, x_bytes: int, consumers, already_save
 
 def adapter_reads_input(c: Ctx, name: str, x_bytes: int) -> bool:
     """Whether module ``name``'s LoRA adapter saves its input X (of ``x_bytes``) itself, no copy made: no dropout,
-    and bf16 adapters reading a bf16 input (FSDP2 mixed precision), a bitsandbytes LoRA layer under CUDA autocast
-    reading a 16-bit input, or lora_A reading an fp32 input outside autocast (Identity dropout, no cast)."""
+    and neither peft nor autocast casts X — peft copies X to the adapter's dtype unless they match (or a
+    bitsandbytes LoRA layer under CUDA autocast skips the copy), autocast casts an fp32 input to bf16; bf16 adapters
+    reading a bf16 input (FSDP2 mixed precision, TRL's QLoRA) read it as it is."""
     if c.plan.lora_dropout > 0:
         return False
     if c.gathered_in_compute_dtype:
         return True
-    if c.mixed:
-        return x_bytes != 4 and _bnb_skips_input_cast(c, name)
-    return x_bytes == 4
+    if x_bytes != c.adapter_b and not (c.autocast and _bnb_skips_input_cast(c, name)):
+        return False  # peft's copy to the adapter's dtype
+    return not (c.autocast and x_bytes == 4)
 
 
 def _bnb_skips_input_cast(c: Ctx, name: str) -> bool:
@@ -293,11 +296,25 @@ def int8_inputs(c: Ctx, roles: LayerRoles, *, gc_kept: bool = False) -> list[tup
 
 def int8_held_only(c: Ctx) -> int:
     """Bytes of a block's LLM.int8() inputs only ``MatMul8bitLt``'s ctx keeps (no save holds that tensor): part of
-    what the block keeps without checkpointing, on the device even with activations offloaded."""
+    what the block keeps without checkpointing, on the device even with activations offloaded. The output
+    projection's input is SDPA's saved output where :func:`attn_saves_output` (Llama blocks in pure bf16 without the
+    k-bit upcast, or with LoRA dropout: +16 KiB per block of tiny Llama at 128 tokens over the replay before)."""
     if c.quant != "int8":
         return 0
-    return sum(x_bytes * c.T * width for x_bytes, width, consumers in int8_inputs(c, layer_roles(c.spec))
-               if not _saves_input_itself(c, x_bytes, consumers))
+    roles = layer_roles(c.spec)
+    return sum(x_bytes * c.T * width for x_bytes, width, consumers in int8_inputs(c, roles)
+               if not _saves_input_itself(c, x_bytes, consumers)
+               and not (consumers == roles.attn_out and attn_saves_output(c)))
+
+
+def attn_saves_output(c: Ctx) -> bool:
+    """Whether the output projection's input is the very tensor SDPA/flash saved (its output, reshaped as a view).
+    Partial rotary concatenates the rotated and passed parts of q: q reaches SDPA contiguous in (B, heads, S, hd),
+    flash lays its output out like the query (CUDA ``mha_fwd``'s ``empty_like(q)``, the CPU kernel alike), and the
+    ``transpose(1, 2).contiguous()`` before the output projection copies it (measured tensor by tensor on replayed
+    Phi blocks; other models' q keeps the projection's (B, S, heads, hd) layout). Eager attention's output is a
+    fresh contiguous copy."""
+    return effective_attn(c.spec, c.plan.attn) != "eager" and c.spec.model_type not in CONCATENATED_QUERY
 
 
 def _saves_input_itself(c: Ctx, x_bytes: int, consumers) -> bool:
@@ -348,7 +365,7 @@ def eager_forward_transient(c: Ctx) -> int:
 def adapter_out_bytes(c: Ctx) -> int:
     """Bytes per output element a LoRA module's forward holds at once: the base output, lora_B's output and its
     scaled copy — in the compute dtype under autocast, else the latter two fp32."""
-    return 3 * c.ab if c.mixed else c.ab + 8
+    return 3 * c.ab if c.autocast else c.ab + 2 * c.adapter_b
 
 
 def adapted_mlp_inputs(c: Ctx, roles: LayerRoles) -> list[tuple[int, int, bool]]:
@@ -384,6 +401,64 @@ def offload_repacks(c: Ctx) -> int:
         # (tiny Llama and Gemma 2 blocks, full fp32 offloaded: host 27 % and 17 % short before)
         total += 4 * c.B * spec.num_heads * c.S * c.S
     return int(total + weights * (2 if c.mixed else c.wb))
+
+
+def trl_offload_kept(c: Ctx) -> int:
+    """Bytes one block keeps on the device under TRL's activation offloading without checkpointing (trl 1.16
+    ``models/activation_offloading.py`` ``OffloadActivations.pack_tensor``, lines 197-232): a tensor saved again
+    while its first save is still in the forward stash (the last ``max_fwd_stash_size`` = 5 packs) is not copied
+    again but kept — the device tensor itself, until backward unpacks it. That is every tensor a block saves twice in
+    a row: an RMSNorm's fp32 input (saved by ``pow`` and by ``mul``) and its ``rsqrt`` (by ``rsqrt`` and ``mul``),
+    and an input several linears save as it is (a full fine-tune's q/k/v and gate/up outside autocast; LoRA adapters
+    reading the input itself). Parameters (and views of them) are never copied; everything else goes to the host
+    once. Traced pack by pack on a replayed TRL step (``engines/trainers.py``)."""
+    spec, T, h = c.spec, c.T, c.spec.hidden_size
+    roles = layer_roles(spec)
+    total = 0
+    if spec.norm_kind == "rms":
+        heads = spec.num_heads + spec.num_kv_heads if c.sums.head_dim_norms_per_layer else 0
+        qk = heads * spec.head_dim
+        total += 4 * T * (c.sums.hidden_norms_per_layer * h + qk) + RMS_STATS_BYTES * T * (
+            c.sums.hidden_norms_per_layer + heads)
+    for x_bytes, consumers in ((c.rb, roles.attn_in), (c.rb, roles.mlp_in)):
+        if c.full:
+            savers = 0 if c.mixed and x_bytes == 4 else len(consumers)  # autocast: each saves its own cast
+        else:
+            savers = sum(1 for n, *_x in consumers if c.is_adapted(n) and adapter_reads_input(c, n, x_bytes))
+        total += x_bytes * T * h if savers >= 2 else 0
+    return int(total)
+
+
+def trl_offload_final_kept(c: Ctx) -> int:
+    """The final norm's twice-saved tensors under TRL's offloading (:func:`trl_offload_kept`): its fp32 input and
+    ``rsqrt`` stay on the device."""
+    if c.spec.norm_kind != "rms":
+        return 0
+    return (4 * c.spec.hidden_size + RMS_STATS_BYTES) * c.T
+
+
+def trl_offload_down_moment(c: Ctx, roles: LayerRoles) -> int:
+    """What a dense gated MLP's forward holds at its down projection under TRL's offloading without checkpointing:
+    the forward stash (the last 5 packs) still holds the activation's and up's outputs (saved by the product) and,
+    with LoRA on down, its dropout mask and lora_A's saved input, on top of what the running code references — the
+    product, the base output, the block input, the residual, the norm output and the embedding output; with LoRA
+    on down, peft's fp32 copy of a 16-bit product and the fp32 dropout output. Traced op by op on a replayed TRL
+    step (Llama-3.1-8B cut to 2 blocks, LoRA bf16 at 2k tokens)."""
+    spec, T, h, I = c.spec, c.T, c.spec.hidden_size, c.spec.intermediate_size
+    if spec.num_experts or spec.mlp_kind != "gated" or not roles.mlp_out:
+        return 0
+    mab = mab_global(c, roles)
+    held = 4 * c.rb * T * h + c.ab * T * h + mab * T * I  # block input, residual, norm out, embeddings; base out
+    stash = 2 * mab * T * I  # the activation's and up's outputs
+    if c.full:
+        return int(held + stash + mab * T * I)  # down saves the product itself: in the stash too
+    if not any(c.is_adapted(n) for n, *_x in roles.mlp_out):
+        return int(held + stash)
+    dropout = c.plan.lora_dropout > 0
+    copies = (1 if mab != c.adapter_b else 0) + (1 if dropout else 0)  # peft's copy, the dropout output
+    saved_in = 2 if c.autocast else c.adapter_b  # lora_A's saved input (autocast recasts it)
+    stash += (c.mask_b if dropout else 0) * T * I + saved_in * T * I
+    return int(held + stash + copies * c.adapter_b * T * I)
 
 
 def m_tok(c: Ctx, m: float) -> float:
@@ -600,11 +675,7 @@ def layer_activations(c: Ctx) -> LayerActs:
             # while rotary made new q/k — unless autocast casts v for SDPA: a bitsandbytes qkv under autocast
             # returns fp32 (traced on replayed Phi-3-mini blocks, QLoRA: 25 MB per block at 2k tokens over before)
             inner += ab * T * (qd + kv_w / 2)
-        # partial rotary concatenates the rotated and passed parts of q: q reaches SDPA contiguous in (B, heads, S,
-        # hd), flash lays its output out like the query (CUDA ``mha_fwd``'s ``empty_like(q)``, the CPU kernel
-        # alike), and the ``transpose(1, 2).contiguous()`` before the output projection copies it (measured tensor
-        # by tensor on replayed Phi blocks; other models' q keeps the projection's (B, S, heads, hd) layout)
-        out_saved_by_attn = spec.model_type not in CONCATENATED_QUERY
+        out_saved_by_attn = attn_saves_output(c)
     att += n_att * inner
     already = out_saved_by_attn or (attn_impl == "eager" and c.full and not c.mixed)  # eager: the copy is in inner
     out_saved = consumers_saved(c, T, ab, roles.attn_out, already_saved=already)
@@ -670,7 +741,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         mab = mab_global(c, roles)
         mlp += (3 if gated else 1) * mab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
         mlp += act_extra_tensors(spec) * mab * T * I  # activations composed of several pointwise ops
-        if c.mixed and mab == 2 and activation_name(spec) in POW_ACTS:
+        if c.autocast and mab == 2 and activation_name(spec) in POW_ACTS:
             # autocast: pow saves the fp32 cast of its input (not the bf16 input), and tanh's output, 1 + tanh are
             # fp32 (0.5·x stays bf16): 4 + 4 + 4 + 2 bytes per element, not 4 x 2 (measured on Phi-2 with the
             # simulated engine: -8 % for a full bf16-mixed fine-tune before)
@@ -708,12 +779,12 @@ def layer_activations(c: Ctx) -> LayerActs:
     # activation are saved: only its own output and down's saves are still to come. Bytes beyond the block's
     # ``saved``; measured tensor by tensor with the simulated engine on Phi-3 shapes (fused gate_up, 2I wide) and on
     # Llama-3.2-1B blocks at 16k tokens (up's adapter in the top block's recompute: -6 % before).
-    mlp_adapter_fwd = 0
+    mlp_adapter_fwd = down_fwd = 0
     if not c.full and roles.mlp_in and not spec.num_experts:
         for w_in, w, first in adapted_mlp_inputs(c, roles):
             later = mlp_after if first else mab_global(c, roles) * T * w + down
             moment = int(adapter_out_bytes(c) * T * w - later + 2 * rb * T * h)
-            if not c.mixed and rb != 4 and plan.lora_dropout > 0:
+            if not c.mixed and rb != 4 and plan.lora_dropout > 0 and c.adapter_b == 4:
                 moment += 4 * T * w_in
             mlp_adapter_fwd = max(mlp_adapter_fwd, moment)
         # the down adapter's forward in block 0's recompute, after every MLP save, next to the base output and the
@@ -727,15 +798,26 @@ def layer_activations(c: Ctx) -> LayerActs:
         # plans_vs_simulate.py --grid tests)
         w_down = max((i for n, i, _o, _m in roles.mlp_out if c.is_adapted(n)), default=0)
         mab, dropout = mab_global(c, roles), plan.lora_dropout > 0
-        copies = (1 if mab == 2 and (c.mixed or dropout) else 0) + (1 if c.mixed and dropout else 0)
+        copies = (1 if mab == 2 and (c.autocast or dropout) else 0) + (1 if c.autocast and dropout else 0)
+        if c.autocast and any(c.is_adapted(n) and _bnb_skips_input_cast(c, n) for n, *_x in roles.mlp_out):
+            # a bitsandbytes down under CUDA autocast: peft makes no copy of the product; the dropout output is in
+            # the product's dtype, a transient only when fp32 (a 16-bit one is what lora_A saves)
+            copies = 1 if dropout and mab == 4 else 0
         if w_down and c.adapter_b == 4 and copies:
-            product = 2 * T * w_down if mab == 2 and not c.mixed else 0
+            product = 2 * T * w_down if mab == 2 and not c.autocast else 0
             mlp_adapter_fwd = max(mlp_adapter_fwd,
                                   int(copies * 4 * T * w_down + product + ab * T * h + 2 * rb * T * h))
+            if c.autocast and not c.mixed and not plan.gradient_checkpointing:
+                # bf16 weights under a foreign trainer's autocast (Ctx.autocast), in the forward: the 16-bit product
+                # (down's input, which only lora_A's cast of peft's fp32 copy saves) is alive next to those copies,
+                # and so are the block input (the decoder's reference), the residual, the norm output and the
+                # embedding output (the model's ``inputs_embeds``). Traced op by op on a replayed TRL step
+                # (Llama-3.1-8B cut to 2 blocks, LoRA bf16 at 2k tokens: -2.1 % before)
+                down_fwd = int(copies * 4 * T * w_down + mab * T * w_down + ab * T * h + 4 * rb * T * h)
 
     # forward transients: gated product inputs + output, mixed-precision fp32 rotary copies, LoRA fp32 branch
     # outputs, eager scores.
-    fwd_t = 2 * rb * T * h + ab * T * I * ktok
+    fwd_t = max(2 * rb * T * h + ab * T * I * ktok, down_fwd)
     if c.mixed:
         fwd_t = max(fwd_t, 4 * T * (qd + kvd))
     if not c.full and c.lora_groups:
@@ -748,6 +830,8 @@ def layer_activations(c: Ctx) -> LayerActs:
         fwd_t = max(fwd_t, eager_forward_transient(c) * B * nh * S * S)
     if plan.offload_activations and not plan.gradient_checkpointing:
         fwd_t = max(fwd_t, offloaded_mlp_forward(c, roles))
+        if plan.trainer == "trl":  # TRL's own offloading: its forward stash (trl_offload_down_moment)
+            fwd_t = max(fwd_t, trl_offload_down_moment(c, roles))
 
     # backward extras: MLP grads (3 intermediate-sized grads at the product's backward, next to the residual's
     # grad, which is the MLP output's: one hidden-sized grad, not two — +2.5 % on QLoRA blocks at 16k tokens before)
@@ -760,7 +844,7 @@ def layer_activations(c: Ctx) -> LayerActs:
         # the MLP intermediate down's adapter saves is MatMul8bitLt's ctx input too: down's backward does not free it
         # (Llama-3.2-1B cut to 4 blocks, int8 QLoRA bf16 with the chunked loss at 4k tokens: -2.8 % before)
         mlp_b += mab_global(c, roles) * T * I
-    if not gated and c.mixed and mab_global(c, roles) == 2 and activation_name(spec) in POW_ACTS:
+    if not gated and c.autocast and mab_global(c, roles) == 2 and activation_name(spec) in POW_ACTS:
         # autocast gelu_new: the backward of 0.5·x (bf16) times the fp32 tanh branch holds the incoming bf16
         # gradient, its fp32 cast, both fp32 products and the bf16 cast of one: 16 bytes per element (traced op by
         # op on a replayed Phi block), fc2's saved input already freed
@@ -819,9 +903,9 @@ def layer_activations(c: Ctx) -> LayerActs:
         for _n, i, o, m in roles.attn_in + roles.attn_out + roles.mlp_in + roles.mlp_out:
             if c.is_adapted(_n):
                 t = T * (m if m > 1 else 1)
-                n_out_grads = 1 if ab == 4 and not c.mixed else 2  # an fp32 grad needs no cast copy
+                n_out_grads = 1 if ab == 4 and not c.autocast else 2  # an fp32 grad needs no cast copy
                 out_b = 4 * n_out_grads
-                if c.mixed:
+                if c.autocast:
                     # under autocast the adapter's matmuls run in ab: the output grad and its scaled copy are ab,
                     # not fp32 (measured with the simulated engine on Phi-3 shapes; no Llama grid cell moves)
                     out_b = 2 * ab
@@ -963,7 +1047,9 @@ def final_saved(c: Ctx, measured: BlockSaves | None = None) -> int:
     else:
         total = 0
     head = [(g.name, g.in_features, g.out_features, 1.0) for g in spec.groups if g.name in HEAD_NAMES]
-    if c.plan.loss == "chunked" and spec.arch_kind == "decoder":
+    if fused_head(c.plan) and spec.arch_kind == "decoder":
+        pass  # a fused head saves what it needs itself (logits.trl_fused_head, logits.liger_fused_linear_ce)
+    elif c.plan.loss == "chunked" and spec.arch_kind == "decoder":
         # oomdoctor.execute.loss: each checkpointed chunk keeps its slice of the final hidden states (a view) as
         # its input, so the whole tensor lives until the last chunk's backward (on the host under
         # offload_activations, which packs the checkpoints' inputs too); the head saves nothing itself

@@ -32,7 +32,7 @@ from oomdoctor.memory import parameters as prm
 from oomdoctor.memory import runtime as rt
 from oomdoctor.memory import sharding as shd
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
-from oomdoctor.memory.context import Ctx, make_ctx
+from oomdoctor.memory.context import Ctx, make_ctx, upcast_to_fp32
 from oomdoctor.memory.lora import adapter_bytes
 from oomdoctor.plan import Plan
 from oomdoctor.model.spec import HEAD_NAMES, ModelSpec
@@ -72,7 +72,7 @@ def _loss_packed(c: Ctx, lg: lgt.LogitsMemory, M_head: int) -> int:
     final = act.norm_saved(c, h, c.T, c.rb) + (4 * c.T * h if c.spec.norm_kind == "rms" else 0)
     if c.plan.loss == "chunked":
         return final + c.rb * c.T * h
-    weight = M_head if c.mixed else prm.head_weight_numel(c) * (4 if c.quant is not None else c.wb)
+    weight = M_head if c.mixed else prm.head_weight_numel(c) * c.wb
     return final + 2 * lg.saved + weight
 
 
@@ -113,7 +113,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         # Non-reentrant checkpointing drops the saved casts; the autocast cache keeps the trainable ones for the
         # forward only. Forward end: trainable casts (cached) + the head's; backward: one block's + the head's.
         trainable_casts = (c.cast_lora_numel * 2) if not c.full else M_all
-        M_fwd = min(M_all, trainable_casts + M_head) if c.mixed else 0
+        M_fwd = min(M_all, trainable_casts + M_head) if c.autocast else 0
         M_top = M_layer
     else:
         M_fwd = M_all
@@ -132,7 +132,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         # time, a transient — without checkpointing: a checkpointed block packs only its input, and its recompute
         # (outside save_on_cpu) keeps its saves on the device (Llama-3.2-1B blocks at 16k tokens: +1 % before).
         trainable_casts = (c.cast_lora_numel * 2) if not c.full else M_all
-        M_fwd = min(M_all, trainable_casts) if c.mixed else 0
+        M_fwd = min(M_all, trainable_casts) if c.autocast else 0
         M_loss = 0
         if not gc:  # a checkpointed block's recompute runs in backward, outside save_on_cpu: its casts stay
             M_top = M_bottom = 0
@@ -166,9 +166,19 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         kept += L * la.gc_extra
         if gc:  # each checkpointed block packs its input alone, the leaf embedding output too (LoRA: also kept)
             cpu_act = layers_saved - L * la.gc_extra
+            cpu_act += _loss_packed(c, lg, M_head)
+        elif plan.trainer == "trl":
+            # TRL's own offloading: every save but parameters goes to the host once (the final norm's and the fused
+            # head's too: ``fin``, ``lg.saved``); a tensor saved again while its first save is in the forward stash
+            # stays on the device as well (activations.trl_offload_kept: 0 for block 0's first norm under LoRA)
+            kept += L * act.trl_offload_kept(c) - (act.trl_offload_final_kept(c) if not c.full else 0)
+            kept += act.trl_offload_final_kept(c)
+            cpu_act = layers_saved - L * act.int8_held_only(c) + fin + lg.saved + (
+                L * prm.amp_weight_copy_bytes(c, 1) if c.mixed else 0)
+            unpack_tmp = unpack_tmp if c.mixed else 0  # frozen 16-bit weights are parameters: never unpacked
         else:  # every save, once per save (offload_repacks), but LLM.int8()'s inputs only its ctx holds
             cpu_act = layers_saved - L * act.int8_held_only(c) + L * act.offload_repacks(c)
-        cpu_act += _loss_packed(c, lg, M_head)
+            cpu_act += _loss_packed(c, lg, M_head)
         layers_saved = kept  # a checkpointed block's recompute (in backward, outside save_on_cpu) stays on the device
         if gc and (spec.norm_kind != "rms" or c.rb == 4):
             # offloaded, a block's input comes back from the host for its recompute and stays through the block's
@@ -221,7 +231,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
 
     # forward: end of forward (loss) or the last block's working set
     fwd_extra_logits, M_at_loss = lg.forward_peak, M_fwd
-    if plan.loss == "chunked" and spec.arch_kind == "decoder" and c.mixed and not c.full:
+    if plan.loss == "chunked" and spec.arch_kind == "decoder" and c.mixed and not c.full and not lgt.fused_head(plan):
         # the frozen head's cast is neither cached by autocast nor saved by a checkpointed chunk: it lives through
         # one chunk's matmul, in forward and in each chunk's recompute, which runs on the device even when the
         # saved activations are offloaded (traced with the simulated engine)
@@ -231,10 +241,19 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         else:
             M_at_loss = max(0, M_fwd - M_head)
     fwd_tmp = la.fwd_transient
+    at_head = A_end
+    if plan.offload_activations and plan.trainer == "trl" and gc:
+        # TRL's offloading, checkpointed: at the head its forward stash still holds the last block's input (packed
+        # by the checkpoint, copied to the host, kept until 5 more packs) and the final norm's twice-saved tensors
+        # stay on the device (activations.trl_offload_kept)
+        at_head += c.rb * c.T * spec.hidden_size + act.trl_offload_final_kept(c) - 4 * c.T * spec.hidden_size
     fwd_at_loss = _components(parameters=P, master_weights=M_at_loss, gradients=G_pre, optimizer_states=O,
-                              activations=A_end, logits=fwd_extra_logits)
+                              activations=at_head, logits=fwd_extra_logits)
+    in_block = A_end - fin + released
+    if plan.offload_activations and plan.trainer == "trl" and not gc:
+        in_block -= act.trl_offload_final_kept(c)  # the final norm has not run yet
     fwd_in_block = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
-                               activations=A_end - fin + released, temporaries=fwd_tmp)
+                               activations=in_block, temporaries=fwd_tmp)
     fwd = max(rank("forward" + shd.LOSS_MOMENT, fwd_at_loss), rank("forward", fwd_in_block),
               key=lambda d: sum(d.values()))
     phases["forward"] = (sum(fwd.values()), fwd)
@@ -298,7 +317,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     peak_phase = max(phases, key=lambda p: phases[p][0])
     peak_alloc, comps = phases[peak_phase]
     transient = comps["activations"] + comps["logits"] + comps["temporaries"] + comps["master_weights"]
-    slack = rt.allocator_slack_bytes(_persistent_tensors(c, opt), transient) if device == "cuda" else 0
+    slack = rt.allocator_slack_bytes(c, _persistent_tensors(c, opt), transient)
     cublas = rt.cublas_workspace_bytes(c)
     ctx_bytes = rt.cuda_context_bytes(c)
     nccl = rt.nccl_buffer_bytes(c)
@@ -344,13 +363,13 @@ def _notes(c: Ctx, measured_blocks: bool) -> list[str]:
         notes.append(
             f"{spec.model_type}: transformers' bitsandbytes loading replaces exactly nn.Linear/Conv1D modules (not "
             f"the head, not _keep_in_fp32_modules), so {', '.join(kept)} ({', '.join(modules)}) stay unquantized in "
-            f"fp32 (prepare_model_for_kbit_training upcasts them)"
+            f"{'fp32 (prepare_model_for_kbit_training upcasts them)' if c.wb == 4 else 'bf16'}"
             + ("; no linear is quantized: QLoRA costs more than LoRA on a bf16 base here" if none else "")
         )
-    if c.quant is not None and plan.precision == "bf16":
+    if upcast_to_fp32(plan):
         notes.append(
             "QLoRA in pure bf16: prepare_model_for_kbit_training upcasts embeddings, norms and the head to fp32, "
-            "so activations run in fp32 (priced like fp32 QLoRA)"
+            "so activations run in fp32 (priced like fp32 QLoRA); --no-kbit-upcast keeps them bf16"
         )
     if measured_blocks:
         notes.append(f"{spec.model_type}: what its blocks save for backward is measured by replaying their code on "

@@ -135,9 +135,9 @@ def experts_implementation(plan: Plan) -> str:
     dense models): its default ``grouped_mm`` where the expert weights are bf16, else ``eager`` (one matmul per
     expert). torch's grouped matmul takes bf16 only on CUDA (``aten/src/ATen/native/cuda/Blas.cpp``, mirrored by its
     meta kernel), so fp32 master weights (``fp32``, ``*-mixed``) and QLoRA's fp32-upcast experts
-    (``prepare_model_for_kbit_training``) fail there with "Expected inputs of BF16 type": the eager experts are what
+    (``prepare_model_for_kbit_training``; with ``kbit_upcast: false`` they stay bf16) fail there with "Expected inputs of BF16 type": the eager experts are what
     runs, on a GPU and in the replay alike."""
-    return "grouped_mm" if plan.precision == "bf16" and plan.quant is None else "eager"
+    return "grouped_mm" if plan.precision == "bf16" and not plan.upcasts_kbit else "eager"
 
 
 #: peft 0.21 ``utils/transformers_weight_conversion.py`` ``_MOE_TARGET_MODULE_MAPPING``: per conversion pattern,
@@ -352,11 +352,18 @@ class Ctx:
 
     @property
     def mixed(self) -> bool:
-        return self.plan.is_mixed
+        """fp32 weights under autocast: ``*-mixed`` plans, and a k-bit-upcast (fp32) base under a foreign trainer's
+        bf16 autocast."""
+        return self.autocast and self.wb == 4
+
+    @property
+    def autocast(self) -> bool:
+        """Whether the forward runs under autocast (:func:`runs_autocast`)."""
+        return runs_autocast(self.plan)
 
     @property
     def cast_lora_numel(self) -> int:
-        """LoRA weights autocast casts under ``*-mixed`` (cached for the forward: leaves that require grad): every
+        """LoRA weights autocast casts (:attr:`autocast`; cached for the forward: leaves that require grad): every
         fp32 adapter but peft's ``ParamWrapper`` factors, which it merges into W' in the parameter's dtype first (W'
         and its casts are activations); bf16 adapters need no cast. Measured with the simulated engine on
         wide-expert OLMoE/Qwen3-MoE shapes."""
@@ -375,10 +382,30 @@ class Ctx:
         return any(g.name == name for g in self.lora_groups)
 
 
+def runs_autocast(plan: Plan) -> bool:
+    """Whether the forward runs under autocast: ``*-mixed`` plans, and pure bf16 under any trainer but oomdoctor's own
+    (their file says ``bf16: true`` / ``mixed_precision: bf16``, and accelerate autocasts the forward whatever the
+    weights' dtype: ``execute/trainers/common.precision``; accelerate 1.15 ``Accelerator.prepare_model``) — bf16
+    weights need no cast, but fp32 LoRA adapters are cast (and cached) and their matmuls run in bf16."""
+    return plan.is_mixed or (plan.precision == "bf16" and plan.trainer != "oomdoctor")
+
+
 def adapter_numel(plan: Plan, groups) -> int:
     """LoRA parameters on ``groups``: lora_A (r x in) + lora_B (out x r) per module, no bias (Hu et al. 2021, peft
     tuners/lora/layer.py)."""
     return sum(plan.lora_r * (g.in_features + g.out_features) * g.count for g in groups)
+
+
+def upcast_changes_bytes(plan: Plan) -> bool:
+    """Whether ``kbit_upcast`` changes any byte of ``plan``: a quantized base whose unquantized weights load in 16
+    bits (pure ``bf16``); ``fp32`` and ``*-mixed`` load them in fp32, where peft's cast is a no-op."""
+    return plan.quant is not None and plan.precision == "bf16"
+
+
+def upcast_to_fp32(plan: Plan) -> bool:
+    """Whether peft's k-bit preparation makes the quantized base's unquantized weights (embeddings, norms, head,
+    biases) fp32 where they were loaded in 16 bits (``Plan.upcasts_kbit`` and :func:`upcast_changes_bytes`)."""
+    return plan.upcasts_kbit and upcast_changes_bytes(plan)
 
 
 def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:
@@ -388,12 +415,15 @@ def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:
     rb = 4 if plan.precision in ("fp32", "fp16-mixed", "bf16-mixed") else 2
     if plan.strategy == "fsdp" and plan.is_mixed:  # Ctx.gathered_in_compute_dtype
         rb = ab
-    if plan.quant is not None and plan.precision == "bf16":
+    if upcast_to_fp32(plan):
         # peft's prepare_model_for_kbit_training (which the executor applies, as QLoRA recipes do) upcasts every
         # non-quantized fp16/bf16 parameter to fp32 (peft utils/other.py): embeddings, norms, head and biases are
         # fp32, so the residual stream and every activation after them are fp32 too; only the 4-bit matmuls
-        # compute in bf16 internally. Measured on CPU: the same bytes as the fp32 QLoRA plan.
-        wb = ab = rb = 4
+        # compute in bf16 internally. Measured on CPU: the same bytes as the fp32 QLoRA plan. Under a foreign
+        # trainer's autocast (``bf16: true``) the matmuls run in bf16: priced as the bf16-mixed plan (Ctx.mixed).
+        # Without the upcast (kbit_upcast: false) they stay bf16: the pure-bf16 dtypes above.
+        wb = rb = 4
+        ab = 2 if runs_autocast(plan) else 4
     lora_groups = lora_groups_of(spec, plan) if plan.uses_lora else ()
     lora_numel = adapter_numel(plan, lora_groups)
     return Ctx(

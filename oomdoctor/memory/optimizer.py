@@ -42,33 +42,46 @@ class OptimizerMemory:
     """Peak transient bytes inside ``optimizer.step()`` on the GPU."""
 
 
+#: Trainers built on transformers' ``Trainer``, whose ``create_optimizer`` registers a 32-bit bitsandbytes state
+#: override for every ``nn.Embedding`` weight when the optimizer is 8-bit (transformers 5.24 ``trainer.py``
+#: ``create_optimizer``: ``manager.register_module_override(module, "weight", {"optim_bits": 32})``).
+HF_TRAINER_BASED: tuple[str, ...] = ("trl", "hf", "axolotl")
+
+
 def trainable_tensors(c: Ctx) -> list[tuple[int, int, int]]:
     """(numel, rows, count) of every trainable tensor kind; rows = first dim for 2-D tensors, 0 for 1-D."""
-    out: list[tuple[int, int, int]] = []
+    return [(n, rows, k) for n, rows, k, _emb in _trainable(c)]
+
+
+def _trainable(c: Ctx) -> list[tuple[int, int, int, bool]]:
+    """:func:`trainable_tensors` with whether the tensor is an embedding's weight."""
+    out: list[tuple[int, int, int, bool]] = []
     if c.full:
         for g in c.spec.groups:
             if g.tower:
                 continue
             if g.kind in ("linear", "embedding"):
                 rows = g.out_features if g.kind == "linear" else g.in_features
-                out.append((g.weight_numel, rows, g.count))
+                out.append((g.weight_numel, rows, g.count, g.kind == "embedding"))
                 if g.bias_numel:
-                    out.append((g.bias_numel, 0, g.count))
+                    out.append((g.bias_numel, 0, g.count, False))
             else:
-                out.append((g.numel_each, 0, g.count))
+                out.append((g.numel_each, 0, g.count, False))
     else:
         r = c.plan.lora_r
         for g in c.lora_groups:
-            out.append((r * g.in_features, r, g.count))  # lora_A: (r, in)
-            out.append((g.out_features * r, g.out_features, g.count))  # lora_B: (out, r)
+            out.append((r * g.in_features, r, g.count, False))  # lora_A: (r, in)
+            out.append((g.out_features * r, g.out_features, g.count, False))  # lora_B: (out, r)
     return out
 
 
 def _bnb_states(c: Ctx, eight_bit: bool, paged: bool, n_states: int) -> tuple[int, int]:
-    """(device bytes, paged bytes) of bitsandbytes Optimizer{1,2}State states."""
+    """(device bytes, paged bytes) of bitsandbytes Optimizer{1,2}State states; under an HF-Trainer-based trainer
+    (:data:`HF_TRAINER_BASED`) an embedding's states are 32-bit."""
     dev = pg = 0
-    for numel, _rows, count in trainable_tensors(c):
-        if eight_bit and numel >= BNB_MIN_8BIT_SIZE:
+    fp32_embeddings = c.plan.trainer in HF_TRAINER_BASED
+    for numel, _rows, count, embedding in _trainable(c):
+        if eight_bit and numel >= BNB_MIN_8BIT_SIZE and not (embedding and fp32_embeddings):
             state = numel * n_states  # uint8 states
             blocks = -(-numel // BNB_8BIT_BLOCKSIZE)
             dev += blocks * 4 * n_states * count  # absmax1/absmax2: regular device tensors

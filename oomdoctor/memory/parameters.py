@@ -5,6 +5,7 @@ LoRA adapters, and AMP's low-precision weight copies. Pure functions of (ModelSp
 from __future__ import annotations
 
 from oomdoctor.memory.context import PARAM_WRAPPER, Ctx
+from oomdoctor.memory.logits import fused_head
 from oomdoctor.memory.lora import adapter_bytes
 
 #: bitsandbytes 4-bit: one absmax per block of 64 weights (``quantize_4bit`` default blocksize; QLoRA paper §2,
@@ -51,9 +52,10 @@ def base_weight_bytes(c: Ctx) -> int:
 
     Unquantized weights take ``c.wb`` bytes each. With bitsandbytes, the linears transformers' integration replaces
     are quantized (:func:`is_quantized`: every ``nn.Linear``/``Conv1D`` but the head and what transformers keeps);
-    embeddings, norms, biases and the other linears stay in the weight dtype. The plan's weight dtype for ``*-mixed`` is fp32, so peft's ``prepare_model_for_kbit_training``
-    (which upcasts every non-4-bit fp16/bf16 parameter to fp32, peft ``utils/other.py``) changes nothing there; for
-    pure ``bf16`` we assume it is not applied (the non-quantized modules stay bf16). Sizes: ZeRO paper (Rajbhandari
+    embeddings, norms, biases and the other linears stay in the weight dtype ``c.wb``. The plan's weight dtype for
+    ``*-mixed`` is fp32, so peft's ``prepare_model_for_kbit_training`` (which upcasts every non-4-bit fp16/bf16
+    parameter to fp32, peft ``utils/other.py``) changes nothing there; in pure ``bf16`` it makes them fp32 (``c.wb``
+    = 4, ``context.upcast_to_fp32``) unless ``kbit_upcast: false`` skips it (bf16). Sizes: ZeRO paper (Rajbhandari
     et al. 2020) §3.1 "model states" (2 bytes/param fp16, 4 bytes fp32).
     """
     s = c.sums
@@ -111,18 +113,21 @@ def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
     ``layers``: how many blocks' copies are alive (None = the whole model).
     Limit: fp16-mixed and bf16-mixed are both priced at 2 bytes; ``GradScaler`` buffers are ignored (tiny).
     """
-    if not c.mixed:
+    if not c.autocast:
         return 0
     s = c.sums
     L = max(c.spec.num_layers, 1)
     adapters = c.cast_lora_numel * 2
+    if not c.mixed:  # bf16 weights under autocast (a foreign trainer's pure bf16): only fp32 adapters are cast
+        return adapters if layers is None else int(adapters * layers / L)
     if c.quant is not None:  # quantized linears are dequantized per call, nothing saved; the rest are cast
         base_layer = sum(g.weight_numel * g.count for g in c.spec.groups if g.kind == "linear" and g.per_layer and not is_quantized(g)) * 2
     else:
         base_layer = s.linear_numel * 2
     wrapped = {g.name.split(".")[-1] for g in c.lora_groups if g.module == PARAM_WRAPPER}
     base_layer += 2 * L * sum(n for name, n in expert_stacks(c).items() if name not in wrapped)
-    head = head_weight_numel(c) * 2
+    # a fused head (TRL's, Liger's) never runs the head module: it casts the weight itself (logits.fused_head)
+    head = head_weight_numel(c) * 2 if not fused_head(c.plan) else 0
     if layers is None:
         return base_layer + head + adapters
     return int((base_layer + adapters) * layers / L)

@@ -69,6 +69,7 @@ def rounding_waste(tensor_sizes: list[tuple[int, int]]) -> int:
 
 
 def cuda_context_bytes(c: Ctx) -> int:
+    """The CUDA context of one process (0 off CUDA)."""
     return CUDA_CONTEXT_BYTES if c.device == "cuda" else 0
 
 
@@ -78,11 +79,16 @@ def nccl_buffer_bytes(c: Ctx) -> int:
 
 
 def cublas_workspace_bytes(c: Ctx) -> int:
+    """cuBLAS workspaces of a training step (0 off CUDA)."""
     return CUBLAS_WORKSPACE_BYTES * CUBLAS_HANDLES if c.device == "cuda" else 0
 
 
-def allocator_slack_bytes(persistent_tensors: list[tuple[int, int]], transient_bytes: int) -> int:
-    """``peak_reserved - peak_allocated``: rounding of persistent tensors + segment tails + fragmentation."""
+def allocator_slack_bytes(c: Ctx, persistent_tensors: list[tuple[int, int]], transient_bytes: int) -> int:
+    """``peak_reserved - peak_allocated`` of CUDA's caching allocator: rounding of persistent tensors + segment tails
+    + fragmentation. 0 on the CPU: its allocator (c10 ``DefaultCPUAllocator``, ``posix_memalign`` per tensor) keeps no
+    cache of blocks, and a CPU run's budget counts live tensor bytes (``execute.tracking.LiveBytes``)."""
+    if c.device != "cuda":
+        return 0
     return (
         rounding_waste(persistent_tensors)
         + ALLOC_SMALL_SEGMENT

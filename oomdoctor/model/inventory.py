@@ -63,13 +63,16 @@ def _refused_config(name: str, mt: str, exc: Exception) -> BadInput:
         import difflib
 
         close = difflib.get_close_matches(mt, list(CONFIG_MAPPING), n=5, cutoff=0.6)
-        return BadInput(f"{name}: model kind {mt!r} is not supported: transformers {tv} does not know this model_type",
+        return BadInput(f"{name}: model kind {mt!r} is not supported: model_type {mt!r} is not a kind of model "
+                        f"transformers {tv} knows",
                         (f"close model kinds transformers knows: {', '.join(close)}; " if close else "")
                         + "check model_type in config.json; a model newer than transformers needs "
-                        "`pip install -U transformers`; `oomdoctor models` lists the configs priced offline")
+                        "`pip install -U transformers`; models that need their own code (trust_remote_code) are not "
+                        "supported; `oomdoctor models` lists the configs priced offline")
     field = _BAD_FIELD.search(str(exc))
     why = f"field {field.group(1)}: {' '.join(field.group(2).split())[:160]}" if field else _first_line(exc)
-    return BadInput(f"{name}: this {mt!r} config is not supported: transformers {tv} refuses it ({why})",
+    return BadInput(f"{name}: this {mt!r} config is not supported: transformers {tv} refuses this {mt} config "
+                    f"({why})",
                     (f"fix {field.group(1)} in config.json; " if field else "") + _NEXT)
 
 
@@ -93,7 +96,11 @@ def _refused_model(name: str, mt: str, exc: Exception) -> BadInput:
                     f"({_first_line(exc)})", _NEXT)
 
 
-def _config(cfg: dict, name: str):
+def transformers_config(cfg: dict, name: str):
+    """The transformers config of ``cfg`` (a config.json's dict), as ``AutoConfig`` builds it; BadInput when
+    transformers refuses it (:func:`_refused_config`): a ``model_type`` it does not know (a model newer than the
+    installed transformers, or one that needs its own code), or values its config class rejects (the key and why, in
+    one line)."""
     from transformers import AutoConfig
 
     mt = cfg["model_type"]
@@ -336,7 +343,7 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
     import json
 
     cfg = json.loads(cfg_items[0])
-    config = _config(cfg, name)
+    config = transformers_config(cfg, name)
     model = _meta_model(config, name)
     tc = config.get_text_config()
     head = model.get_output_embeddings()

@@ -63,37 +63,43 @@ def close_names(model_id: str, n: int = 5) -> list[str]:
     return out[:n]
 
 
+#: Spec fields ``oomdoctor models`` lists, stored per registry entry under ``listing`` (``listing_of``) so that listing
+#: the registry reads one JSON file instead of building every spec (families without a builder go through
+#: transformers: seconds each). ``scripts/registry_listing.py`` rewrites them; tests/test_bundled_configs.py checks
+#: every one against ``load_spec``.
+LISTING_FIELDS: dict[str, str] = {
+    "model_type": "model_type", "arch_kind": "arch_kind", "params": "num_params", "layers": "num_layers",
+    "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads", "intermediate": "intermediate_size",
+    "vocab": "vocab_size", "max_position": "max_position_embeddings", "tied_embeddings": "tie_word_embeddings",
+    "experts": "num_experts",
+}
+
+
+#: Keys of a ``bundled_models`` row, in the order ``oomdoctor models --json`` prints them.
+ROW_KEYS = ("id", "family", "model_type", "arch_kind", "params", "published_params", "layers", "hidden", "heads",
+            "kv_heads", "intermediate", "vocab", "max_position", "tied_embeddings", "experts", "aliases")
+
+
+def listing_of(spec: ModelSpec) -> dict:
+    """The fields of ``spec`` that ``oomdoctor models`` lists (:data:`LISTING_FIELDS`)."""
+    return {key: getattr(spec, attr) for key, attr in LISTING_FIELDS.items()}
+
+
 def bundled_models(query: str | None = None) -> list[dict]:
     """One row per bundled model (what ``oomdoctor models`` prints), optionally filtered by a case-insensitive
-    substring of the id, an alias, the family or the model_type. Builds each spec (pure Python, milliseconds)."""
+    substring of the id, an alias, the family or the model_type. Reads the registry's precomputed ``listing``
+    (an entry without one builds its spec)."""
     rows = []
     q = (query or "").lower()
     for model_id in bundled_ids():
         entry = _registry()[model_id]
-        hay = [model_id, entry.get("family", ""), *entry.get("aliases", [])]
-        spec = load_spec(model_id)
-        if q and not any(q in h.lower() for h in [*hay, spec.model_type]):
+        listing = entry.get("listing") or listing_of(load_spec(model_id))
+        hay = [model_id, entry.get("family", ""), *entry.get("aliases", []), listing["model_type"]]
+        if q and not any(q in h.lower() for h in hay):
             continue
-        rows.append(
-            {
-                "id": model_id,
-                "family": entry.get("family", ""),
-                "model_type": spec.model_type,
-                "arch_kind": spec.arch_kind,
-                "params": spec.num_params,
-                "published_params": entry.get("published_params"),
-                "layers": spec.num_layers,
-                "hidden": spec.hidden_size,
-                "heads": spec.num_heads,
-                "kv_heads": spec.num_kv_heads,
-                "intermediate": spec.intermediate_size,
-                "vocab": spec.vocab_size,
-                "max_position": spec.max_position_embeddings,
-                "tied_embeddings": spec.tie_word_embeddings,
-                "experts": spec.num_experts,
-                "aliases": list(entry.get("aliases", [])),
-            }
-        )
+        row = {"id": model_id, "family": entry.get("family", ""), **{k: listing[k] for k in LISTING_FIELDS}}
+        row = dict(row, published_params=entry.get("published_params"), aliases=list(entry.get("aliases", [])))
+        rows.append({k: row[k] for k in ROW_KEYS})
     return rows
 
 

@@ -8,13 +8,37 @@ a model reference.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from oomdoctor.errors import BadInput
 
 ParamKind = Literal["linear", "embedding", "norm", "other"]
 ArchKind = Literal["decoder", "encoder", "encoder-decoder"]
 
 #: Output head module names: never in peft's ``all-linear`` (bitsandbytes: ``ParamGroup.quantizable``).
 HEAD_NAMES = ("lm_head", "score", "classifier")
+
+#: Model types whose attention takes relative position buckets: ``max_position_embeddings``/``n_positions`` is the
+#: training length, not a limit (T5's ``relative_attention_bias``).
+RELATIVE_POSITIONS: frozenset[str] = frozenset({"t5", "mt5", "umt5", "longt5"})
+
+
+def rope_scaling(config: dict[str, Any]) -> tuple[float, int | None]:
+    """``(factor, original_max_position_embeddings or None)`` of a config's RoPE scaling (``rope_scaling``, or
+    transformers 5's ``rope_parameters``, per layer type or not); ``(1.0, None)`` without one."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        return 1.0, None
+    entries = [rope] if "factor" in rope or not all(isinstance(v, dict) for v in rope.values()) else \
+        list(rope.values())
+    factor, original = 1.0, None
+    for e in entries:
+        f = e.get("factor")
+        if isinstance(f, (int, float)) and not isinstance(f, bool) and f > factor:
+            factor = float(f)
+            o = e.get("original_max_position_embeddings")
+            original = int(o) if isinstance(o, int) and not isinstance(o, bool) else None
+    return factor, original
 
 
 @dataclass(frozen=True)
@@ -131,13 +155,30 @@ class ModelSpec:
     config: dict = field(default_factory=dict, compare=False, repr=False)
     """The raw config.json."""
 
-    def context_note(self, seq_len: int, what: str = "seq_len") -> str | None:
-        """A warning when ``seq_len`` is longer than the positions the model was trained for (None otherwise)."""
-        if self.max_position_embeddings and seq_len > self.max_position_embeddings:
-            return (f"{what} {seq_len} exceeds the model's max_position_embeddings ({self.max_position_embeddings}): "
-                    "memory is priced, but quality may suffer without RoPE scaling (and learned position "
-                    "embeddings cannot go past it at all)")
-        return None
+    @property
+    def position_limit(self) -> int:
+        """The longest sequence the model's positions reach (0: none known — state-space models, T5's relative
+        buckets): ``max_position_embeddings``, times the RoPE scaling ``factor`` when the config scales positions
+        beyond it (linear / dynamic / YaRN on the original length, as Qwen2.5's YaRN recipe writes it); a config
+        whose ``original_max_position_embeddings`` is below the max already counts the factor (Llama-3.1)."""
+        n = self.max_position_embeddings
+        if not n or self.model_type in RELATIVE_POSITIONS:
+            return 0
+        factor, original = rope_scaling(self.config)
+        return int(n * factor) if factor > 1 and (original is None or original >= n) else n
+
+    def check_seq_len(self, seq_len: int, what: str = "seq_len") -> None:
+        """BadInput when ``seq_len`` is beyond :attr:`position_limit`: the model cannot attend that far (learned
+        position embeddings end there; RoPE was trained up to it), so neither pricing nor training it means
+        anything — one rule for diagnose, tune and train."""
+        limit = self.position_limit
+        if limit and seq_len > limit:
+            raise BadInput(
+                f"{what} {seq_len:,} is beyond the {limit:,} positions of {self.name} (max_position_embeddings"
+                + (" x its RoPE scaling factor" if limit != self.max_position_embeddings else "")
+                + "): the model cannot attend that far",
+                f"use {what} {limit} or less; to train a longer context, extend it in the model's config.json "
+                "(rope_scaling and max_position_embeddings) and pass that config")
 
     @property
     def num_params(self) -> int:

@@ -66,10 +66,13 @@ def max_fitting(fits: Callable[[int], bool], limit: int, trace: SearchTrace | No
     return lo
 
 
-def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n`` in increasing order."""
+def divisors(n: int, upto: int | None = None) -> list[int]:
+    """Positive divisors of ``n`` in increasing order; with ``upto``, those up to it only, found in at most ``upto``
+    steps (an absurd ``--global-batch 10**18`` answers at once instead of trial-dividing up to 10**9)."""
     if n < 1:
         raise BadInput(f"expected a positive integer, got {n}")
+    if upto is not None and upto * upto < n:
+        return [d for d in range(1, upto + 1) if n % d == 0]
     small, large = [], []
     i = 1
     while i * i <= n:
@@ -78,7 +81,7 @@ def divisors(n: int) -> list[int]:
             if i * i != n:
                 large.append(n // i)
         i += 1
-    return small + large[::-1]
+    return [d for d in small + large[::-1] if upto is None or d <= upto]
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ def choose_micro_batch(max_micro: int, global_batch: int | None) -> BatchChoice:
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise BadInput(f"--global-batch must be a positive integer, got {global_batch!r}")
     cap = min(max_micro, global_batch)
-    micro = max(d for d in divisors(global_batch) if d <= cap)
+    micro = max(divisors(global_batch, upto=cap))
     accum = global_batch // micro
     note = None
     if micro < cap:

@@ -22,6 +22,7 @@ OptimizerImpl = Literal["foreach", "fused", "for-loop"]
 Strategy = Literal["single", "ddp", "fsdp", "zero2", "zero3"]
 Loss = Literal["standard", "chunked"]
 AdapterDtype = Literal["fp32", "bf16"]
+Trainer = Literal["oomdoctor", "trl", "hf", "axolotl", "accelerate"]
 
 METHODS: tuple[str, ...] = choices("method")
 PRECISIONS: tuple[str, ...] = choices("precision")
@@ -36,6 +37,7 @@ SHARDED: tuple[str, ...] = ("fsdp", "zero2", "zero3")
 DEEPSPEED: tuple[str, ...] = ("zero2", "zero3")
 LOSSES: tuple[str, ...] = choices("loss")
 ADAPTER_DTYPES: tuple[str, ...] = choices("adapter_dtype")
+TRAINERS: tuple[str, ...] = choices("trainer")
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULTS["lora_targets"]
 
@@ -83,6 +85,8 @@ class Plan:
     """See ``TECHNIQUES``: bitsandbytes quantization of the frozen base."""
     double_quant: bool = DEFAULTS["double_quant"]
     """See ``TECHNIQUES``: QLoRA double quantization."""
+    kbit_upcast: bool = DEFAULTS["kbit_upcast"]
+    """See ``TECHNIQUES``: a quantized base's unquantized weights cast to fp32 (peft's k-bit preparation)."""
     micro_batch: int = DEFAULTS["micro_batch"]
     """See ``TECHNIQUES``: sequences per forward/backward."""
     seq_len: int = DEFAULTS["seq_len"]
@@ -107,6 +111,8 @@ class Plan:
     """See ``TECHNIQUES``: FSDP frees gathered weights after each layer's forward."""
     bucket_size: int | None = DEFAULTS["bucket_size"]
     """See ``TECHNIQUES``: elements per communication bucket (None: the engine default)."""
+    trainer: Trainer = DEFAULTS["trainer"]
+    """See ``TECHNIQUES``: the code that runs the step (oomdoctor, trl, hf, axolotl, accelerate)."""
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -154,6 +160,12 @@ class Plan:
     def optimizer_is_paged(self) -> bool:
         return self.optimizer in PAGED_OPTIMIZERS
 
+    @property
+    def upcasts_kbit(self) -> bool:
+        """Whether peft's k-bit preparation casts the unquantized weights of a quantized base to fp32 (it changes
+        bytes only where they load in 16 bits: pure bf16)."""
+        return self.quant is not None and self.kbit_upcast
+
     def label(self) -> str:
         """Short human label, e.g. ``qlora-nf4 r16 | bf16-mixed | GC | paged-adamw-8bit``."""
         parts = []
@@ -163,7 +175,8 @@ class Plan:
             tgt = "all" if self.lora_targets == DEFAULT_LORA_TARGETS else ",".join(self.lora_targets)
             m = "lora" if self.method == "lora" else f"qlora-{self.quant}{'+dq' if self.double_quant else ''}"
             parts.append(f"{m} r{self.lora_r}:{tgt}{'+head' if self.lora_on_head else ''}"
-                         + (f" {self.adapter_dtype}-adapters" if self.adapter_dtype != DEFAULTS["adapter_dtype"] else ""))
+                         + (f" {self.adapter_dtype}-adapters" if self.adapter_dtype != DEFAULTS["adapter_dtype"] else "")
+                         + (" no-upcast" if self.quant is not None and not self.kbit_upcast else ""))
         parts.append(self.precision)
         shows_impl = self.optimizer in TORCH_OPTIMIZERS and self.optimizer_impl != DEFAULTS["optimizer_impl"]
         parts.append(self.optimizer + (f"({self.optimizer_impl})" if shows_impl else ""))
@@ -187,6 +200,8 @@ class Plan:
             if not self.reshard_after_forward:
                 topo += " keep-gathered"
             parts.append(topo)
+        if self.trainer != DEFAULTS["trainer"]:
+            parts.append(f"@{self.trainer}")
         return " | ".join(parts)
 
     def settings(self) -> dict:
@@ -272,6 +287,7 @@ def validate(plan: Plan) -> Plan:
     _check_choice(problems, "adapter_dtype", plan.adapter_dtype, ADAPTER_DTYPES)
     _check_choice(problems, "attn", plan.attn, ATTNS)
     _check_choice(problems, "strategy", plan.strategy, STRATEGIES)
+    _check_choice(problems, "trainer", plan.trainer, TRAINERS)
     if plan.quant is not None:
         _check_choice(problems, "quant", plan.quant, QUANTS)
     changes: dict = {}
@@ -285,6 +301,8 @@ def validate(plan: Plan) -> Plan:
     if plan.method == "qlora" and plan.quant is None:
         changes["quant"] = "nf4"
     quant = changes.get("quant", plan.quant)
+    if quant is None and not plan.kbit_upcast:
+        changes["kbit_upcast"] = True  # nothing to prepare without a quantized base: one plan, not two
     if plan.double_quant and quant not in ("nf4", "fp4"):
         if quant is None:
             problems.append("--double-quant needs a 4-bit base (--method qlora / --quant nf4|fp4)")

@@ -43,6 +43,10 @@ TORCH_OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
 HF_ATTN_NAMES: dict[str, str] = {"eager": "eager", "sdpa": "sdpa", "flash": "flash_attention_2"}
 #: The LoRA target meaning every linear layer but the output head (peft).
 ALL_LINEAR = "all-linear"
+#: The training code that can run a plan (``trainer``; ``tune --emit`` targets): oomdoctor's own executor, TRL's
+#: SFTTrainer, transformers' Trainer, axolotl, a user's script under ``accelerate launch``. What each one can
+#: express and run is ``oomdoctor.plan.targets``.
+TRAINERS: tuple[str, ...] = ("oomdoctor", "trl", "hf", "axolotl", "accelerate")
 
 Kind = Literal["choice", "bool", "int>=1", "int>=1|null", "prob", "targets"]
 
@@ -227,6 +231,16 @@ TECHNIQUES: tuple[Technique, ...] = (
         yaml_key="bnb_4bit_use_double_quant", flag="--double-quant",
     ),
     Technique(
+        "kbit_upcast", "bool", True,
+        "peft prepare_model_for_kbit_training (peft's QLoRA recipe; TRL's SFTTrainer does not call it)",
+        "quantized base: cast the weights bitsandbytes leaves unquantized (embeddings, norms, head, biases) to fp32 "
+        "as peft's prepare_model_for_kbit_training does; off keeps them in the load dtype (TRL's SFTTrainer, "
+        "axolotl's skip_prepare_model_for_kbit_training, unsloth)",
+        "on, under pure bf16: the unquantized weights at 4 B/param (+4 GiB on a 70B: embeddings and head) and the "
+        "residual stream in fp32 | off: they stay bf16 | no effect on fp32 / *-mixed plans (loaded in fp32)",
+        flag="--kbit-upcast/--no-kbit-upcast",
+    ),
+    Technique(
         "micro_batch", "int>=1", 1, "TrainingArguments.per_device_train_batch_size=8 (oomdoctor: 1, the floor)",
         "sequences per forward/backward per device (train YAML: also 'auto', the largest that fits)",
         "activations and logits scale linearly with it",
@@ -299,6 +313,16 @@ TECHNIQUES: tuple[Technique, ...] = (
         "zero2/zero3: elements per DeepSpeed communication bucket (reduce_bucket_size, allgather_bucket_size, "
         "stage3_prefetch_bucket_size)",
         "each bucket is a buffer of this many elements; DeepSpeed's own default 5e8 costs 1 GB (bf16) per rank",
+    ),
+    Technique(
+        "trainer", "choice", "oomdoctor", "oomdoctor train runs the plan",
+        "the code that runs the step, priced as it runs it: oomdoctor (oomdoctor train), trl (TRL's SFTTrainer, "
+        "trl sft), hf (transformers' Trainer), axolotl, accelerate (your train.py under accelerate launch); "
+        "tune --emit sets it and searches only the knobs that trainer runs (oomdoctor.plan.targets)",
+        "trl: the loss through TRL's fused LM head (per-token log-probs, entropy and top-1 over vocabulary chunks, "
+        "no full logits) and TRL's activation offloading | hf, axolotl, accelerate: a chunked loss is Liger's fused "
+        "linear cross-entropy | oomdoctor: its own step",
+        choices=TRAINERS, train_executes=False,
     ),
 )
 
@@ -385,6 +409,6 @@ def how(changes: dict[str, Any], style: Style, targets: tuple[str, ...] = (ALL_L
 
 __all__ = [
     "ALL_LINEAR", "BY_NAME", "DEFAULTS", "EFFECTIVE_BATCH", "HF_ATTN_NAMES", "HF_OPTIM_NAMES", "OPTIMIZERS",
-    "OPTIM_VALUES", "PAGED_OPTIMIZERS", "TECHNIQUES", "TORCH_OPTIMIZERS", "Technique", "choices", "how",
+    "OPTIM_VALUES", "PAGED_OPTIMIZERS", "TECHNIQUES", "TORCH_OPTIMIZERS", "TRAINERS", "Technique", "choices", "how",
     "how_flag", "how_yaml", "technique",
 ]

@@ -14,6 +14,10 @@ Contents (Hugging Face Trainer's ``checkpoint-N`` layout):
 - ``trainer_state.json``: ``global_step``, samples consumed (data position), current micro-batch, OOM recoveries,
   loss history, a fingerprint of the config's math-relevant settings.
 
+A write that fails (disk full, quota, I/O error) removes the temporary directory, leaves every earlier checkpoint as
+it was and raises :class:`~oomdoctor.errors.WriteFailed` (exit 74) naming the directory, the free space and the
+newest intact checkpoint (:func:`writing`).
+
 Reading: :func:`read_state` (the JSON alone, to compare fingerprints before touching the model), then
 :func:`load_checkpoint`; a checkpoint that cannot be read raises :class:`CorruptCheckpoint` and the caller falls
 back to an older one.
@@ -35,9 +39,13 @@ import os
 import random
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
+
+from oomdoctor.files import write_failed
 
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -93,6 +101,53 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+#: An errno named in a writer's message: safetensors' Rust writer ("No space left on device (os error 28)"), DCP's
+#: CheckpointException, which carries each rank's formatted error ("OSError: [Errno 28] ...").
+_OS_ERROR_RE = re.compile(r"(?:os error |\[Errno )(\d+)")
+
+
+def os_error(exc: BaseException | None) -> OSError | None:
+    """The OS error under a failed write: ``exc`` itself, one it was raised from or while handling (``torch.save``
+    into a file object chains the file's OSError), or the errno a writer's message names; None for any other
+    failure."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            return exc
+        m = _OS_ERROR_RE.search(str(exc))
+        if m:
+            return OSError(int(m.group(1)), os.strerror(int(m.group(1))))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@contextmanager
+def writing(tmp: Path, what: str, path: Path, run_dir: Path, *, cleanup: bool = True) -> Iterator[None]:
+    """Around the writes into ``tmp``, the directory where ``what`` (``checkpoint``, ``final model``) is written aside
+    before it lands at ``path`` in ``run_dir``: any failure removes ``tmp`` (``cleanup``: this process owns it); one
+    with an OS cause (disk full, quota, I/O error) becomes WriteFailed naming the free space and the newest complete
+    checkpoint of ``run_dir``, other errors pass through."""
+    try:
+        yield
+    except Exception as exc:
+        if cleanup:
+            shutil.rmtree(tmp, ignore_errors=True)
+        failure = os_error(exc)
+        if failure is None:
+            raise
+        kept = latest_checkpoint(run_dir)
+        raise write_failed(what, path, failure, "the partial copy was removed; " + (
+            f"{kept.name} is intact" if kept else "no earlier checkpoint exists"),
+            "free space on that disk (or move output_dir), then continue the run with --resume") from None
+
+
+def _save(obj, path: Path) -> None:
+    """``torch.save`` through a Python file, so that a failed write raises the file's OSError (:func:`os_error`)."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+
+
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
     """Where the checkpoint of ``step`` lives (HF Trainer's ``checkpoint-<step>``)."""
     return Path(output_dir) / f"checkpoint-{step}"
@@ -121,17 +176,18 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, 
     tmp = out / f".tmp-checkpoint-{step}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    with _disable_current_modes():
-        model.save_pretrained(tmp, safe_serialization=True)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        if scaler is not None:
-            torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        torch.save(_rng_state(), tmp / RNG_FILE)
-    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "global_step": step}, indent=1))
-    _fsync_dir_tree(tmp)
-    _replace_into(out, tmp, final, step)
+    with writing(tmp, "checkpoint", final, out):
+        tmp.mkdir()
+        with _disable_current_modes():
+            model.save_pretrained(tmp, safe_serialization=True)
+            _save(optimizer.state_dict(), tmp / "optimizer.pt")
+            _save(scheduler.state_dict(), tmp / "scheduler.pt")
+            if scaler is not None:
+                _save(scaler.state_dict(), tmp / "scaler.pt")
+            _save(_rng_state(), tmp / RNG_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "global_step": step}, indent=1))
+        _fsync_dir_tree(tmp)
+        _replace_into(out, tmp, final, step)
     if save_total_limit:
         for _, p in list_checkpoints(out)[:-save_total_limit]:
             shutil.rmtree(p, ignore_errors=True)
@@ -232,21 +288,23 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, *, model, is_peft
             shutil.rmtree(tmp)
         tmp.mkdir()
     dist.barrier()
-    with _disable_current_modes():
+    # a rank whose write fails raises WriteFailed; torchrun then stops the others (rank 0 removes the directory)
+    with writing(tmp, "checkpoint", final, out, cleanup=rank == 0), _disable_current_modes():
         if engine is not None:
             engine.save_checkpoint(str(tmp / ZERO_DIR), tag=ZERO_TAG, save_latest=False)
         else:
             _, sd = _dcp_state(model, optimizer, frozen_too=not is_peft)
             dcp.save(sd, checkpoint_id=str(tmp / SHARDED_DIR))
-        torch.save(_rng_state(), tmp / f"rng_state_{rank}.pth")
+        _save(_rng_state(), tmp / f"rng_state_{rank}.pth")
         if rank == 0:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            _save(scheduler.state_dict(), tmp / "scheduler.pt")
     dist.barrier()
     if rank == 0:
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "global_step": step, "sharded": True},
-                                                 indent=1))
-        _fsync_dir_tree(tmp)
-        _replace_into(out, tmp, final, step)
+        with writing(tmp, "checkpoint", final, out):
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "global_step": step, "sharded": True},
+                                                     indent=1))
+            _fsync_dir_tree(tmp)
+            _replace_into(out, tmp, final, step)
         if save_total_limit:
             for _, p in list_checkpoints(out)[:-save_total_limit]:
                 shutil.rmtree(p, ignore_errors=True)
@@ -298,6 +356,6 @@ def full_model_state(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-__all__ = ["ZERO_DIR", "ZERO_TAG", "save_sharded_checkpoint", "load_sharded_checkpoint", "full_model_state", "SHARDED_DIR",
+__all__ = ["os_error", "writing", "ZERO_DIR", "ZERO_TAG", "save_sharded_checkpoint", "load_sharded_checkpoint", "full_model_state", "SHARDED_DIR",
            "save_checkpoint", "load_checkpoint", "read_state", "latest_checkpoint", "list_checkpoints",
            "CorruptCheckpoint", "STATE_FILE"]

@@ -178,7 +178,7 @@ def chat_template(dcfg: DatasetConfig, tokenizer) -> tuple[str, str | None]:
         if own:
             return own, None
         return CHATML, "the tokenizer has no chat template: conversations use the default ChatML template " \
-                       "(docs/train.md; set dataset.chat_template to choose another)"
+                       "(set dataset.chat_template to choose another: `oomdoctor keys chat_template`)"
     if c == "chatml":
         return CHATML, None
     if "{{" in c or "{%" in c:
@@ -326,8 +326,10 @@ def _encoder(dcfg: DatasetConfig, tokenizer, kind: str, conversational: bool) ->
     return enc, notes
 
 
-def encode_records(dcfg: DatasetConfig, tokenizer, records: list[dict]) -> tuple[str, list[tuple], list[str]]:
-    """Records -> ``(kind, [(input_ids, labels)], notes)``, untruncated."""
+def encode_records(dcfg: DatasetConfig, tokenizer, records: list[dict],
+                   enough: int | None = None) -> tuple[str, list[tuple], list[str]]:
+    """Records -> ``(kind, [(input_ids, labels)], notes)``, untruncated; with ``enough``, the first records only, up to
+    the one that brings their tokens to ``enough``."""
     kind = record_type(dcfg, records)
     r0 = records[0]
     if kind == "messages":
@@ -339,6 +341,7 @@ def encode_records(dcfg: DatasetConfig, tokenizer, records: list[dict]) -> tuple
     enc, notes = _encoder(dcfg, tokenizer, kind, conversational)
     seqs: list[tuple[list[int], list[int]]] = []
     missing: list[str] = []
+    tokens = 0
     for i, r in enumerate(records):
         if kind == "text":
             text = r.get(dcfg.text_field)
@@ -368,7 +371,8 @@ def encode_records(dcfg: DatasetConfig, tokenizer, records: list[dict]) -> tuple
                            "every conversation needs an assistant turn, and the template {% generation %} markers")
         if seq[0]:
             seqs.append(seq)
-        if len(missing) >= 5:
+            tokens += len(seq[0])
+        if len(missing) >= 5 or enough is not None and tokens >= enough:
             break
     if missing:
         raise BadInput(f"dataset {dcfg.path}: " + "; ".join(missing[:5]),
@@ -413,6 +417,13 @@ def pack_wrapped(seqs: list[tuple[list[int], list[int]]], seq_len: int) -> list[
     lab = [t for s in seqs for t in s[1]]
     return [Sample(ids[k:k + seq_len], lab[k:k + seq_len], (len(ids[k:k + seq_len]),))
             for k in range(0, len(ids), seq_len)]
+
+
+def dataset_tokens(dcfg: DatasetConfig, tokenizer, enough: int) -> int:
+    """Tokens of the dataset's sequences as :func:`tokenize` encodes them (special tokens, EOS, chat template),
+    counted until ``enough``: the records after that are not tokenized."""
+    _, seqs, _ = encode_records(dcfg, tokenizer, load_records(dcfg), enough=enough)
+    return sum(len(ids) for ids, _ in seqs)
 
 
 def tokenize(dcfg: DatasetConfig, tokenizer, seq_len: int) -> TokenizedData:
@@ -489,22 +500,20 @@ def collate(samples: list[Sample], pad_id: int, pad_to_multiple_of: int | None =
     longest = max(len(s.input_ids) for s in samples)
     if pad_to_multiple_of:
         longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-    lab = torch.full((len(samples), longest), IGNORE, dtype=torch.long)
-    for i, s in enumerate(samples):
-        ids[i, : len(s.input_ids)] = torch.tensor(s.input_ids, dtype=torch.long)
-        lab[i, : len(s.labels)] = torch.tensor(s.labels, dtype=torch.long)
+
+    def padded(rows: list[list[int]], value: int):  # one tensor per batch, not one per row (2 % of a tiny step)
+        return torch.tensor([r + [value] * (longest - len(r)) for r in rows], dtype=torch.long)
+
+    ids = padded([s.input_ids for s in samples], pad_id)
+    lab = padded([s.labels for s in samples], IGNORE)
     if reset_positions:
-        pos = torch.zeros((len(samples), longest), dtype=torch.long)
-        for i, s in enumerate(samples):
-            pos[i, : len(s.input_ids)] = torch.cat([torch.arange(n) for n in s.seq_lengths])
+        pos = padded([[i for n in s.seq_lengths for i in range(n)] for s in samples], 0)
         return {"input_ids": ids, "labels": lab, "position_ids": pos}
-    mask = torch.zeros((len(samples), longest), dtype=torch.long)
-    for i, s in enumerate(samples):
-        mask[i, : len(s.input_ids)] = 1
+    mask = padded([[1] * len(s.input_ids) for s in samples], 0)
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
 
 __all__ = ["CHATML", "IGNORE", "KINDS", "PACKING_STRATEGIES", "Sample", "SampleOrder", "TokenizedData",
-           "chat_template", "collate", "count_targets", "flattens", "load_records", "pack_bfd", "pack_wrapped",
+           "chat_template", "collate", "count_targets", "dataset_tokens", "flattens", "load_records", "pack_bfd",
+           "pack_wrapped",
            "record_type", "tokenize"]

@@ -2,11 +2,13 @@
 
 The plan is the config's :meth:`TrainConfig.to_plan`; the breakdown comes from ``oomdoctor.memory.estimate`` with
 the chosen engine. Budget (``oomdoctor.train.loop.run_budget``, the rule every verb uses): ``--gpu-mem``, else the
-config's ``gpu_mem``, else the local GPU's free memory (NVML), else none (no verdict, exit 0). On a GPU the predicted
-resident device peak (CUDA context, cuBLAS workspace and allocator slack included, evictable paged optimizer state
-not) must fit; with ``device: cpu`` the predicted ``peak_allocated`` must, because on the CPU ``--gpu-mem`` caps live
-tensor bytes. When it does not fit, ``oomdoctor.diagnose.advice.advise`` ranks the one-knob changes
-that would (exit 3).
+config's ``gpu_mem``, else the local GPU's free memory (NVML), else none (no verdict, exit 0). The device priced is
+the config's: ``device: cpu`` is priced as a CPU run (no CUDA context, cuBLAS workspace or allocator slack) and its
+predicted ``peak_allocated`` must fit, because on the CPU ``--gpu-mem`` caps live tensor bytes; ``cuda`` and ``auto``
+(the GPU the run takes when there is one) are priced for a GPU, whose predicted resident device peak (those overheads
+included, evictable paged optimizer state not) must fit. When it does not fit, ``oomdoctor.diagnose.advice.advise``
+ranks the one-knob changes that would (exit 3). Before pricing, ``oomdoctor.train.preflight`` checks the config
+against its model and data (every problem at once, exit 2), as the run does.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ class DryRun:
     """:class:`oomdoctor.diagnose.advice.Advice` when it does not fit."""
     engine: str = "analytic"
     notes: list[str] = field(default_factory=list)
-    plan_on_cpu: bool = False
-    """``device: cpu`` (what is compared when there is no budget)."""
+    device: str = "cuda"
+    """The device priced: ``cpu`` for ``device: cpu``, else ``cuda``."""
     eval_memory: Any = None
     """:class:`oomdoctor.memory.evaluation.EvalMemory` of the eval phase (None: the config has no eval set)."""
     train_fits: bool | None = None
@@ -55,7 +57,7 @@ class DryRun:
         """``resident_device`` (GPU) or ``peak_allocated`` (CPU run with a simulated cap)."""
         if self.budget is not None:
             return self.budget.counted
-        return "peak_allocated" if self.plan_on_cpu else "resident_device"
+        return "peak_allocated" if self.device == "cpu" else "resident_device"
 
     @property
     def needed(self) -> int:
@@ -70,6 +72,7 @@ class DryRun:
             "compared": self.compared,
             "needed_bytes": self.needed,
             "engine": self.engine,
+            "device": self.device,
             "model": self.spec.name,
             "plan": self.plan.label(),
             "settings": self.plan.settings(),
@@ -85,30 +88,33 @@ class DryRun:
         }
 
 
-def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "analytic") -> DryRun:
+def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "analytic",
+            source: str = "train config") -> DryRun:
+    """Check ``cfg`` (named ``source`` in its problem list) and price it on the device it names."""
     from oomdoctor.engines import estimate
+    from oomdoctor.gpu import detect_gpu
     from oomdoctor.model.load import load_spec
-
-    notes: list[str] = []
-    on_cpu = cfg.device == "cpu"
     from oomdoctor.train.loop import auto_micro_batch, run_budget
+    from oomdoctor.train.preflight import check
 
-    budget = run_budget(cfg, gpu_mem, on_cpu=on_cpu)
+    notes = check(cfg, source=source)
+    device = "cpu" if cfg.device == "cpu" else "cuda"
+    if cfg.device == "auto" and detect_gpu() is None:
+        notes.append("device: auto is priced for a GPU (the run takes one when there is one); this machine has none "
+                     "and would train on the CPU: set device: cpu to price that run")
+    budget = run_budget(cfg, gpu_mem, on_cpu=device == "cpu")
     if budget is None:
         notes.append("no memory budget: pass --gpu-mem SIZE (or gpu_mem: in the config) for a fit verdict")
     else:
         notes.extend(budget.notes)
     micro = cfg.micro_batch_size
     if micro == "auto":
-        micro = auto_micro_batch(cfg, budget, engine)
+        micro = auto_micro_batch(cfg, budget, engine, device)
         notes.append(f"micro_batch_size auto -> {micro}")
     spec = load_spec(cfg.model_ref)
     plan = cfg.to_plan(micro_batch=int(micro))
-    note = spec.context_note(plan.seq_len)
-    if note:
-        notes.append(note)
     try:
-        memory = estimate(spec, plan, engine)
+        memory = estimate(spec, plan, engine, device)
     except ModuleNotFoundError as exc:
         from oomdoctor.errors import BadInput
 
@@ -129,11 +135,11 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
         try:
             from oomdoctor.diagnose.advice import advise
 
-            advice = advise(spec, plan, budget)
+            advice = advise(spec, plan, budget, estimator=lambda s, p: estimate(s, p, "analytic", device))
         except Exception as exc:  # noqa: BLE001 - advice is a bonus; the verdict stands without it
             notes.append(f"advice unavailable: {type(exc).__name__}: {exc}")
     return DryRun(spec=spec, plan=plan, memory=memory, budget=budget, fits=fits, advice=advice, engine=engine,
-                  notes=notes, plan_on_cpu=on_cpu, eval_memory=evm, train_fits=train_fits)
+                  notes=notes, device=device, eval_memory=evm, train_fits=train_fits)
 
 
 __all__ = ["dry_run", "DryRun"]

@@ -23,21 +23,25 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from oomdoctor.errors import BadInput, Interrupted, UnrecoverableOOM
+from oomdoctor.errors import BadInput, Interrupted, UnrecoverableOOM, WriteFailed
 from oomdoctor.execute import dist
 from oomdoctor.execute.step import StepHooks
+from oomdoctor.files import write_file_atomic
 from oomdoctor.gpu import detect_gpu
+from oomdoctor.imports import cheap_imports
 from oomdoctor.noise import quiet_third_party
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, choose_micro_batch, max_fitting
 from oomdoctor.plan.plan import DEEPSPEED, SHARDED
 from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
 from oomdoctor.plan.budget import Budget, resolve_budget
+from oomdoctor.progress import report
 from oomdoctor.train.config import TrainConfig
 from oomdoctor.units import format_bytes
 
@@ -115,15 +119,15 @@ class TrainResult:
 Event = Callable[[dict], None]
 
 
-def predict_memory(cfg: TrainConfig, micro_batch: int, engine: str = "analytic"):
-    """(spec, plan, MemoryBreakdown or None, note) for the config at ``micro_batch``."""
+def predict_memory(cfg: TrainConfig, micro_batch: int, engine: str = "analytic", device: str = "cuda"):
+    """(spec, plan, MemoryBreakdown or None, note) for the config at ``micro_batch`` on ``device``."""
     from oomdoctor.engines import estimate
     from oomdoctor.model.load import load_spec
 
     spec = load_spec(cfg.model_ref)
     plan = cfg.to_plan(micro_batch=micro_batch)
     try:
-        return spec, plan, estimate(spec, plan, engine), None
+        return spec, plan, estimate(spec, plan, engine, device), None
     except (ImportError, ModuleNotFoundError) as exc:
         return spec, plan, None, f"memory engine {engine!r} unavailable: {exc}"
 
@@ -139,11 +143,11 @@ def run_budget(cfg: TrainConfig, gpu_mem: int | None, *, on_cpu: bool) -> Budget
     return None if on_cpu else resolve_budget(None, None, detect_gpu())
 
 
-def auto_micro_batch(cfg: TrainConfig, budget: Budget | None, engine: str = "analytic") -> int:
-    """``micro_batch_size: auto``: the largest micro-batch whose predicted memory fits ``budget`` (``Budget.fits``,
-    priced as the dry run prices the config: ``cfg.to_plan(micro_batch=b)``, accumulation included), by
-    :func:`oomdoctor.plan.batch.max_fitting`; with a ``global_batch_size`` the largest divisor of it, so the effective
-    batch stays exact."""
+def auto_micro_batch(cfg: TrainConfig, budget: Budget | None, engine: str = "analytic", device: str = "cuda") -> int:
+    """``micro_batch_size: auto``: the largest micro-batch whose predicted memory on ``device`` fits ``budget``
+    (``Budget.fits``, priced as the dry run prices the config: ``cfg.to_plan(micro_batch=b)``, accumulation
+    included), by :func:`oomdoctor.plan.batch.max_fitting`; with a ``global_batch_size`` the largest divisor of it,
+    so the effective batch stays exact."""
     from oomdoctor.errors import DoesNotFit
     from oomdoctor.engines import estimate
     from oomdoctor.model.load import load_spec
@@ -157,7 +161,7 @@ def auto_micro_batch(cfg: TrainConfig, budget: Budget | None, engine: str = "ana
 
     def needed(b: int) -> int:
         if b not in cache:
-            cache[b] = budget.needed(estimate(spec, cfg.to_plan(micro_batch=b), engine))
+            cache[b] = budget.needed(estimate(spec, cfg.to_plan(micro_batch=b), engine, device))
         return cache[b]
 
     upper = min(DEFAULT_MICRO_LIMIT, gbs) if gbs else DEFAULT_MICRO_LIMIT
@@ -363,11 +367,11 @@ class _GuardHooks(StepHooks):
             self.meter.track_optimizer(optimizer)
 
 
-def _predict(cfg: TrainConfig, micro: int, engine: str, notes: list[str]) -> tuple[Plan, dict | None]:
-    """The plan at ``micro`` and its predicted breakdown (never stops a run: failures become notes)."""
+def _predict(cfg: TrainConfig, micro: int, engine: str, notes: list[str], device: str) -> tuple[Plan, dict | None]:
+    """The plan at ``micro`` and its predicted breakdown on ``device`` (never stops a run: failures become notes)."""
     plan = cfg.to_plan(micro_batch=micro)
     try:
-        _, _, mem, note = predict_memory(cfg, micro, engine)
+        _, _, mem, note = predict_memory(cfg, micro, engine, device)
         if note:
             notes.append(note)
         return plan, (mem.to_dict() if mem is not None else None)
@@ -413,22 +417,24 @@ def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
 
 
 def total_steps(cfg: TrainConfig, n_samples: int, effective_batch: int) -> int:
-    """Optimizer steps of a run: ``max_steps`` when set (it overrides epochs, as in HF), else enough steps for
-    ``num_train_epochs`` passes over ``n_samples`` (at least one)."""
-    if cfg.max_steps is not None:
+    """Optimizer steps of a run: ``max_steps`` when set (it overrides epochs, as in HF; -1 is HF's unset), else
+    enough steps for ``num_train_epochs`` passes over ``n_samples`` (at least one)."""
+    if cfg.max_steps not in (None, -1):
         return cfg.max_steps
     return max(1, math.ceil(cfg.num_train_epochs * n_samples / effective_batch))
 
 
-def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> Run:
-    """Budget, data, micro-batch, prediction, model, optimizer, schedule, step and meter of a run."""
+def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event, tok, notes: list[str]) -> Run:
+    """Budget, data (``tok``: the run's tokenizer), micro-batch, prediction, model, optimizer, schedule, step and
+    meter of a run (each stage reported as progress); ``notes``: what the run already has to say."""
     import torch
 
-    from oomdoctor.execute.load import ModelSource, load_model, load_tokenizer, resolve_device
+    from oomdoctor.execute.load import load_model, resolve_device
     from oomdoctor.execute.optim import CPUOffloadOptimizer, OptimizerArgs, make_plan_optimizer, make_scheduler
     from oomdoctor.execute.step import TrainStep
     from oomdoctor.train.data import SampleOrder, tokenize
     from oomdoctor.train.evaluate import eval_samples
+    from oomdoctor.train.preflight import model_source
     from oomdoctor.train.report import check_sinks
 
     check_sinks(cfg.report_to)
@@ -443,12 +449,10 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     budget = run_budget(cfg, gpu_mem, on_cpu=device.type == "cpu")
     # the run cap enforces a capacity the user named (--gpu-mem / gpu_mem); NVML free memory needs no cap
     cap = budget.capacity_bytes if budget is not None and budget.source != "nvml free" else None
-    notes: list[str] = []
     if device.type == "cpu" and cfg.precision == "fp16-mixed":
         notes.append("fp16 autocast on CPU: GradScaler runs but CPU fp16 matmuls are slow")
-    source = ModelSource(path=cfg.model.path, config=cfg.model.config, init=cfg.model.init,
-                         tokenizer=cfg.model.tokenizer)
-    tok = load_tokenizer(source)
+    source = model_source(cfg)
+    report("train", "setting up: tokenizing the dataset")
     data = tokenize(cfg.dataset, tok, cfg.seq_len)
     notes += data.notes
     data, held = eval_samples(cfg.dataset, tok, cfg.seq_len, data, cfg.seed)
@@ -456,7 +460,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
         notes.append(f"{data.truncated} samples truncated to seq_len {cfg.seq_len}")
     micro = cfg.micro_batch_size
     if micro == "auto":
-        micro = auto_micro_batch(cfg, budget, engine)
+        micro = auto_micro_batch(cfg, budget, engine, device.type)
         emit({"type": "info", "message": f"micro_batch_size auto -> {micro}"})
     # effective batch = micro x accumulation x world size (HF); global_batch_size fixes it across the ranks
     eff = cfg.global_batch_size or int(micro) * cfg.gradient_accumulation_steps * info.world_size
@@ -464,7 +468,8 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
         raise BadInput(f"global_batch_size {eff} is not divisible by the {info.world_size} processes",
                        f"use a multiple of {info.world_size}")
     total = total_steps(cfg, len(data), eff)
-    plan, memory = _predict(cfg, int(micro), engine, notes)
+    report("train", f"setting up: pricing the plan ({engine} engine)")
+    plan, memory = _predict(cfg, int(micro), engine, notes, device.type)
 
     # the process group only now: the prediction may run the simulate engine, which makes a fake group of its own
     sharded = plan.strategy == "fsdp"
@@ -475,6 +480,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
                          adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
     target = "gpu" if device.type == "cuda" else "cpu"
     _check_host_ram(plan, memory, notes)
+    report("train", "setting up: loading the model" + (" (weights from disk)" if cfg.model.path else ""))
     if sharded:
         from oomdoctor.execute.load import load_sharded_model
         from oomdoctor.execute.shard import device_mesh
@@ -485,6 +491,7 @@ def _setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event) -> R
     else:
         loaded = load_model(source, plan, device, vocab_size=len(tok), seed=cfg.seed,
                             compute_dtype=cfg.bnb_4bit_compute_dtype)
+    report("train", "setting up: the optimizer and the training step")
     optimizer = make_plan_optimizer(loaded.trainable, plan, args, target=target)
     scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=min(cfg.warmup_steps, total),
                                total_steps=total)
@@ -622,28 +629,43 @@ def _any_rank(flag: bool, info) -> bool:
 
 def _save(run: Run, state: RunState, guard, emit: Event) -> str:
     """A checkpoint of the step just completed (rank 0 writes it; the other ranks wait for it; sharded: every rank
-    writes its shards)."""
+    writes its shards). A disk that fills stops the run with WriteFailed (the previous checkpoint intact), whose hint
+    says how much room one checkpoint needs and how to continue."""
+    from oomdoctor.train import checkpoint as ckpt
+
+    state.micro_batch = guard.micro_batch
+    try:
+        path = _write_checkpoint(run, state)
+    except WriteFailed as exc:
+        raise WriteFailed(exc.message, f"one checkpoint needs about {format_bytes(_checkpoint_bytes(run))} free there: "
+                                       f"free space or move output_dir, then continue with `{run.command} --resume`"
+                          ) from None
+    if path is None:  # a rank of a replicated run: rank 0 wrote it
+        return str(ckpt.checkpoint_dir(run.cfg.output_dir, state.step))
+    emit({"type": "checkpoint", "step": state.step, "path": str(path)})
+    if not run.averages_grads:
+        dist.barrier(run.dist)
+    return str(path)
+
+
+def _write_checkpoint(run: Run, state: RunState) -> Path | None:
+    """Write ``checkpoint-<step>``: collectively when the ranks hold shards, else on rank 0 (None on the others,
+    after waiting for it)."""
     from oomdoctor.train import checkpoint as ckpt
     from oomdoctor.train.restart import job
 
-    state.micro_batch = guard.micro_batch
     if run.averages_grads:
-        path = ckpt.save_sharded_checkpoint(run.cfg.output_dir, state.step, model=run.loaded.model,
+        return ckpt.save_sharded_checkpoint(run.cfg.output_dir, state.step, model=run.loaded.model,
                                             is_peft=run.loaded.is_peft, optimizer=run.step.optimizer,
                                             scheduler=run.scheduler, state=state.to_json(), rank=run.dist.rank,
                                             tag=job().run_id or "job", save_total_limit=run.cfg.save_total_limit,
                                             engine=_engine(run))
-        emit({"type": "checkpoint", "step": state.step, "path": str(path)})
-        return str(path)
     if not run.dist.is_main:
         dist.barrier(run.dist)
-        return str(ckpt.checkpoint_dir(run.cfg.output_dir, state.step))
-    path = ckpt.save_checkpoint(run.cfg.output_dir, state.step, model=run.loaded.model, is_peft=run.loaded.is_peft,
+        return None
+    return ckpt.save_checkpoint(run.cfg.output_dir, state.step, model=run.loaded.model, is_peft=run.loaded.is_peft,
                                 optimizer=run.step.optimizer, scheduler=run.scheduler, scaler=run.step.scaler,
                                 state=state.to_json(), save_total_limit=run.cfg.save_total_limit)
-    emit({"type": "checkpoint", "step": state.step, "path": str(path)})
-    dist.barrier(run.dist)
-    return str(path)
 
 
 def _engine(run: Run) -> Any:
@@ -880,8 +902,12 @@ def _save_outputs(run: Run, tokenizer, out_dir: Path, emit: Event) -> None:
     """The final model in ``output_dir`` through ``save_pretrained`` (full: weights + config; LoRA: the adapter)
     and the tokenizer, loadable by ``from_pretrained``; written next to the checkpoints by rank 0 (sharded: the
     ranks first gather the whole state dict, on the CPU). ``merge_adapter``: the merged model too, in
-    ``output_dir/merged``."""
+    ``output_dir/merged``. Written aside first (``.tmp-final-<pid>``), moved in once complete: a failed write
+    (disk full) leaves no partial model and raises WriteFailed naming the last checkpoint."""
     from torch.utils._python_dispatch import _disable_current_modes
+
+    from oomdoctor.train.checkpoint import writing
+    from oomdoctor.train.rundir import FINAL_TMP_PREFIX
 
     with _disable_current_modes():
         full = None
@@ -895,15 +921,25 @@ def _save_outputs(run: Run, tokenizer, out_dir: Path, emit: Event) -> None:
             full = full_state_dict(run.step.model, 3 if run.plan.strategy == "zero3" else 2)
         if not run.dist.is_main:
             return
-        run.loaded.model.save_pretrained(out_dir, safe_serialization=True, state_dict=full)
-        tokenizer.save_pretrained(out_dir)
-        if run.cfg.merge_adapter and run.loaded.is_peft:
-            from oomdoctor.execute.build import save_merged
+        tmp = out_dir / f"{FINAL_TMP_PREFIX}{os.getpid()}"
+        with writing(tmp, "final model", out_dir, out_dir):
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            run.loaded.model.save_pretrained(tmp, safe_serialization=True, state_dict=full)
+            tokenizer.save_pretrained(tmp)
+            if run.cfg.merge_adapter and run.loaded.is_peft:
+                from oomdoctor.execute.build import save_merged
 
-            merged = out_dir / MERGED_DIR
-            save_merged(run.loaded.model, merged)
-            tokenizer.save_pretrained(merged)
-            emit({"type": "info", "message": f"merged model (base + adapter): {merged}"})
+                save_merged(run.loaded.model, tmp / MERGED_DIR)
+                tokenizer.save_pretrained(tmp / MERGED_DIR)
+            for entry in sorted(tmp.iterdir()):
+                dest = out_dir / entry.name
+                if dest.is_dir():  # a resumed, finished run writes its outputs again
+                    shutil.rmtree(dest)
+                os.replace(entry, dest)
+            tmp.rmdir()
+        if run.cfg.merge_adapter and run.loaded.is_peft:
+            emit({"type": "info", "message": f"merged model (base + adapter): {out_dir / MERGED_DIR}"})
 
 
 #: Subdirectory of ``output_dir`` with the merged model (``merge_adapter: true``).
@@ -912,13 +948,18 @@ MERGED_DIR = "merged"
 
 def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None = None, resume: bool = False,
           overwrite: bool = False, engine: str = "analytic", on_event: Event | None = None,
-          command: str = "oomdoctor train CONFIG") -> TrainResult:
-    """Run the training described by ``cfg``. Raises UnrecoverableOOM (exit 4) after saving a checkpoint when even
-    micro-batch 1 runs out of memory, and :class:`oomdoctor.errors.Interrupted` (exit 130) after saving one on
-    Ctrl-C. ``command`` is how the user started the run (named in resume hints)."""
+          command: str = "oomdoctor train CONFIG", source: str = "train config") -> TrainResult:
+    """Run the training described by ``cfg``. Raises ConfigErrors (exit 2) for what the config cannot run
+    (``train.preflight``, every problem of the config named ``source`` at once) before ``output_dir`` is touched,
+    UnrecoverableOOM (exit 4) after saving a checkpoint when even micro-batch 1 runs out of memory, WriteFailed
+    (exit 74) when a checkpoint cannot be written (the previous one intact), and
+    :class:`oomdoctor.errors.Interrupted` (exit 130) after saving one on Ctrl-C. ``command`` is how the user started
+    the run (named in resume hints)."""
     set_allocator_env()
     quiet_third_party()
-    from oomdoctor.execute.load import quiet_hf
+    cheap_imports()
+    from oomdoctor.execute.load import load_tokenizer, quiet_hf
+    from oomdoctor.train.preflight import check, model_source
     from oomdoctor.train.rundir import check_space, open_run_dir
 
     from oomdoctor.train import checkpoint as ckpt
@@ -932,6 +973,8 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     cfg = replace(resolve_topology(cfg, info.world_size), output_dir=str(Path(cfg.output_dir).expanduser()))
     if max_steps is not None:
         cfg = replace(cfg, max_steps=max_steps, warmup_steps=min(cfg.warmup_steps, max_steps))
+    tok = load_tokenizer(model_source(cfg))
+    notes = check(cfg, source=source, tokenizer=tok)
     current = restart.job()
     out_dir = Path(cfg.output_dir)
     oom = restart.pending(out_dir, current)
@@ -946,7 +989,7 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
                 emit=lambda m: emit({"type": "info", "message": m}), restarted=bool(current.attempt))).path
             if not current.attempt:
                 restart.clear(out_dir)  # a marker of an earlier launch (a reused torchrun run id) is not this one's
-        run = _setup(cfg, gpu_mem, engine, emit)
+        run = _setup(cfg, gpu_mem, engine, emit, tok, notes)
         run.command = command
         if info.is_main:
             check_space(out_dir, _checkpoint_bytes(run))
@@ -1094,7 +1137,10 @@ def _train_loop(run: Run, state: RunState, resumed_from: str | None, out_dir: Pa
     import json
 
     if run.dist.is_main:
-        (out_dir / "summary.json").write_text(json.dumps(res.to_dict(), indent=1, default=str))
+        write_file_atomic(out_dir / "summary.json", json.dumps(res.to_dict(), indent=1, default=str),
+                          what="summary", overwrite=True,
+                          hint=f"the model and the last checkpoint are in place: free space, then "
+                               f"`{run.command} --resume` writes the summary")
         from oomdoctor.train.restart import clear
 
         clear(out_dir)  # the restarts are recorded in summary.json and the checkpoints

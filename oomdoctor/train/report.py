@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from oomdoctor.errors import BadInput
+from oomdoctor.files import write_failed
 
 METRICS_FILE = "metrics.jsonl"
 #: report_to name -> (module that must import, pip package).
@@ -67,14 +68,22 @@ class Reporter:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """One record (``loss``/``eval_loss``/... as in the module docstring)."""
         rec = {"step": step, **metrics, "time": round(time.time() - self._t0, 3)}
-        self._fh.write(json.dumps(rec) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(rec) + "\n")
+            self._fh.flush()
+        except OSError as exc:  # disk full: one message; a resume drops a torn last line (_truncate_after)
+            raise write_failed("metrics", self.path, exc, "the records before this step are kept",
+                               "free space on that disk (or move output_dir), then continue the run with --resume"
+                               ) from None
         named = {_hf_name(k): v for k, v in metrics.items() if isinstance(v, (int, float))}
         for sink in self._sinks:
             sink.log(step, named)
 
     def close(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError:  # every record was flushed as it was logged; a failed one was reported by log()
+            pass
         for sink in self._sinks:
             sink.close()
 

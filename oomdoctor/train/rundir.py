@@ -8,7 +8,8 @@ Before the first step, :func:`open_run_dir`
 * takes a lock (``.oomdoctor.lock``: pid and host of the owner, created with ``O_EXCL``) so a second concurrent run
   into the same directory is refused; a lock whose process is gone is taken over, with a message;
 * checks the directory is writable (a probe file) and has room for one checkpoint (``needed_bytes``);
-* removes temporary checkpoint directories left by a killed run (``.tmp-checkpoint-*``, ``.old-checkpoint-*``).
+* removes temporary directories left by a killed run (``.tmp-checkpoint-*``, ``.old-checkpoint-*``,
+  ``.tmp-final-*``).
 
 Every refusal is a :class:`oomdoctor.errors.BadInput` (exit 2) naming the directory and the next command.
 """
@@ -32,7 +33,9 @@ RUN_FILES = ("summary.json", "metrics.jsonl", "config.json", "generation_config.
              "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "runs", "merged",
              OOM_MARKER)
-TEMP_PREFIXES = (".tmp-checkpoint-", ".old-checkpoint-")
+#: The final model is written into ``output_dir/.tmp-final-<pid>`` before it is moved in (``train.loop``).
+FINAL_TMP_PREFIX = ".tmp-final-"
+TEMP_PREFIXES = (".tmp-checkpoint-", ".old-checkpoint-", FINAL_TMP_PREFIX)
 
 
 @dataclass
@@ -174,4 +177,4 @@ def open_run_dir(output_dir: str | Path, *, resume: bool, overwrite: bool,
     return RunDir(path, lock)
 
 
-__all__ = ["RunDir", "open_run_dir", "check_space", "run_entries", "LOCK_NAME", "RUN_FILES"]
+__all__ = ["RunDir", "open_run_dir", "check_space", "run_entries", "FINAL_TMP_PREFIX", "LOCK_NAME", "RUN_FILES"]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from oomdoctor.memory.breakdown import MemoryBreakdown
+from oomdoctor.memory.context import upcast_changes_bytes
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import BatchChoice
 from oomdoctor.tune.throughput import Throughput
@@ -25,7 +26,9 @@ OPTIMIZER_RANK = {"adamw": 0, "paged-adamw": 0, "adamw-8bit": 1, "paged-adamw-8b
 def fidelity_key(plan: Plan) -> tuple[int, ...]:
     """The quality tier of a plan (lower is more faithful), as an expert ranks plans before speed:
 
-    1. what is trained: full > LoRA > QLoRA, and the quantization bits of a frozen base;
+    1. what is trained: full > LoRA > QLoRA, the quantization bits of a frozen base, and a quantized base's
+       unquantized weights: peft's k-bit upcast (fp32 embeddings, norms and head, and with them an fp32 residual
+       stream) > left in bf16 (``kbit_upcast: false``, where it changes anything: a bf16-loaded base);
     2. on the device > CPU offload: offloading optimizer state, activations or weights is chosen only when no
        on-device plan of the same tier fits (it changes no numbers but costs PCIe time, often 2-4x);
     3. weight precision where it matters — a full fine-tune updates every weight, so fp32 master weights (fp32 or
@@ -39,6 +42,7 @@ def fidelity_key(plan: Plan) -> tuple[int, ...]:
     return (
         METHOD_RANK[plan.method],
         QUANT_RANK.get(plan.quant, 9),
+        int(upcast_changes_bytes(plan) and not plan.kbit_upcast),
         int(offload),
         PRECISION_RANK.get(plan.precision, 9) if plan.method == "full" else 0,
         OPTIMIZER_RANK.get(plan.optimizer, 9),
@@ -60,7 +64,7 @@ class Candidate:
     rank: int | None = None
     """1 = chosen; None for plans that do not fit."""
     why_not: str | None = None
-    """Why a plan whose device memory fits is still out (the host RAM an offload needs)."""
+    """Why a plan whose device memory fits is still out (the host RAM its offload or paged optimizer states need)."""
 
     @property
     def fits(self) -> bool:

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput, DoesNotFit
-from oomdoctor.files import write_text_atomic
+from oomdoctor.files import free_path, write_text_atomic
 from oomdoctor.gpu import GpuInfo, detect_gpu, host_ram_bytes
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
@@ -35,13 +36,15 @@ from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, choose_micro_
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_bundled
 from oomdoctor.plan.plan import DEEPSPEED
-from oomdoctor.plan.techniques import TECHNIQUES
-from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, analytic_estimator, longest_seq_len,
+from oomdoctor.plan.targets import refusals
+from oomdoctor.plan.techniques import DEFAULTS, TECHNIQUES
+from oomdoctor.progress import report
+from oomdoctor.tune.batch_search import (MAX_SEQ_LEN, SEQ_STEP, Estimator, longest_seq_len,
                                         verify_and_refine)
 from oomdoctor.tune.ranking import Candidate, fidelity_key
 from oomdoctor.memory.sharding import node_host_bytes
-from oomdoctor.memory.context import tiling_applies
-from oomdoctor.tune.search import SearchResult, enumerate_candidates, price, rank, search
+from oomdoctor.memory.context import tiled_mlp_refusal, tiling_applies
+from oomdoctor.tune.search import SearchResult, enumerate_candidates, host_bytes, price, rank, search
 from oomdoctor.tune.strategies import TOPOLOGY_FIELDS, StrategyTrial, Topology, ladder, topology, trials
 from oomdoctor.tune.throughput import HardwareProfile, Throughput, estimate_throughput, profile_for
 from oomdoctor.units import format_bytes
@@ -135,6 +138,8 @@ class TuneResult:
     """The GPUs planned for (``--gpus``, ``--gpus-per-node``)."""
     strategies: list[StrategyTrial] = field(default_factory=list)
     """The strategies tried for the chosen plan's stack, cheapest first, up to the chosen one (N > 1)."""
+    device: str = "cuda"
+    """The device the plan is priced for and emitted for: ``cuda`` or ``cpu`` (``--device``)."""
 
     @property
     def host_per_node_bytes(self) -> int:
@@ -156,9 +161,10 @@ class TuneResult:
 
     @property
     def command(self) -> str:
-        """The exact command that runs the emitted config."""
+        """The exact command that runs the emitted config (a GPU run with the recommended allocator setting)."""
         path = self.config_path or DEFAULT_OUTPUT
-        return f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} oomdoctor train {shlex.quote(path)}{self.launch_flags}"
+        env = f"PYTORCH_CUDA_ALLOC_CONF={self.alloc_conf} " if self.device == "cuda" else ""
+        return f"{env}oomdoctor train {shlex.quote(path)}{self.launch_flags}"
 
     @property
     def launch_flags(self) -> str:
@@ -167,6 +173,22 @@ class TuneResult:
         if t.world_size == 1:
             return ""
         return f" --nproc-per-node {t.gpus_per_node}" + (f" --nnodes {t.nodes}" if t.nodes > 1 else "")
+
+    def summary_lines(self) -> tuple[str, ...]:
+        """The card, the plan and its batch, the predicted and verified peaks: the header of every file tune
+        writes."""
+        plan, measured = self.plan, self.measured_peak_bytes
+        return (
+            f"Tuned for {self.spec.name} on {format_bytes(self.capacity_bytes)} ({self.capacity_source}"
+            f"{', a CPU run' if self.device == 'cpu' else ''}), margin "
+            f"{format_bytes(self.budget.margin_bytes)}, seq_len {self.seq_len}.",
+            f"Plan: {plan.label()}; micro-batch {plan.micro_batch} x {plan.grad_accum} accumulation = effective "
+            f"batch {plan.effective_batch}.",
+            f"Predicted {self.budget.counted.replace('_', ' ')} {format_bytes(self.budget.needed(self.memory))} of "
+            f"{format_bytes(self.budget_bytes)} budget; verification: {self.verification}"
+            + (f", {'measured' if self.verification == 'gpu' else 'replayed'} {format_bytes(measured)}"
+               if measured is not None else "") + ".",
+        )
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -179,6 +201,7 @@ class TuneResult:
         plan["label"] = self.plan.label()
         return {
             "model": {"name": s.name, "model_type": s.model_type, "params": s.num_params, "source": s.source},
+            "device": self.device,
             "capacity_bytes": self.capacity_bytes,
             "capacity_source": self.capacity_source,
             "margin_bytes": self.budget.margin_bytes,
@@ -213,19 +236,20 @@ class TuneResult:
 # ---------------------------------------------------------------------------------------------- verification
 
 
-def simulate_prober(spec: ModelSpec, budget: Budget, predicted: Callable[[Plan], int]) -> Prober:
-    """Verification without a GPU: ``estimate(spec, plan, "simulate")`` (the real HF step on fake tensors), judged by
-    ``budget.fits``."""
+def simulate_prober(spec: ModelSpec, budget: Budget, predicted: Callable[[Plan], int],
+                    device: str = "cuda") -> Prober:
+    """Verification without a GPU: ``estimate(spec, plan, "simulate", device)`` (the real HF step on fake tensors),
+    judged by ``budget.fits``."""
 
     def run(plan: Plan, micro: int) -> Trial:
-        from oomdoctor.engines import estimate
-
         p = plan.with_(micro_batch=micro)
+        report("verify", f"verifying {p.label()} at micro-batch {micro} x {p.grad_accum}: the training step "
+                         "replayed on fake tensors")
         t0 = time.perf_counter()
         try:
             with warnings.catch_warnings():  # transformers deprecation chatter from the replayed step
                 warnings.simplefilter("ignore")
-                mem = estimate(spec, p, "simulate")
+                mem = estimate(spec, p, "simulate", device)
         except Exception as exc:  # noqa: BLE001 - any simulator failure is reported, not fatal
             return Trial(micro, p.grad_accum, "error", "simulate", p.label(), predicted(p),
                          seconds=time.perf_counter() - t0, message=f"{type(exc).__name__}: {exc}"[:500])
@@ -250,6 +274,8 @@ def gpu_prober(model_ref: str, spec: ModelSpec, capacity: int, predicted: Callab
         from oomdoctor.engines.probe import run_probe
 
         p = plan.with_(micro_batch=micro)
+        report("verify", f"verifying {p.label()} at micro-batch {micro} x {p.grad_accum}: {steps} real steps on the "
+                         "GPU in a child process")
         res = run_probe(model_ref, p, device="cuda", steps=steps, cap_bytes=capacity, timeout_s=timeout_s)
         return Trial(
             micro, p.grad_accum, res.outcome, "gpu", p.label(), predicted(p),
@@ -284,7 +310,7 @@ def verify(
     Returns (candidate, verified plan, trials). The plan is None when every trial failed or the trial budget ran
     out; an ``error`` outcome (the probe could not run at all) stops verification with plan None."""
     trials: list[Trial] = []
-    allowed = divisors(global_batch) if global_batch else range(1, micro_limit + 1)
+    allowed = divisors(global_batch, upto=micro_limit) if global_batch else range(1, micro_limit + 1)
     for cand in candidates:
         if not cand.fits or len(trials) >= max_trials:
             continue
@@ -318,43 +344,76 @@ TILED_REACH = 4
 NOT_PINNED_BY_MAX = ("micro_batch", "grad_accum", "seq_len")
 
 
+def tiling_finalists(found: list[tuple[int, Plan]]) -> list[tuple[int, Plan]]:
+    """The plans ``--seq-len max`` tries with tiled MLPs: of each group of plans that differ only in what does not
+    grow with the sequence (the optimizer, its implementation, double quantization: constant bytes), the one with
+    the longest untiled sequence — tiles save the same bytes per token across a group, so its longest plan stays
+    its longest tiled. Longest first; the optimizer in backward cannot run tiles. Groups, not a couple of overall
+    finalists: a plan that reaches less untiled can reach more tiled (its MLP the larger share of what grows), and a
+    pinned knob would find it (Llama-3.3-70B QLoRA on 80 GB: 33,792 tokens unpinned, 89,728 with --tiled-mlp)."""
+    from dataclasses import replace
+
+    from oomdoctor.plan.techniques import DEFAULTS
+
+    best: dict[Plan, tuple[int, Plan]] = {}
+    for s, p in found:
+        if p.optimizer_in_backward:
+            continue
+        key = replace(p, optimizer=DEFAULTS["optimizer"], optimizer_impl=DEFAULTS["optimizer_impl"],
+                      double_quant=False, seq_len=SEQ_STEP)
+        if s > best.get(key, (0, p))[0]:
+            best[key] = (s, p)
+    return sorted(best.values(), key=lambda sp: -sp[0])
+
+
 def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estimator: Estimator,
                     profile: HardwareProfile, prefer: str, host_ram: int | None,
                     world_size: int = 1) -> tuple[Plan, int]:
     """The plan that fits the longest sequence (micro-batch ``pins["micro_batch"]`` or 1) and that length: every
-    candidate plan's longest sequence by bisection (:func:`longest_seq_len`; offload plans only within ``host_ram``
-    bytes of CPU RAM, None: unchecked), the longest wins, ties broken by the quality tier, then by the untiled MLP.
-    Tiled MLPs (unless pinned off): the longest plan on the device and the longest offloaded one are bisected again
-    with their MLPs tiled (each power of two a block replay, seconds: not every candidate) when the longest sequence
-    is long enough for tiles to pay (``memory.context.tiling_applies``); pinned on, only tiled plans count.
+    candidate plan's longest sequence by bisection (:func:`longest_seq_len`, up to the model's positions,
+    :attr:`ModelSpec.position_limit`; offload and paged-optimizer plans only
+    within ``host_ram`` bytes of CPU RAM, ``search.host_bytes``; None: unchecked), the longest wins, ties broken by
+    the quality tier, then by the untiled MLP. Tiled MLPs (unless pinned off; one GPU, a model that runs them: ``memory.context.tiled_mlp_refusal``): each
+    :func:`tiling_finalists` plan is bisected again with its MLPs tiled, from its untiled length up to
+    :data:`TILED_REACH` times it (each power of two a block replay, seconds, cached per block shape) — unless one
+    more step does not fit tiled (tiles gain it nothing) or its reach cannot beat a tiled plan already found;
+    pinned on, only tiled plans count. No single pinned knob finds a longer sequence (tests/test_search_pins.py).
     DoesNotFit when no plan fits even one step of tokens."""
     micro = int(pins.get("micro_batch", 1))
     tiled_pin = pins.get("tiled_mlp")
     plans = enumerate_candidates({k: v for k, v in pins.items() if k not in ("micro_batch", "tiled_mlp")},
                                  Plan(seq_len=SEQ_STEP), bf16_supported=profile.bf16,
-                                 chunked_loss=spec.arch_kind == "decoder")
+                                 chunked_loss=spec.arch_kind == "decoder", model_type=spec.model_type)
 
-    def host_fits(p: Plan, mem) -> bool:  # an offload plan's host share must fit this machine's RAM
-        return host_ram is None or node_host_bytes(mem.host_per_node, p) <= host_ram
+    def host_fits(p: Plan, mem) -> bool:  # what it offloads or pages out must fit this machine's RAM
+        return host_ram is None or host_bytes(mem, budget, p) <= host_ram
 
-    def longest_of(plans: list[Plan], start: int = SEQ_STEP, limit: int = MAX_SEQ_LEN) -> list[tuple[int, Plan]]:
+    def at(p: Plan, s: int) -> Plan:
+        return p.with_(seq_len=s, micro_batch=micro, grad_accum=1)
+
+    reach = min(MAX_SEQ_LEN, spec.position_limit or MAX_SEQ_LEN)  # never past the model's positions
+
+    def longest_of(plans: list[Plan], start: int = SEQ_STEP, limit: int = reach) -> list[tuple[int, Plan]]:
         found = [(longest_seq_len(spec, p, budget, estimator, micro_batch=micro, start=start, limit=limit,
                                   accept=host_fits), p) for p in plans]
-        return [(s, p.with_(seq_len=s, micro_batch=micro, grad_accum=1)) for s, p in found if s > 0]
+        return [(s, at(p, s)) for s, p in found if s > 0]
+
+    def gains(p: Plan, s: int) -> bool:  # one more step fits
+        mem = estimator(spec, at(p, s + SEQ_STEP))
+        return budget.fits(mem) and host_fits(at(p, s + SEQ_STEP), mem)
 
     found = longest_of(plans)
-    longest = max((s for s, _ in found), default=0)
-    if tiled_pin or (tiled_pin is None and world_size == 1 and tiling_applies(spec, longest)):
-        # the longest plan on the device and the longest offloaded one, each with its MLPs tiled
-        finalists: dict[bool, tuple[int, Plan]] = {}
-        for s, p in found:
-            if not p.optimizer_in_backward and s > finalists.get(p.offload_activations, (0, p))[0]:
-                finalists[p.offload_activations] = (s, p)
-        # tiles shrink the MLP's share of the activations, never grow them: from the untiled length up to
-        # TILED_REACH times it (a few block replays per plan instead of one per power of two up to MAX_SEQ_LEN)
-        tiled = [hit for s, p in finalists.values()
-                 for hit in longest_of([p.with_(tiled_mlp=True)], start=s,
-                                       limit=min(MAX_SEQ_LEN, max(s, SEQ_STEP) * TILED_REACH))]
+    if tiled_pin or (tiled_pin is None and world_size == 1 and tiled_mlp_refusal(spec) is None):
+        tiled: list[tuple[int, Plan]] = []
+        for s, p in tiling_finalists(found):
+            limit = min(reach, max(s, SEQ_STEP) * TILED_REACH)
+            reached = max((t for t, _ in tiled), default=0)
+            if limit < reached or s + SEQ_STEP > limit:
+                continue
+            tp = p.with_(tiled_mlp=True)
+            if not tiled_pin and not gains(tp, s):
+                continue
+            tiled += longest_of([tp], start=s + SEQ_STEP if not tiled_pin else s, limit=limit)
         found = tiled if tiled_pin else found + tiled
     if not found:
         raise DoesNotFit(f"no plan fits {budget.describe()} even at {SEQ_STEP} tokens per sequence",
@@ -376,13 +435,14 @@ def tune(
     margin: str | float | int | None = None,
     pins: dict[str, Any] | None = None,
     verify_mode: str = "auto",
-    estimator: Estimator = analytic_estimator,
+    estimator: Estimator | None = None,
     probe_steps: int = 2,
     max_trials: int = 6,
     gpu: GpuInfo | None | bool = True,
     micro_limit: int = DEFAULT_MICRO_LIMIT,
     gpus_per_node: int | None = None,
     host_mem: int | None = None,
+    device: str = "cuda",
 ) -> TuneResult:
     """Find the plan for ``model`` (see the module docstring). ``pins["world_size"]`` (``--gpus``) plans for that
     many GPUs (``gpus_per_node`` per node, default one node): each technique stack climbs the strategy ladder
@@ -390,21 +450,33 @@ def tune(
     (:func:`longest_context`), then the plan for it. ``margin``: what ``oomdoctor.plan.budget.parse_margin``
     reads (None: the default margin). ``gpu=True`` queries NVML, ``None``/``False`` means "no GPU" (tests), a
     :class:`GpuInfo` is used as given. ``host_mem``: the training machine's CPU RAM in bytes, which offload plans must fit
-    (``--host-mem``; None: this machine's)."""
+    (``--host-mem``; None: this machine's). ``device="cpu"``: a plan for a CPU run — priced without CUDA's context,
+    workspace and allocator slack, ``gpu_mem`` the RAM its live tensors may fill (no NVML, no GPU verification); the
+    emitted config says ``device: cpu``. ``estimator``: None prices with the analytic engine on ``device``."""
     if verify_mode not in VERIFY_MODES:
         raise BadInput(f"--verify {verify_mode!r}: use one of {', '.join(VERIFY_MODES)}")
+    if verify_mode == "gpu" and device == "cpu":
+        raise BadInput("--verify gpu probes a CUDA GPU; --device cpu plans a CPU run",
+                       "use --verify simulate (fake-tensor replay) or none")
     if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
                                      or global_batch < 1):
         raise BadInput(f"--global-batch must be a positive integer, got {global_batch!r}")
     spec = load_spec(model) if isinstance(model, str) else model
     model_ref = model if isinstance(model, str) else spec.name
-    gpu_info: GpuInfo | None = detect_gpu() if gpu is True else (gpu or None)
-    budget = resolve_budget(gpu_mem, margin, gpu_info)
+    on_cpu = device == "cpu"
+    gpu_info: GpuInfo | None = None if on_cpu else detect_gpu() if gpu is True else (gpu or None)
+    budget = resolve_budget(gpu_mem, margin, gpu_info, on_cpu=on_cpu)
+    if budget is None and on_cpu:
+        raise BadInput("--device cpu: tune needs the RAM the run may fill with tensors",
+                       "pass it with --mem, e.g. `oomdoctor tune MODEL --device cpu --mem 8GB`")
     if budget is None:
         raise BadInput(
             "no --gpu-mem given and no NVIDIA GPU found (NVML): tune needs to know how much memory to plan for",
             "pass the card's memory, e.g. `oomdoctor tune MODEL --gpu-mem 24GB`",
         )
+    if estimator is None:
+        def estimator(s: ModelSpec, p: Plan) -> MemoryBreakdown:
+            return estimate(s, p, "analytic", device)
     capacity = budget.capacity_bytes
     notes = list(budget.notes)
     host_ram = host_mem if host_mem is not None else host_ram_bytes()
@@ -417,32 +489,35 @@ def tune(
     rank_batch = _rank_batch(global_batch, topo.world_size)
     profile = profile_for(gpu_info.name if gpu_info else None)
     seq_max = seq_len == "max"
+    if isinstance(seq_len, int):
+        spec.check_seq_len(seq_len, "--seq-len")
     if seq_max:
+        report("tune", "bisecting the longest sequence every plan fits")
         best, seq_len = longest_context(spec, all_pins, budget, estimator, profile, prefer, host_ram,
                                         topo.world_size)
         all_pins.update({t.name: getattr(best, t.name) for t in TECHNIQUES
                          if t.name not in NOT_PINNED_BY_MAX + TOPOLOGY_FIELDS})
         notes.append(f"--seq-len max: {seq_len:,} tokens at micro-batch {best.micro_batch} is the longest sequence "
-                     f"any plan fits ({best.label()}; searched in steps of {SEQ_STEP} tokens)")
-        if spec.context_note(seq_len, "the longest sequence"):
-            notes.append(spec.context_note(seq_len, "the longest sequence"))
+                     f"any plan fits ({best.label()}; searched in steps of {SEQ_STEP} tokens"
+                     + (f" up to the model's {spec.position_limit:,} positions)" if spec.position_limit else ")"))
     elif isinstance(seq_len, str):
         raise BadInput(f"--seq-len {seq_len!r}: give a number of tokens or max")
     if seq_len is None:
         seq_len = min(Plan().seq_len, spec.max_position_embeddings or Plan().seq_len)
         notes.append(f"no --seq-len: planning for {seq_len} tokens per sequence (the longest batch sets the peak)")
-    elif not seq_max and spec.context_note(seq_len, "--seq-len"):
-        notes.append(spec.context_note(seq_len, "--seq-len"))
     if global_batch is None:
         notes.append("no --global-batch: the effective batch is the largest micro-batch that fits (accumulation 1); "
                      "pass --global-batch to keep it fixed")
 
     plans = enumerate_candidates(all_pins, Plan(seq_len=seq_len), bf16_supported=profile.bf16,
                                  chunked_loss=spec.arch_kind == "decoder",
-                                 tiled_mlp=topo.world_size == 1 and tiling_applies(spec, seq_len))
+                                 tiled_mlp=topo.world_size == 1 and tiling_applies(spec, seq_len),
+                                 model_type=spec.model_type)
+    report("tune", f"searching {len(plans)} plans with the analytic memory model")
     if topo.world_size == 1 and not topo_pins:
         result = search(spec, plans, budget, global_batch=rank_batch, estimator=estimator, prefer=prefer,  # type: ignore[arg-type]
-                        profile=profile, micro_limit=micro_limit, host_ram=host_ram)
+                        profile=profile, micro_limit=micro_limit, host_ram=host_ram,
+                        tiles="tiled_mlp" not in all_pins and tiled_mlp_refusal(spec) is None)
         ladders: dict[Plan, list[Candidate]] = {}
     else:
         result, ladders = _climb(spec, plans, budget, topo, topo_pins, global_batch=rank_batch, estimator=estimator,
@@ -473,9 +548,14 @@ def tune(
         mode = "none"
         notes.append(f"{result.best.plan.strategy}: DeepSpeed is priced by its formulas only (the simulated engine "
                      "replays FSDP ranks and DDP, not DeepSpeed): the plan is unverified")
+    foreign = result.best.plan.trainer != DEFAULTS["trainer"]
     if mode == "auto":
         on_gpu = gpu_info is not None and (gpu_mem is None or gpu_mem <= gpu_info.free_bytes)
-        mode = "gpu" if on_gpu and topo.world_size == 1 else "simulate"
+        # the GPU probe runs oomdoctor's own step: another trainer's plan is verified by replaying that trainer's
+        mode = "gpu" if on_gpu and topo.world_size == 1 and not foreign else "simulate"
+    if mode == "gpu" and foreign:
+        raise BadInput(f"--verify gpu runs oomdoctor's own step, not {result.best.plan.trainer}'s",
+                       "use --verify simulate (the trainer's own step replayed on fake tensors) or none")
     if mode == "gpu" and gpu_info is None:
         raise BadInput("--verify gpu: no NVIDIA GPU found", "use --verify simulate (fake-tensor replay) or none")
     if mode == "gpu" and topo.world_size > 1:
@@ -487,11 +567,11 @@ def tune(
     verification = "none"
     if mode != "none":
         prober = (gpu_prober(model_ref, spec, capacity, predicted_peak, steps=probe_steps) if mode == "gpu"
-                  else simulate_prober(spec, budget, predicted_peak))
+                  else simulate_prober(spec, budget, predicted_peak, device))
         cand, vplan, trials = verify(result.fitting, prober, global_batch=rank_batch, limit=budget.limit_bytes,
                                      capacity=capacity, predicted_peak=predicted_peak, max_trials=max_trials,
                                      micro_limit=micro_limit)
-        verification = mode
+        verification = mode if plan.trainer == DEFAULTS["trainer"] else f"{mode}:{plan.trainer}"
         if vplan is not None and cand is not None:
             if cand is not chosen:
                 notes.append(f"{chosen.plan.label()} failed verification; using the next plan, {cand.plan.label()}")
@@ -509,7 +589,7 @@ def tune(
                          prefer=prefer, margin=margin, pins={**all_pins, **topo_pins}, verify_mode=verify_mode,
                          estimator=estimator, probe_steps=probe_steps, max_trials=max_trials,
                          gpu=gpu_info if gpu_info else False, micro_limit=micro_limit, gpus_per_node=gpus_per_node,
-                         host_mem=host_mem)
+                         host_mem=host_mem, device=device)
             again.notes.insert(0, f"--seq-len max: the memory model's longest sequence, {seq_len:,} tokens, failed "
                                   f"verification by {mode}; {shorter:,} tokens (calibrated by the verified peak) is "
                                   "the plan")
@@ -543,7 +623,7 @@ def tune(
     return TuneResult(
         spec=spec, budget=budget, gpu=gpu_info, prefer=prefer, seq_len=seq_len, global_batch=global_batch, plan=plan, memory=memory,
         batch=batch, throughput=throughput, search=result, trials=trials, verification=verification, notes=notes,
-        topology=topo, strategies=strategies,
+        topology=topo, strategies=strategies, device=device,
     )
 
 
@@ -583,6 +663,8 @@ def _climb(spec: ModelSpec, stacks: list[Plan], budget: Budget, topo: Topology, 
     for stack in stacks:
         rungs: list[Candidate] = []
         for plan in ladder(stack, topo, pins):
+            if refusals(plan, spec.model_type):  # a strategy rung the stack's trainer cannot run (TRL has no HSDP...)
+                continue
             c = price(spec, plan, budget, global_batch=global_batch, estimator=estimator, profile=profile,
                       micro_limit=micro_limit, host_ram=host_ram, gpus_per_node=topo.gpus_per_node, trace=trace)
             rungs.append(c)
@@ -618,20 +700,14 @@ def _strategy_table(chosen: Candidate, ladders: dict[Plan, list[Candidate]], bud
 
 def default_output_path(directory: str | os.PathLike = ".") -> Path:
     """``./oomdoctor-plan.yaml``, or the first free ``oomdoctor-plan-N.yaml`` when it exists (never overwrite)."""
-    d = Path(directory)
-    p = d / DEFAULT_OUTPUT
-    n = 2
-    while p.exists():
-        p = d / f"oomdoctor-plan-{n}.yaml"
-        n += 1
-    return p
+    return free_path(Path(directory) / DEFAULT_OUTPUT)
 
 
-def _is_weights_dir(ref: str) -> bool:
+def holds_weights(ref: str | os.PathLike) -> bool:
+    """Whether ``ref`` is a directory with weights (``*.safetensors`` / ``*.bin``) a trainer can load, as opposed
+    to a config alone."""
     p = Path(ref).expanduser()
-    if not p.is_dir():
-        return False
-    return any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
+    return p.is_dir() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin")))
 
 
 def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = None,
@@ -647,7 +723,7 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
     bundled = is_bundled(model_ref)
     p = bundled_path(model_ref) if bundled else Path(model_ref).expanduser()
     local = p.exists()
-    config_only = local and not _is_weights_dir(str(p))
+    config_only = local and not holds_weights(p)
     # a bundled name stays as written (it resolves wherever the package is installed); local paths become absolute
     ref = model_ref if bundled or not local else str(p.resolve())
     kwargs: dict[str, Any] = dict(extra)
@@ -658,19 +734,11 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
             kwargs["tokenizer"] = tokenizer
     kwargs.setdefault("dataset", dataset or SAMPLE_DATASET)
     kwargs.setdefault("gpu_mem", result.capacity_bytes)
+    if result.device == "cpu":  # priced for the CPU: the run goes there, gpu_mem caps its live tensor bytes
+        kwargs.setdefault("device", "cpu")
     cfg = config_from_plan(ref, result.plan, **kwargs)
-    m = result.memory
-    lines = [
-        f"Written by `oomdoctor tune` for {result.spec.name} on {format_bytes(result.capacity_bytes)} "
-        f"({result.capacity_source}), margin {format_bytes(result.budget.margin_bytes)}, seq_len {result.seq_len}.",
-        f"Plan: {result.plan.label()}; micro-batch {result.plan.micro_batch} x {result.plan.grad_accum} accumulation "
-        f"= effective batch {result.plan.effective_batch}.",
-        f"Predicted {result.budget.counted.replace('_', ' ')} {format_bytes(result.budget.needed(m))} of "
-        f"{format_bytes(result.budget_bytes)} budget "
-        f"(verification: {result.verification}"
-        + (f", measured {format_bytes(result.measured_peak_bytes)}" if result.measured_peak_bytes else "") + ").",
-        f"Run: PYTORCH_CUDA_ALLOC_CONF={result.alloc_conf} oomdoctor train THIS.yaml",
-    ]
+    lines = ["Written by `oomdoctor tune`."] + list(result.summary_lines()) + [
+        "Run: " + result.command.replace(shlex.quote(result.config_path or DEFAULT_OUTPUT), "THIS.yaml")]
     if not dataset and "dataset" not in extra:
         lines.append(f"dataset.path is the bundled sample ({SAMPLE_DATASET}): point it at your data.")
     if config_only and not tokenizer:

@@ -23,6 +23,7 @@ from oomdoctor.train.config.schema import (
     default,
     DATASET,
     DATASET_ALIASES,
+    KEYS_HINT,
     MODEL,
     PLAN_ONLY,
     PLAN_ONLY_KINDS,
@@ -397,7 +398,7 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
         problems.append("offload_optimizer: paged optimizers already page state to the CPU; use one or the other")
 
     if problems:
-        raise ConfigErrors(source, problems, "fix the keys above; docs/train.md lists every key")
+        raise ConfigErrors(source, problems, KEYS_HINT)
     mcfg = ModelConfig(**model)
     dcfg = DatasetConfig(**data)
     cfg = TrainConfig(model=mcfg, dataset=dcfg, **top)

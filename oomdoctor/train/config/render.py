@@ -60,6 +60,7 @@ def config_from_plan(model: str, plan: Plan, **extra: Any) -> TrainConfig:
         load_in_8bit=quant == "int8",
         bnb_4bit_quant_type=quant if quant in ("nf4", "fp4") else "nf4",
         bnb_4bit_use_double_quant=plan.double_quant,
+        kbit_upcast=plan.kbit_upcast,
         optimizer_in_backward=plan.optimizer_in_backward,
         max_grad_norm=None if plan.optimizer_in_backward else default("max_grad_norm"),
         tiled_mlp=plan.tiled_mlp,

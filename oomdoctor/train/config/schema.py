@@ -33,6 +33,8 @@ SCHEDULERS = (
 REPORT_TO = ("tensorboard", "trackio", "wandb", "mlflow")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 NO_MEMORY = "no memory effect"
+#: The hint under every list of config problems: where each key is explained (a command every install has).
+KEYS_HINT = "fix the keys above; `oomdoctor keys` lists every key with its meaning"
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ _GROUPS = {
     "sgd_momentum": "memory: optimizer",
     "lora_r": "memory: LoRA", "lora_alpha": "memory: LoRA", "lora_dropout": "memory: LoRA",
     "lora_targets": "memory: LoRA", "adapter_dtype": "memory: LoRA", "double_quant": "memory: quantized base (bitsandbytes)",
+    "kbit_upcast": "memory: quantized base (bitsandbytes)", "trainer": "memory: method and precision",
     **{k: "memory: scale-out (per rank)" for k in ("world_size", "strategy", "shard_group", "reshard_after_forward",
                                                   "bucket_size", "offload_params")},
 }
@@ -227,11 +230,61 @@ GROUPS: tuple[str, ...] = (
 )
 
 
+#: The kinds of :class:`Key`, as ``oomdoctor keys`` shows them.
+_KIND_TEXT = {"bool": "true | false", "int>=0": "integer >= 0", "int>=1": "integer >= 1", "float>=0": "number >= 0",
+              "float": "number", "prob": "number in [0, 1)", "str": "text", "size": "size (24GB, 24GiB)",
+              "int|auto": "integer >= 1 | auto", "str|list": "path | list of paths", "list[str]": "list of names"}
+
+
+def kind_text(kind: Any) -> str:
+    """What a key accepts, in words (``null`` added when it may be null)."""
+    if isinstance(kind, tuple):
+        return " | ".join(map(str, kind[1])) + (" | null" if kind[0].endswith("|null") else "")
+    base, null = (kind[:-5], True) if kind.endswith("|null") else (kind, False)
+    return _KIND_TEXT[base] + (" | null" if null else "")
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One line of ``oomdoctor keys``."""
+
+    name: str
+    """The key as written: top-level, or ``model.path`` / ``dataset.packing``."""
+    aliases: tuple[str, ...]
+    """Other accepted spellings."""
+    values: str
+    """What it accepts (:func:`kind_text`)."""
+    default: Any
+    """Its value when absent."""
+    help: str
+    """What it does."""
+    memory: str
+    """Its memory effect (empty for keys without one)."""
+
+    def to_dict(self) -> dict:
+        return {"key": self.name, "aliases": list(self.aliases), "values": self.values, "default": self.default,
+                "help": self.help, "memory": self.memory}
+
+
+def key_docs(pattern: str | None = None) -> list[KeyDoc]:
+    """Every key, top-level keys by group (the emitted YAML's order), then ``model.*`` and ``dataset.*``; ``pattern``
+    keeps those whose name, alias, help or memory note contains it (case-insensitive)."""
+    rows = [(k.name, k) for g in GROUPS for k in TOP_KEYS if k.group == g]
+    rows += [(f"model.{k.name}", k) for k in MODEL_KEYS] + [(f"dataset.{k.name}", k) for k in DATASET_KEYS]
+    docs = [KeyDoc(name, k.aliases, kind_text(k.kind), k.default, k.help, "" if k.memory == NO_MEMORY else k.memory)
+            for name, k in rows]
+    if not pattern:
+        return docs
+    p = pattern.lower()
+    return [d for d in docs if any(p in t.lower() for t in (d.name, *d.aliases, d.help, d.memory))]
+
+
 def default(name: str, section: dict[str, Key] = TOP) -> Any:
     """The default of a key (a fresh list for list defaults)."""
     v = section[name].default
     return list(v) if isinstance(v, list) else v
 
 
-__all__ = ["DATASET", "DATASET_ALIASES", "DATASET_KEYS", "GROUPS", "REPORT_TO", "Key", "MODEL", "MODEL_KEYS", "PLAN_ONLY", "PLAN_ONLY_KINDS",
+__all__ = ["DATASET", "DATASET_ALIASES", "DATASET_KEYS", "GROUPS", "KEYS_HINT", "KeyDoc", "REPORT_TO", "Key",
+           "key_docs", "kind_text", "MODEL", "MODEL_KEYS", "PLAN_ONLY", "PLAN_ONLY_KINDS",
            "PRECISION_BOOLS", "TOP", "TOP_ALIASES", "TOP_KEYS", "default"]

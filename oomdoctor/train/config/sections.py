@@ -142,6 +142,8 @@ class TrainConfig:
     """Plan ``double_quant``."""
     bnb_4bit_compute_dtype: str | None = default("bnb_4bit_compute_dtype")
     """4-bit compute dtype."""
+    kbit_upcast: bool = default("kbit_upcast")
+    """Plan ``kbit_upcast``."""
     optimizer_in_backward: bool = default("optimizer_in_backward")
     """Plan ``optimizer_in_backward``."""
     tiled_mlp: bool = default("tiled_mlp")
@@ -270,6 +272,7 @@ def to_plan(cfg: TrainConfig, micro_batch: int | None = None) -> Plan:
             adapter_dtype=cfg.adapter_dtype,  # type: ignore[arg-type]
             quant=cfg.quant,  # type: ignore[arg-type]
             double_quant=bool(cfg.bnb_4bit_use_double_quant and cfg.quant in ("nf4", "fp4")),
+            kbit_upcast=cfg.kbit_upcast,
             micro_batch=mb,
             seq_len=cfg.seq_len,
             grad_accum=ga,

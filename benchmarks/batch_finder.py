@@ -25,7 +25,10 @@ detection match. A trial = ``run_steps`` of ``oomdoctor.engines.probe`` (the sam
 tokens). The **true maximum** is found exhaustively: every micro-batch from 1 up to the first failure is run, and the
 three sizes after it are checked to fail too (monotonicity).
 
-Usage: ``python scripts/bench_batch_finder.py [--engine analytic|simulate] [--quick] [--json out.json]``.
+Goal (oomdoctor, per case): at most :data:`GOAL_TRIALS` trials, a micro-batch of at least :data:`GOAL_SHARE` of the
+true maximum, and the effective batch kept exactly (micro x accumulation = G).
+
+Usage: ``python benchmarks/batch_finder.py [--engine analytic|simulate] [--quick] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ from oomdoctor.model.load import spec_from_config  # noqa: E402
 from oomdoctor.units import format_bytes  # noqa: E402
 
 VERBOSE = bool(os.environ.get("BENCH_VERBOSE"))
+#: Most device trials oomdoctor may run per case (one verification, one refinement).
+GOAL_TRIALS = 2
+#: Least share of the true maximum micro-batch oomdoctor must choose.
+GOAL_SHARE = 0.95
 
 MODELS = {
     # 2 layers, hidden 64: the test-suite shape
@@ -198,15 +205,17 @@ def exact_for(micro: int, g: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engine", default="simulate", help="memory model for oomdoctor: analytic | simulate")
+    ap.add_argument("--engine", default=None,
+                    help="memory model for oomdoctor: analytic | simulate (default; analytic with --quick)")
     ap.add_argument("--margin", type=float, default=0.02, help="oomdoctor safety margin (fraction of the cap)")
     ap.add_argument("--global-batch", type=int, default=64, help="effective batch to keep exact")
     ap.add_argument("--steps", type=int, default=2, help="training steps per oomdoctor / accelerate trial")
-    ap.add_argument("--quick", action="store_true", help="fewer cases (for a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="two cases, analytic engine unless given (a smoke run)")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: tiny ops do not gain from threads, and a busy machine stalls them)")
     args = ap.parse_args(argv)
+    args.engine = args.engine or ("analytic" if args.quick else "simulate")
     torch.set_num_threads(args.threads)
 
     from oomdoctor.engines.probe import build_for_probe
@@ -284,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def meets_goal(row: dict) -> bool:
+    """oomdoctor's result in ``row`` meets the goal (module docstring)."""
+    o = row["oomdoctor"]
+    return (o["trials"] <= GOAL_TRIALS and o["chosen_fits"] and row["true_max"] > 0
+            and o["chosen"] >= GOAL_SHARE * row["true_max"] and o["exact_global"])
+
+
 def _table(rows: list[dict], args) -> str:
     g = args.global_batch
     out = [
@@ -293,8 +309,8 @@ def _table(rows: list[dict], args) -> str:
         "",
         "| model | method | seq | cap | true max | oomdoctor trials (steps) | oomdoctor micro (% true) | "
         f"oomdoctor G={g} | Lightning trials (steps) | Lightning micro (% true) | Lightning fits? | Lightning G exact? | "
-        "accelerate trials (steps) | accelerate micro (% true) | accelerate G exact? |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "accelerate trials (steps) | accelerate micro (% true) | accelerate G exact? | goal (oomdoctor) | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         o, l_, a = r["oomdoctor"], r["lightning"], r["accelerate"]
@@ -305,7 +321,8 @@ def _table(rows: list[dict], args) -> str:
             f"{l_['trials']} ({l_['steps']}) | {l_['chosen']} ({l_['pct_true_max']}%) | "
             f"{'yes' if l_['chosen_fits'] else 'NO (OOM)'} | {'yes' if l_['exact_global'] else 'no'} | "
             f"{a['trials']} ({a['steps']}) | {a['chosen']} ({a['pct_true_max']}%) | "
-            f"{'yes' if a['exact_global'] else 'no'} |"
+            f"{'yes' if a['exact_global'] else 'no'} | <= {GOAL_TRIALS} trials, >= {GOAL_SHARE:.0%} of true, G exact | "
+            f"{'PASS' if meets_goal(r) else 'MISS'} |"
         )
     n = len(rows)
     avg = lambda k, f: sum(r[k][f] for r in rows) / n  # noqa: E731
