@@ -225,9 +225,9 @@ def measure_saves(spec: "ModelSpec", plan: "Plan", *, one_per_kind: bool = True)
     every = frozenset(reps)
     built = max(reps) + 1  # the blocks after the last one measured pass their input through: not built
     known = not reduced or key in _LOOPING
-    runs = _Runs(spec, plan, 2 + (3 if _LOOPING.get(key) else 0) if known else 2)
+    looping, short = (_LOOPING.get(key, frozenset()) & every if reduced else frozenset()), {}
+    runs = _Runs(spec, plan, 2 + 3 * bool(looping))
     with BlockReplay(spec, plan, built if built < spec.num_layers else None) as replay:
-        looping, short = (_LOOPING.get(key, frozenset()) & every if reduced else frozenset()), {}
         if not known:
             try:
                 one = runs.run(replay, 1, S, every, budget=LOOP_BUDGET)
@@ -272,9 +272,11 @@ def along_the_sequence(one, two, short, long, wide, looping: frozenset[int], b: 
     ``S / b`` tokens: ``S``), ``long`` (``b`` of twice that: ``2 S``) and ``wide`` (``2 b`` of ``S / b``: ``2 S``).
     What a block holds, saves and peaks at is weight-sized, per sequence (a scan's state and per-token step, a
     convolution's padding: ``c`` each) and per token (a loop keeps a state per token), so ``wide - long`` is
-    ``b c``, and ``m`` sequences of the plan's tokens hold what ``b`` do less ``(b - m) c`` — to the byte on a
-    Jamba block at 256 tokens (saves, forward and backward peaks; under int8 with checkpointing the forward's peak
-    within 0.23 %: tests/test_blocks.py). The tokens, and so the
+    ``b c``, and ``m`` sequences of the plan's tokens hold what ``b`` do less ``(b - m) c`` — exact for what is
+    saved and the backward's peak (Jamba blocks at 256 tokens: tests/test_blocks.py), and for the forward's peak
+    where its moment is the same on ``m`` and ``b`` sequences; where many short sequences' scan states make it peak
+    at another moment than the plan's sequences do, it is off by a little (int8 with checkpointing, micro-batch 2:
+    -1.6 % of the forward's peak). The tokens, and so the
     kernel paths (bitsandbytes' 1,536-row switch) and a balanced router's tokens per expert, are the plan's."""
     def fit(base, at, m: int, field: str) -> tuple[int, ...]:
         got, a, w, z = (getattr(r, field) for r in (base, at, wide, long))
