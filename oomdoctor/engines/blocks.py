@@ -11,12 +11,20 @@ activation bytes autograd saves for backward in each block and after the last on
 stops at the output head: the head and the loss are priced by their own formulas.
 
 Block 0, the blocks before the repetition and one repeating unit are replayed when transformers' config says how
-blocks differ (``engines/kinds.layer_kinds``), every block otherwise; at micro-batch 1 and 2 (what grows with the
-batch is the difference, the rest is weight-sized: gradients, peft's merged expert weights), at the plan's sequence length
-rounded up to a power of two (the token share scaled back linearly), with the plan's gradient checkpointing (a
-checkpointed block keeps its input, a formula, and recomputes the rest inside its measured backward). Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
+blocks differ (``engines/kinds.layer_kinds``), every block otherwise — and of those only block 0 and the first block
+of each kind run, the others passing their input through (``engines/block_replay``: Jamba's 9 replayed blocks are 4
+kinds); at micro-batch 1 and 2 (what grows with the batch is the difference, the rest is weight-sized: gradients,
+peft's merged expert weights), at the plan's sequence length rounded up to a power of two (the token share scaled
+back linearly), with the plan's gradient checkpointing (a checkpointed block keeps its input, a formula, and
+recomputes the rest inside its measured backward). Blocks whose forward loops over the tokens in Python (Mamba's
+selective scan: ~125 ops a token forward and backward, 80 % of a cold Jamba diagnose measured token by token) are
+found by the ops they dispatch (:data:`LOOP_BUDGET`, then their growth between two short lengths) and measured on
+the plan's tokens cut into sequences of :data:`LOOP_SEQ_LEN` (and of twice it, and on twice as many sequences:
+:func:`along_the_sequence` takes out what grows with the number of sequences); the other blocks still run at the
+plan's length. Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
 ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config, the plan's settings at
-micro-batch 1 and the versions of torch, transformers and peft.
+micro-batch 1 and the versions of torch, transformers and peft. Each replay run of a measurement is reported
+(``oomdoctor.progress``, task ``blocks``: the CLI draws it on stderr).
 """
 
 from __future__ import annotations
@@ -29,15 +37,16 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from oomdoctor.engines.kinds import extend, replay_depth
+from oomdoctor.engines.kinds import extend
 from oomdoctor.memory.activations import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
+from oomdoctor.progress import report
 
 if TYPE_CHECKING:
     from oomdoctor.model.spec import ModelSpec
 
 #: Bump when what is measured changes: cached measurements of another version are not read.
-VERSION = 17
+VERSION = 19
 
 
 #: Model types without a hand builder whose blocks the analytic formulas price: their MoE formulas (written for
@@ -55,8 +64,8 @@ def measures_blocks(spec: "ModelSpec", plan: "Plan") -> bool:
     (transformers' eager experts included, up to :data:`EAGER_REPLAY_MAX_EXPERTS`: a balanced router sizes their
     tokens in the replay, ``engines/routing``), and every plan with bf16 adapters run by oomdoctor's executor (for
     another trainer's bf16 adapters, TRL's QLoRA, the formulas price the adapter dtype as that trainer's replay runs
-    it: ``engines/trainers``) or a tiled MLP (``execute/tiled``: the formulas price whole-sequence MLPs). The measured plan runs on one device
-    without offload (:func:`measured_plan`), so every topology and plan is measurable."""
+    it: ``engines/trainers``) or a tiled MLP (``execute/tiled``: the formulas price whole-sequence MLPs). The measured
+    plan runs on one device without offload (:func:`measured_plan`), so every topology and plan is measurable."""
     from oomdoctor.execute.build import runs_eager_experts
     from oomdoctor.model.architectures import BUILDERS
 
@@ -146,10 +155,12 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
-        saves = BlockSaves(measure_block_bytes(spec, plan), measure_block_bytes(spec, replace(plan, micro_batch=2)),
-                           plan.gradient_checkpointing, plan.seq_len)
-    except Exception:  # noqa: BLE001 - a model the executor cannot build or replay: the formulas price it
-        return None
+        saves = measure_saves(spec, plan)
+    except Exception:  # noqa: BLE001 - passing blocks through broke a model whose blocks depend on each other
+        try:
+            saves = measure_saves(spec, plan, one_per_kind=False)
+        except Exception:  # noqa: BLE001 - a model the executor cannot build or replay: the formulas price it
+            return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -161,166 +172,149 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     return saves
 
 
-class _StackDone(Exception):
-    """Raised by the output head's forward pre-hook: the head and the loss are priced by their formulas."""
+# ---------------------------------------------------------------------------------------------- what is replayed
+
+#: Ops one block's forward may dispatch at the plan's length before the replay calls it a loop over the tokens
+#: (Mamba's selective scan: ~40 ops a token, 82k at 2k tokens; the widest block without one dispatches a few
+#: thousand: a 64-expert eager MoE block with LoRA).
+LOOP_BUDGET = 8_000
+#: Sequence length the blocks that loop over the tokens run at (and twice it), the plan's tokens spread over more
+#: sequences: each token of a sequence costs every such block ~125 ops forward and backward, where the rest of a
+#: block costs ~1,500.
+LOOP_SEQ_LEN = 8
+#: Models whose replayed blocks loop over the tokens, by model config (and whether one block of each kind runs): the
+#: blocks (indices in the replayed blocks, every block of a looping kind).
+_LOOPING: dict[str, frozenset[int]] = {}
+
+
+def representatives(kinds: list | None, replayed: int, block0_alone: bool = True) -> tuple[int, ...]:
+    """For each replayed block, the block measured for it: the first replayed block of its kind
+    (``engines/kinds.layer_kinds``; each block its own when the kinds are unknown) — block 0 apart when
+    ``block0_alone`` (:func:`block0_alone`)."""
+    if kinds is None:
+        return tuple(range(replayed))
+    first: dict = {}
+    for i in range(1 if block0_alone else 0, replayed):
+        first.setdefault(kinds[i], i)
+    return ((0,) if block0_alone else ()) + tuple(first[kinds[i]] for i in range(1 if block0_alone else 0, replayed))
+
+
+def block0_alone(plan: "Plan") -> bool:
+    """Whether block 0 is measured on its own: under LoRA without checkpointing its input (the frozen embeddings'
+    output) needs no gradient, so it saves less than the blocks of its kind above it; a full fine-tune's embeddings
+    train, and checkpointing makes their output require grad (``enable_input_require_grads``)."""
+    return plan.uses_lora and not plan.gradient_checkpointing
+
+
+def measure_saves(spec: "ModelSpec", plan: "Plan", *, one_per_kind: bool = True) -> BlockSaves:
+    """:class:`BlockSaves` of ``spec`` under ``plan`` (a :func:`measured_plan`): its blocks replayed at micro-batch 1
+    and 2 at ``plan.seq_len`` (module docstring) — one block of each kind (``one_per_kind``; else every replayed
+    block), every other block passed through; the blocks whose forward loops over the tokens in Python at
+    :data:`LOOP_SEQ_LEN` and twice it, on as many sequences as make the plan's tokens (:func:`along_the_sequence`)."""
+    from oomdoctor.engines.block_replay import BlockReplay, LoopBudget
+    from oomdoctor.engines.kinds import layer_kinds, replay_plan
+
+    kinds = layer_kinds(spec, plan)
+    q, p = replay_plan(kinds) if kinds else (spec.num_layers, 0)
+    replayed = q + p + 1 if p else spec.num_layers
+    reps = representatives(kinds if one_per_kind else None, replayed, block0_alone(plan))
+    key = json.dumps([spec.config, spec.num_layers, one_per_kind], sort_keys=True, default=str)
+    S, s = plan.seq_len, LOOP_SEQ_LEN
+    b = S // s  # sequences of s tokens that hold the plan's
+    reduced = 2 * s < S  # at short lengths every block runs at the plan's: loops are short too
+    every = frozenset(reps)
+    built = max(reps) + 1  # the blocks after the last one measured pass their input through: not built
+    known = not reduced or key in _LOOPING
+    looping, short = (_LOOPING.get(key, frozenset()) & every if reduced else frozenset()), {}
+    runs = _Runs(spec, plan, 2 + 3 * bool(looping))
+    with BlockReplay(spec, plan, built if built < spec.num_layers else None) as replay:
+        if not known:
+            try:
+                one = runs.run(replay, 1, S, every, budget=LOOP_BUDGET)
+            except LoopBudget:  # which blocks loop: those whose forward grows with the sequence
+                runs.steps = 6  # this run, three short ones, two at the plan's length
+                short = {(b, s): runs.run(replay, b, s, every), (b, 2 * s): runs.run(replay, b, 2 * s, every)}
+                looping = frozenset(i for i in every if short[b, 2 * s].ops[i] > short[b, s].ops[i])
+            else:
+                _LOOPING[key] = frozenset()
+                return _saves(plan, reps, q, p, spec.num_layers, one, runs.run(replay, 2, S, every))
+            _LOOPING[key] = frozenset(j for j in range(replayed) if reps[j] in looping)  # every block of their kinds
+        if looping:  # first: the full-length runs pass the looping blocks through as the short runs return them
+            for n, length in ((b, s), (b, 2 * s), (2 * b, s)):
+                if (n, length) not in short:
+                    short[n, length] = runs.run(replay, n, length, looping)
+        one, two = runs.run(replay, 1, S, every - looping), runs.run(replay, 2, S, every - looping)
+        if looping:
+            one, two = along_the_sequence(one, two, short[b, s], short[b, 2 * s], short[2 * b, s], looping, b)
+    return _saves(plan, reps, q, p, spec.num_layers, one, two)
+
+
+class _Runs:
+    """The replay runs of one measurement, each reported as it starts (``oomdoctor.progress``, task ``blocks``)."""
+
+    def __init__(self, spec: "ModelSpec", plan: "Plan", steps: int):
+        knobs = " ".join(k for k in (plan.method, plan.quant, plan.precision,
+                                     "GC" if plan.gradient_checkpointing else "") if k)
+        self.message = f"measuring what {spec.model_type} blocks save under {knobs} at {plan.seq_len} tokens " \
+                       "(once: cached)"
+        self.steps = steps  # runs the measurement makes, as far as known (a loop over the tokens found adds some)
+        self.step = 0
+
+    def run(self, replay, micro_batch: int, seq_len: int, measured: frozenset[int], budget: int | None = None):
+        self.step += 1
+        report("blocks", self.message, self.step, max(self.steps, self.step))
+        return replay.run(micro_batch, seq_len, measured, budget=budget)
+
+
+def along_the_sequence(one, two, short, long, wide, looping: frozenset[int], b: int):
+    """``one``/``two`` (runs at micro-batch 1 and 2 of ``S`` tokens, the looping blocks passed through) with the
+    looping blocks' bytes from three runs of as many tokens cut into short sequences: ``short`` (``b`` sequences of
+    ``S / b`` tokens: ``S``), ``long`` (``b`` of twice that: ``2 S``) and ``wide`` (``2 b`` of ``S / b``: ``2 S``).
+    What a block holds, saves and peaks at is weight-sized, per sequence (a scan's state and per-token step, a
+    convolution's padding: ``c`` each) and per token (a loop keeps a state per token), so ``wide - long`` is
+    ``b c``, and ``m`` sequences of the plan's tokens hold what ``b`` do less ``(b - m) c`` — exact for what is
+    saved and the backward's peak (Jamba blocks at 256 tokens: tests/test_blocks.py), and for the forward's peak
+    where its moment is the same on ``m`` and ``b`` sequences; where many short sequences' scan states make it peak
+    at another moment than the plan's sequences do, it is off by a little (int8 with checkpointing, micro-batch 2:
+    -1.6 % of the forward's peak). The tokens, and so the
+    kernel paths (bitsandbytes' 1,536-row switch) and a balanced router's tokens per expert, are the plan's."""
+    def fit(base, at, m: int, field: str) -> tuple[int, ...]:
+        got, a, w, z = (getattr(r, field) for r in (base, at, wide, long))
+        return tuple(a[i] - round((b - m) * (w[i] - z[i]) / b) if i in looping else got[i] for i in range(len(got)))
+
+    fields = ("saves", "forward", "backward", "backward_net")
+    return (replace(one, **{f: fit(one, short, 1, f) for f in fields}),
+            replace(two, **{f: fit(two, long, 2, f) for f in fields}))
+
+
+def _saves(plan: "Plan", reps: tuple[int, ...], q: int, p: int, num_layers: int, one, two) -> BlockSaves:
+    return BlockSaves(block_bytes(one, reps, q, p, num_layers), block_bytes(two, reps, q, p, num_layers),
+                      plan.gradient_checkpointing, plan.seq_len)
+
+
+def block_bytes(run, reps: tuple[int, ...], q: int, p: int, num_layers: int) -> BlockBytes:
+    """The :class:`BlockBytes` of all ``num_layers`` blocks from a run (of blocks ``0 .. max(reps)``): each replayed
+    block takes its representative's bytes, the blocks after them those of their replayed block
+    (``kinds.extend``)."""
+    def per(values) -> tuple[int, ...]:
+        return extend(tuple(values[r] for r in reps), q, p, num_layers)
+
+    saves = per(run.saves)
+    return BlockBytes(saves, run.final, forward_over_saves(saves, per(run.forward)), max(per(run.backward)),
+                      max(per(run.backward_net)))
 
 
 def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
-    """One forward of the blocks of ``spec`` as ``plan`` builds them, on fake tensors, and the backward of the
-    blocks from the final norm's output (see the module docstring).
-
-    A block's share is the bytes of the activation storages autograd saves for backward while the block runs
-    (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once, for the first block that saves it:
-    a block's input is the previous block's output, counted where it is saved (by a norm that keeps its input);
-    what exists before the first block (rotary tables, attention masks) is the formulas' shared forward tensors;
-    weights and autocast's weight casts are not activations (``parameters``/``master_weights`` for the tracker; casts of
-    parameters outside autocast are).
-    Transients: the peak of a block's forward above what it leaves, and the peak of its backward above the bytes
-    alive when it starts — its weights' gradients included: the analytic engine's top-block moment holds the
-    head's gradients only (full fine-tuning of hybrid MoE blocks + GC: -2.2 % with them excluded, 0.0 % included)."""
-    from contextlib import ExitStack
-
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from oomdoctor.engines.replay import (TrackingHooks, _cuda_policy_mode_cls, _wrap_checkpoint_functions,
-                                          cuda_autocast_answers, hf_data_paths)
-    from oomdoctor.engines.routing import balanced_routing
-    from oomdoctor.engines.simulate import _fake_gaps, _meta_model, _retie
-    from oomdoctor.execute.bnb_standin import CONTEXT_HELD
-    from oomdoctor.execute.build import find_layers, make_batch
-    from oomdoctor.execute.step import TrainStep
-    from oomdoctor.execute.tracking import LiveBytes
-    from oomdoctor.memory.context import runs_autocast
+    """The :class:`BlockBytes` of ``spec`` under ``plan`` at its micro-batch and sequence length: one replay of
+    every replayed block (no passing through, no loop budget), the reference :func:`measure_saves` is checked
+    against (tests/test_blocks.py)."""
+    from oomdoctor.engines.block_replay import BlockReplay
+    from oomdoctor.engines.kinds import replay_depth
 
     q, p = replay_depth(spec, plan)
-    built = _meta_model(spec, plan, q + p + 1 if p else None, True)
-    model = built.model
-    with FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False), _fake_gaps(), \
-            balanced_routing(spec, plan):
-        model.to_empty(device="cpu")
-        _retie(model)
-        batch = make_batch(spec, plan, "cpu")
-        lb = LiveBytes(round_to=512, param_copy_category="master_weights")
-        lb.track_module(model)
-        layers = find_layers(model)
-        n = len(layers)
-        per_block = [0] * (n + 1)  # the blocks, then the final norm
-        fwd_t, bwd_t, bwd_net = [0] * n, [0] * n, [0] * n
-        grads_at_start = [0]
-        # a storage is (address, birth): an address freed during the forward is reused by a later storage
-        seen: set[tuple[int, int]] = set()
-        current, start, stack_out = [-1], [0], []
-        backward, bwd_block = [False], [-1]  # in the measured backward; the block whose backward runs
-
-        # what a block saves: activations, and without autocast the casts of its parameters too (peft's bf16 copies
-        # of fp32 expert adapters, ``ParamWrapper``); under autocast weight casts are AMP copies, priced as such
-        saved_categories = ("activations",) if runs_autocast(plan) else ("activations", "master_weights")
-
-        def storage_id(t) -> tuple[int, int] | None:
-            key = t.untyped_storage()._cdata
-            rec = lb.records.get(key)
-            return (key, rec.birth) if rec is not None else None
-
-        def pack(t):
-            if 0 <= current[0] and isinstance(t, torch.Tensor) and lb.category_of(t) in saved_categories:
-                sid = storage_id(t)
-                if sid not in seen:
-                    seen.add(sid)
-                    per_block[current[0]] += lb.counted_bytes(t)
-            return t
-
-        def held(t):  # an int8 matmul's input, kept on its autograd context (execute/bnb_standin.CONTEXT_HELD)
-            pack(t)
-
-        def enter(i: int):
-            def hook(_m, args, kwargs):
-                if backward[0]:
-                    return  # a checkpointed block's recompute
-                x = args[0] if args else kwargs.get("hidden_states")
-                if i == 0:  # what exists before the blocks (rotary tables, masks) is priced as shared, not here
-                    seen.update((key, rec.birth) for key, rec in lb.records.items())
-                    seen.discard(storage_id(x) if isinstance(x, torch.Tensor) else None)
-                if isinstance(x, torch.Tensor) and x.requires_grad:
-                    x.register_hook(lambda _g: bwd_leave(i))  # the block's input gradient: its backward is done
-                current[0] = i
-                lb.reset_peak()
-            return hook
-
-        def leave(i: int):
-            def hook(_m, _a, out):
-                if backward[0]:
-                    return
-                fwd_t[i] = lb.peak - lb.current
-                current[0] = n if i == n - 1 else current[0]
-                y = out[0] if isinstance(out, (tuple, list)) else out
-                if isinstance(y, torch.Tensor) and y.requires_grad:
-                    y.register_hook(lambda _g: bwd_enter(i))  # the block's output gradient: its backward starts
-            return hook
-
-        def head_reached(_m, args):
-            stack_out.append(args[0])
-            raise _StackDone
-
-        # tensor hooks, not module backward hooks: those hold the block's output gradient until its backward ends
-        # (and so turn autograd's in-place gradient accumulation into a copy), which the real step does not
-        def bwd_enter(i: int):
-            if bwd_block[0] >= 0:  # block i's output is block i+1's input: its gradient ends block i+1's backward
-                bwd_leave(bwd_block[0])
-            bwd_block[0], start[0] = i, lb.current
-            grads_at_start[0] = lb.current_categories()["gradients"]
-            lb.reset_peak()
-
-        def bwd_leave(i: int):
-            if bwd_block[0] == i:
-                bwd_t[i] = max(bwd_t[i], lb.peak - start[0])
-                made = lb.current_categories()["gradients"] - grads_at_start[0]  # this block's weight gradients
-                bwd_net[i] = max(bwd_net[i], lb.peak - start[0] - made)
-                bwd_block[0] = -1
-
-        hooks = []
-        for i, layer in enumerate(layers):
-            hooks += [layer.register_forward_pre_hook(enter(i), with_kwargs=True),
-                      layer.register_forward_hook(leave(i))]
-        hooks.append(built.head_module.register_forward_pre_hook(head_reached))
-        policy_cls = _cuda_policy_mode_cls()
-        # the recompute in backward runs under the CUDA policy again (torch-function modes are off in backward)
-        restore = _wrap_checkpoint_functions(model, lb, policy_cls, classify=False) if plan.gradient_checkpointing \
-            else []
-        with ExitStack() as stack:
-            stack.enter_context(hf_data_paths())
-            stack.enter_context(cuda_autocast_answers())
-            stack.enter_context(policy_cls())
-            stack.enter_context(lb)
-            # under checkpointing the kept block inputs (and bnb's context-held int8 inputs) are formulas
-            observers = [] if plan.gradient_checkpointing else [held]
-            CONTEXT_HELD.extend(observers)
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    step = TrainStep(model, None, plan, hooks=TrackingHooks(lb, plan, head=None, target="cuda"))
-                    try:
-                        step.forward_backward(batch)
-                    except _StackDone:
-                        pass
-                    else:
-                        raise RuntimeError(f"{spec.name}: the forward never reached its output head")
-            finally:
-                for observe in observers:
-                    CONTEXT_HELD.remove(observe)
-            out = stack_out[0]
-            backward[0] = True
-            with lb.phase("backward"):
-                out.backward(torch.ones_like(out))
-            if bwd_block[0] >= 0:  # block 0's input needs no gradient (LoRA without checkpointing): ends here
-                bwd_leave(bwd_block[0])
-        for h in hooks:
-            h.remove()
-        for mod, fn in restore:
-            mod._gradient_checkpointing_func = fn
-        lb.remove_hooks()
-    saves = extend(tuple(per_block[:-1]), q, p, spec.num_layers)
-    return BlockBytes(saves, per_block[-1], forward_over_saves(saves, extend(tuple(fwd_t), q, p, spec.num_layers)),
-                      max(bwd_t), max(bwd_net))
+    with BlockReplay(spec, plan, q + p + 1 if p else None) as replay:
+        run = replay.run(plan.micro_batch, plan.seq_len)
+    return block_bytes(run, tuple(range(len(run.saves))), q, p, spec.num_layers)
 
 
 def forward_over_saves(saves: tuple[int, ...], transients: tuple[int, ...]) -> int:

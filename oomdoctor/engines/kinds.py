@@ -8,10 +8,11 @@ periods...), as transformers' config class fills them in. Pure Python apart from
 
 from __future__ import annotations
 
+import json
 import re
 from typing import TYPE_CHECKING
 
-from oomdoctor.execute.build import LAYER_KEYS, hf_config
+from oomdoctor.execute.build import LAYER_KEYS, PER_LAYER_KEY, hf_config, per_layer_overrides
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.model.spec import ModelSpec
@@ -20,20 +21,31 @@ if TYPE_CHECKING:  # pragma: no cover
 #: Per-layer lists in a transformers config that hold block indices (membership marks a block's kind).
 INDEX_LIST_KEYS = frozenset({"mlp_only_layers", "moe_layers", "full_attn_idxs", "attn_layer_indices",
                              "cross_attention_layers", "hybrid_layer_ids"})
-#: Config keys that vary blocks with their index: ``key: (value, i) -> kind of block i`` (Jamba's periods: the kind
-#: is ``i mod period``, which its offset only shifts).
+#: Config keys that vary blocks with their index: ``key: (value, i, config) -> kind of block i``. Jamba's and
+#: Zamba's periods mark the blocks ``i mod period == offset`` (``JambaConfig.layers_block_type``,
+#: ``layers_num_experts``); the other periods give each position in the period a kind of its own (a safe superset).
 _INDEX_RULES = {
-    "first_k_dense_replace": lambda v, i: i < v,
-    "max_window_layers": lambda v, i: i >= v,
-    "moe_layer_start_index": lambda v, i: i >= v,
-    "moe_layer_end_index": lambda v, i: i <= v,
-    **{k: (lambda v, i: i % v if v else 0) for k in (
+    "first_k_dense_replace": lambda v, i, d: i < v,
+    "max_window_layers": lambda v, i, d: i >= v,
+    "moe_layer_start_index": lambda v, i, d: i >= v,
+    "moe_layer_end_index": lambda v, i, d: i <= v,
+    "attn_layer_period": lambda v, i, d: bool(v) and i % v == d.get("attn_layer_offset", 0),
+    "expert_layer_period": lambda v, i, d: bool(v) and i % v == d.get("expert_layer_offset", 0),
+    **{k: (lambda v, i, d: i % v if v else 0) for k in (
         "moe_layer_interval", "decoder_sparse_step", "interleave_moe_layer_step", "no_rope_layer_interval",
-        "sliding_window_pattern", "_sliding_window_pattern", "expert_layer_period", "attn_layer_period")},
+        "sliding_window_pattern", "_sliding_window_pattern")},
 }
-#: Config keys about layers that do not make blocks differ.
+#: Config keys about layers that do not make blocks differ (sizes, and the offsets their periods read).
 _NOT_PER_LAYER = frozenset({"layer_norm_eps", "layer_norm_epsilon", "num_nextn_predict_layers",
-                            "mtp_layers_block_type", "expert_layer_offset", "attn_layer_offset"}) | set(LAYER_KEYS)
+                            "mtp_layers_block_type", "expert_layer_offset", "attn_layer_offset",
+                            "vocab_size_per_layer_input", "hidden_size_per_layer_input"}) | set(LAYER_KEYS)
+#: Index rules whose per-block list the config also holds, which the modeling code reads instead (Gemma 3's and
+#: EXAONE 4's ``layer_types`` from ``sliding_window_pattern``, Llama 4's ``no_rope_layers`` and ``moe_layers``).
+_SUBSUMED = {"sliding_window_pattern": "layer_types", "_sliding_window_pattern": "layer_types",
+             "no_rope_layer_interval": "no_rope_layers", "interleave_moe_layer_step": "moe_layers"}
+#: Config keys whose per-block meaning the config class spells out as a per-block list property, read instead
+#: (Gemma 3n/4: the last ``num_kv_shared_layers`` blocks reuse earlier blocks' keys and values).
+_PROPERTY_OF = {"num_kv_shared_layers": "kv_sharing_modes"}
 _LAYER_KEY = re.compile(r"layer|pattern|interval|step_?$|freq|period|idxs|indices|first_k")
 
 
@@ -41,13 +53,22 @@ def layer_kinds(spec: "ModelSpec", plan: "Plan") -> list | None:
     """What makes each block differ from the others, per block, as transformers' config says (its per-layer lists,
     index lists and index rules, read after the config class filled them in): None when the config has a
     layer-related key this does not understand (the replay then runs every block)."""
-    d = hf_config(spec, plan).get_text_config().to_dict()
+    tc = hf_config(spec, plan).get_text_config()
+    d = tc.to_dict()
     L = spec.num_layers
     kinds: list[list] = [[] for _ in range(L)]
+    overrides = per_layer_overrides(d)  # a block's own attributes (Gemma 4's global blocks: their head_dim)
+    for i in range(L):
+        kinds[i].append(json.dumps(overrides.get(i, {}), sort_keys=True, default=str))
     for key, v in d.items():
-        if not _LAYER_KEY.search(key) or key in _NOT_PER_LAYER or v is None or key.startswith("time_step"):
+        if (not _LAYER_KEY.search(key) or key in _NOT_PER_LAYER or v is None or key.startswith("time_step")
+                or key == PER_LAYER_KEY or isinstance(d.get(_SUBSUMED.get(key, "")), list)):
             continue
-        if key in INDEX_LIST_KEYS and isinstance(v, list):
+        per_block = getattr(tc, _PROPERTY_OF[key], None) if key in _PROPERTY_OF else None
+        if isinstance(per_block, list) and len(per_block) == L:
+            for i in range(L):
+                kinds[i].append(per_block[i])
+        elif key in INDEX_LIST_KEYS and isinstance(v, list):
             for i in range(L):
                 kinds[i].append(i in v)
         elif isinstance(v, (list, str)) and len(v) == L:
@@ -55,7 +76,7 @@ def layer_kinds(spec: "ModelSpec", plan: "Plan") -> list | None:
                 kinds[i].append(v[i])
         elif key in _INDEX_RULES and isinstance(v, int):
             for i in range(L):
-                kinds[i].append(_INDEX_RULES[key](v, i))
+                kinds[i].append(_INDEX_RULES[key](v, i, d))
         else:
             return None
     return [tuple(k) for k in kinds]

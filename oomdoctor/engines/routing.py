@@ -61,7 +61,10 @@ def _mode_cls():
             from torch.utils._pytree import tree_flatten, tree_map_only
 
             kwargs = kwargs or {}
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            flat = (*args, *kwargs.values())
+            if any(isinstance(a, (list, tuple, dict)) for a in flat):  # a tensor list (cat, stack, index)
+                flat = tree_flatten((args, kwargs))[0]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
             if tensors and all(t in self.real for t in tensors):
                 with unset_fake_temporarily():
                     out = func(*args, **kwargs)

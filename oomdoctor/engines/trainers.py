@@ -174,7 +174,7 @@ def model_loader(spec: "ModelSpec", plan: "Plan", num_layers: int | None, device
         q = kwargs.get("quantization_config")
         if q is not None:
             quant = "int8" if q.load_in_8bit else q.bnb_4bit_quant_type
-            quantize_standin(model, quant=quant, compute_dtype=q.bnb_4bit_compute_dtype, head_name=spec.head_name,
+            quantize_standin(model, quant=quant, compute_dtype=q.bnb_4bit_compute_dtype,
                              double_quant=q.bnb_4bit_use_double_quant, device=device)
             _flag_bnb_loaded(model, q)
         return model

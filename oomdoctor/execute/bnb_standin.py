@@ -247,57 +247,67 @@ def standin_classes():
     return _CLASSES
 
 
-def quantize_model_standin(model, plan, *, head_name: str = "lm_head", device: str = "meta", decompose: bool = True) -> int:
-    """Replace every ``nn.Linear`` but the output head by a bnb stand-in for ``plan.quant``; returns how many.
+def bnb_targets(model) -> list[tuple[str, Any]]:
+    """(path, module) of the modules transformers' bitsandbytes loading replaces in ``model``, before any is
+    replaced: the one rule (``model/inventory.bnb_quantized_paths``)."""
+    from oomdoctor.model.inventory import bnb_quantized_paths
 
-    Flags the model ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` (what peft reads to pick its bnb LoRA layers).
+    paths = bnb_quantized_paths(model)
+    return [(name, mod) for name, mod in model.named_modules() if name in paths]
+
+
+def linear_features(mod) -> tuple[int, int]:
+    """(in, out) features of an ``nn.Linear`` or a transformers ``Conv1D`` (weight stored (in, out)), which
+    transformers' bitsandbytes integration replaces alike (``replace_with_bnb_linear``)."""
+    if type(mod).__name__ == "Conv1D":
+        return int(mod.weight.shape[0]), int(mod.weight.shape[1])
+    return mod.in_features, mod.out_features
+
+
+def quantize_model_standin(model, plan, *, device: str = "meta", decompose: bool = True) -> int:
+    """Replace every module transformers' bitsandbytes loading replaces (:func:`bnb_targets`) by a bnb stand-in for
+    ``plan.quant``; returns how many.
+
+    Flags the model as transformers' quantizer does (:func:`_mark_quantized`: peft picks its bnb LoRA layers by them).
     """
     from oomdoctor.execute.dtypes import torch_dtype
 
     return quantize_standin(model, quant=plan.quant, compute_dtype=torch_dtype(plan.compute_dtype),
-                            double_quant=plan.double_quant, head_name=head_name, device=device, decompose=decompose)
+                            double_quant=plan.double_quant, device=device, decompose=decompose)
 
 
-def quantize_standin(model, *, quant: str, compute_dtype, double_quant: bool, head_name: str = "lm_head",
-                     device: str = "meta", decompose: bool = True) -> int:
+def quantize_standin(model, *, quant: str, compute_dtype, double_quant: bool, device: str = "meta",
+                     decompose: bool = True) -> int:
     """:func:`quantize_model_standin` from the quantization settings themselves (``quant``: int8, nf4 or fp4;
     ``compute_dtype``: the torch dtype 4-bit layers compute and dequantize in), as a ``BitsAndBytesConfig`` gives
-    them to ``from_pretrained``; returns how many linears were replaced."""
-    import torch
-
+    them to ``from_pretrained``; returns how many modules were replaced."""
     L4, L8 = standin_classes()
-    replaced = 0
-    for name, mod in list(model.named_modules()):
-        for child_name, child in list(mod.named_children()):
-            if type(child) is not torch.nn.Linear or child_name == head_name:
-                continue
-            if quant == "int8":
-                new = L8(child.in_features, child.out_features, child.bias is not None, device=device)
-            else:
-                new = L4(
-                    child.in_features,
-                    child.out_features,
-                    child.bias is not None,
-                    compute_dtype=compute_dtype,
-                    quant_type=quant,
-                    double_quant=double_quant,
-                    quant_dtype=compute_dtype,
-                    device=device,
-                    decompose=decompose,
-                )
-            setattr(mod, child_name, new)
-            replaced += 1
+    targets = bnb_targets(model)
+    for name, child in targets:
+        fin, fout = linear_features(child)
+        if quant == "int8":
+            new = L8(fin, fout, child.bias is not None, device=device)
+        else:
+            new = L4(fin, fout, child.bias is not None, compute_dtype=compute_dtype, quant_type=quant,
+                     double_quant=double_quant, quant_dtype=compute_dtype, device=device, decompose=decompose)
+        model.set_submodule(name, new)
     _mark_quantized(model, quant)
-    return replaced
+    return len(targets)
 
 
 def _mark_quantized(model, quant: str) -> None:
-    """The flags transformers sets on a bnb-loaded model (peft and the Trainer read them)."""
+    """The flags transformers sets on a bnb-loaded model: ``is_loaded_in_4bit``/``_8bit`` and ``is_quantized``
+    (peft and the Trainer read them), and ``config._is_quantized`` on every submodel (``quantizers/base.py``
+    ``_assign_is_quantized``), which some models' code reads: Jamba's mixer calls ``dt_proj`` as a module, not
+    ``dt_proj.weight @ x``, when it is set."""
     if quant == "int8":
         model.is_loaded_in_8bit = True
     else:
         model.is_loaded_in_4bit = True
     model.is_quantized = True
+    from transformers.quantizers.base import _assign_is_quantized
+
+    _assign_is_quantized(model)
 
 
 def quant_state_tensors(model) -> list:
@@ -354,37 +364,34 @@ __all__ = [
 ]
 
 
-def quantize_model_real(model, plan, *, head_name: str = "lm_head", device: str = "cuda", std: float = 0.02) -> int:
-    """Replace every ``nn.Linear`` but the head by a REAL bitsandbytes layer quantized from random weights on
-    ``device`` (one layer at a time, so the full-precision model never exists on the device). For the measured engine
-    and scripts/validate_gpu.py on a CUDA GPU; ``model`` may live on the meta device."""
+def quantize_model_real(model, plan, *, device: str = "cuda", std: float = 0.02) -> int:
+    """Replace every module transformers' bitsandbytes loading replaces (:func:`bnb_targets`) by a REAL bitsandbytes
+    layer quantized from random weights on ``device`` (one layer at a time, so the full-precision model never exists
+    on the device). For the measured engine and scripts/validate_gpu.py on a CUDA GPU; ``model`` may live on the
+    meta device."""
     import torch
 
     bnb = _bnb()
     from oomdoctor.execute.dtypes import torch_dtype
 
     compute = torch_dtype(plan.compute_dtype)
-    replaced = 0
-    for _name, mod in list(model.named_modules()):
-        for child_name, child in list(mod.named_children()):
-            if type(child) is not torch.nn.Linear or child_name == head_name:
-                continue
-            w = torch.empty(child.out_features, child.in_features, dtype=torch.float16, device=device).normal_(0, std)
-            if plan.quant == "int8":
-                new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, child.bias is not None,
-                                          has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta")
-                new.weight = bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False)
-            else:
-                new = bnb.nn.Linear4bit(child.in_features, child.out_features, child.bias is not None,
-                                        compute_dtype=compute, compress_statistics=plan.double_quant,
-                                        quant_type=plan.quant, quant_storage=torch.uint8, device="meta")
-                new.weight = bnb.nn.Params4bit(w.to(compute), requires_grad=False, compress_statistics=plan.double_quant,
-                                               quant_type=plan.quant, quant_storage=torch.uint8, module=new)
-            del w
-            if child.bias is not None:
-                new.bias = torch.nn.Parameter(torch.zeros(child.out_features, device=device), requires_grad=False)
-            new = new.to(device)  # bnb quantizes on the move to the device
-            setattr(mod, child_name, new)
-            replaced += 1
+    targets = bnb_targets(model)
+    for name, child in targets:
+        fin, fout = linear_features(child)
+        w = torch.empty(fout, fin, dtype=torch.float16, device=device).normal_(0, std)
+        if plan.quant == "int8":
+            new = bnb.nn.Linear8bitLt(fin, fout, child.bias is not None, has_fp16_weights=False,
+                                      threshold=INT8_THRESHOLD, device="meta")
+            new.weight = bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False)
+        else:
+            new = bnb.nn.Linear4bit(fin, fout, child.bias is not None, compute_dtype=compute,
+                                    compress_statistics=plan.double_quant, quant_type=plan.quant,
+                                    quant_storage=torch.uint8, device="meta")
+            new.weight = bnb.nn.Params4bit(w.to(compute), requires_grad=False, compress_statistics=plan.double_quant,
+                                           quant_type=plan.quant, quant_storage=torch.uint8, module=new)
+        del w
+        if child.bias is not None:
+            new.bias = torch.nn.Parameter(torch.zeros(fout, device=device), requires_grad=False)
+        model.set_submodule(name, new.to(device))  # bnb quantizes on the move to the device
     _mark_quantized(model, plan.quant)
-    return replaced
+    return len(targets)

@@ -11,9 +11,11 @@ What :func:`build_model` applies, in the order a Hugging Face fine-tuning script
    (fp32 for ``fp32``/``*-mixed``: the fp32 weights are AMP's master copy; bf16 for ``bf16``) with the plan's
    attention implementation (``flash`` is built as ``sdpa``: on CPU the SDPA flash kernel stands in for
    flash-attn 2; both keep O(seq) state: the output and a log-sum-exp per head and row).
-2. QLoRA / int8: every linear but the output head is replaced by a bitsandbytes stand-in holding exactly the bytes bnb
-   stores (``oomdoctor.execute.bnb_standin``); the model is flagged ``is_loaded_in_4bit`` / ``is_loaded_in_8bit`` so
-   peft wraps the layers with its bnb LoRA classes.
+2. QLoRA / int8: every module transformers' bitsandbytes loading replaces (``model/inventory.bnb_quantized_paths``:
+   ``nn.Linear``/``Conv1D`` but the head and what transformers keeps) becomes a bitsandbytes stand-in holding exactly
+   the bytes bnb stores (``oomdoctor.execute.bnb_standin``); the model is flagged as transformers flags it
+   (``is_loaded_in_4bit`` / ``is_loaded_in_8bit``, ``config._is_quantized``) so peft wraps the layers with its bnb
+   LoRA classes.
 3. :func:`apply_plan_techniques`, shared with real loads (``oomdoctor.execute.load``): k-bit preparation (or, with
    ``kbit_upcast: false``, only the freezing), gradient checkpointing (non-reentrant), peft LoRA, ``model.train()``.
 """
@@ -82,7 +84,36 @@ def config_with_layers(cfg: dict, num_layers: int | None) -> dict:
         lt = out.get(k)
         if isinstance(lt, list) and lt:
             out[k] = [lt[i % len(lt)] for i in range(num_layers)]
+    overrides = per_layer_overrides(cfg)
+    if overrides:
+        period = max(_layer_count(cfg), 1)
+        out[PER_LAYER_KEY] = {str(i): overrides[i % period] for i in range(num_layers) if i % period in overrides}
+    shared = out.get(KV_SHARED_KEY)
+    if isinstance(shared, int) and shared and num_layers < _layer_count(cfg):
+        # the first blocks of the model: those of its last blocks that reuse earlier keys/values and fall among them
+        out[KV_SHARED_KEY] = max(0, num_layers - (_layer_count(cfg) - shared))
     return out
+
+
+#: Gemma 3n/4: the last ``num_kv_shared_layers`` blocks reuse the keys and values of earlier blocks.
+KV_SHARED_KEY = "num_kv_shared_layers"
+
+
+#: transformers' heterogeneous configs: ``{"<layer index>": {attribute: value}}`` overriding the global attributes
+#: of some blocks (Gemma 4's global-attention blocks: their own ``head_dim``; ``integrations/heterogeneity``).
+PER_LAYER_KEY = "per_layer_config"
+
+
+def per_layer_overrides(cfg: dict) -> dict[int, dict]:
+    """The ``per_layer_config`` of a config dict by block index (empty when homogeneous)."""
+    raw = cfg.get(PER_LAYER_KEY)
+    if not isinstance(raw, dict):
+        return {}
+    return {int(k): dict(v) for k, v in raw.items() if str(k).isdigit() and isinstance(v, dict)}
+
+
+def _layer_count(cfg: dict) -> int:
+    return next((cfg[k] for k in LAYER_KEYS if isinstance(cfg.get(k), int)), 0)
 
 
 def hf_config(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None):
@@ -375,12 +406,12 @@ def build_model(
         # a real GPU run: real bnb layers quantized from random weights, the rest materialized there
         from oomdoctor.execute.bnb_standin import quantize_model_real
 
-        quantize_model_real(model, plan, head_name=spec.head_name, device=real_quant_device)
+        quantize_model_real(model, plan, device=real_quant_device)
         materialize_meta(model, real_quant_device)
     elif plan.quant is not None and quant_standin:
         from oomdoctor.execute.bnb_standin import quantize_model_standin
 
-        quantize_model_standin(model, plan, head_name=spec.head_name, device=device, decompose=bnb_decompose)
+        quantize_model_standin(model, plan, device=device, decompose=bnb_decompose)
 
     model = apply_plan_techniques(model, plan, lora_targets_of_model(model, plan))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -184,7 +184,7 @@ def bnb_outputs_fp32(c: Ctx, linears) -> bool:
 def _quantized(spec: ModelSpec, name: str) -> bool:
     for g in spec.groups:
         if g.name == name and g.kind == "linear" and g.per_layer:
-            return bool(getattr(g, "quantizable", True))
+            return g.quantizable
     return False
 
 

@@ -35,7 +35,7 @@ from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 from oomdoctor.memory.context import Ctx, make_ctx, upcast_to_fp32
 from oomdoctor.memory.lora import adapter_bytes
 from oomdoctor.plan import Plan
-from oomdoctor.model.spec import ModelSpec
+from oomdoctor.model.spec import HEAD_NAMES, ModelSpec
 
 def _persistent_tensors(c: Ctx, opt: optm.OptimizerMemory) -> list[tuple[int, int]]:
     """(bytes, count) of the long-lived tensors, for the allocator's per-block rounding."""
@@ -354,6 +354,17 @@ def _notes(c: Ctx, measured_blocks: bool) -> list[str]:
         notes.append(
             "LoRA on an fp32 base under autocast: every frozen linear's bf16 cast is saved for backward "
             "(counted as AMP weight copies); load the base in bf16 (precision bf16) to avoid it"
+        )
+    kept = c.quant is not None and sorted({g.name for g in spec.groups if g.kind == "linear" and not g.quantizable
+                                            and g.name not in HEAD_NAMES})
+    if kept:
+        modules = sorted({g.module for g in spec.groups if g.kind == "linear" and g.name in kept})
+        none = not any(prm.is_quantized(g) for g in spec.groups)
+        notes.append(
+            f"{spec.model_type}: transformers' bitsandbytes loading replaces exactly nn.Linear/Conv1D modules (not "
+            f"the head, not _keep_in_fp32_modules), so {', '.join(kept)} ({', '.join(modules)}) stay unquantized in "
+            f"{'fp32 (prepare_model_for_kbit_training upcasts them)' if c.wb == 4 else 'bf16'}"
+            + ("; no linear is quantized: QLoRA costs more than LoRA on a bf16 base here" if none else "")
         )
     if upcast_to_fp32(plan):
         notes.append(

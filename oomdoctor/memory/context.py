@@ -21,16 +21,13 @@ from functools import lru_cache
 
 from oomdoctor.errors import BadInput
 from oomdoctor.plan import Plan
-from oomdoctor.model.spec import ModelSpec, ParamGroup
+from oomdoctor.model.spec import HEAD_NAMES, ModelSpec, ParamGroup
 
 #: Bytes of one dropout mask element: torch's fused ``native_dropout`` (CUDA) keeps a bool mask; the CPU path
 #: (``_dropout_impl``: ``input * bernoulli_noise``) keeps the noise in the input dtype.
 CUDA_DROPOUT_MASK_BYTES = 1
 #: The CPU path's noise element for LoRA dropout: the adapter input dtype, fp32 (peft upcasts adapters to fp32).
 CPU_LORA_DROPOUT_NOISE_BYTES = 4
-
-#: HEAD module names (never quantized by bitsandbytes, never in peft's ``all-linear``).
-HEAD_NAMES = ("lm_head", "score", "classifier")
 
 
 @dataclass(frozen=True)

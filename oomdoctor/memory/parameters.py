@@ -4,7 +4,7 @@ LoRA adapters, and AMP's low-precision weight copies. Pure functions of (ModelSp
 
 from __future__ import annotations
 
-from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx
+from oomdoctor.memory.context import PARAM_WRAPPER, Ctx
 from oomdoctor.memory.logits import fused_head
 from oomdoctor.memory.lora import adapter_bytes
 
@@ -50,13 +50,13 @@ def int8_weight_bytes(numel: int, out_features: int) -> int:
 def base_weight_bytes(c: Ctx) -> int:
     """Stored bytes of the base model's weights (without adapters).
 
-    Unquantized weights take ``c.wb`` bytes each. With bitsandbytes, every ``nn.Linear`` but the output head is
-    quantized (transformers' ``get_keys_to_not_convert`` keeps the head); embeddings, norms and biases stay in the
-    weight dtype ``c.wb``. The plan's weight dtype for ``*-mixed`` is fp32, so peft's
-    ``prepare_model_for_kbit_training`` (which upcasts every non-4-bit fp16/bf16 parameter to fp32, peft
-    ``utils/other.py``) changes nothing there; in pure ``bf16`` it makes them fp32 (``c.wb`` = 4,
-    ``context.upcast_to_fp32``) unless ``kbit_upcast: false`` skips it (bf16). Sizes: ZeRO paper (Rajbhandari et al.
-    2020) §3.1 "model states" (2 bytes/param fp16, 4 bytes fp32).
+    Unquantized weights take ``c.wb`` bytes each. With bitsandbytes, the linears transformers' integration replaces
+    are quantized (:func:`is_quantized`: every ``nn.Linear``/``Conv1D`` but the head and what transformers keeps);
+    embeddings, norms, biases and the other linears stay in the weight dtype ``c.wb``. The plan's weight dtype for
+    ``*-mixed`` is fp32, so peft's ``prepare_model_for_kbit_training`` (which upcasts every non-4-bit fp16/bf16
+    parameter to fp32, peft ``utils/other.py``) changes nothing there; in pure ``bf16`` it makes them fp32 (``c.wb``
+    = 4, ``context.upcast_to_fp32``) unless ``kbit_upcast: false`` skips it (bf16). Sizes: ZeRO paper (Rajbhandari
+    et al. 2020) §3.1 "model states" (2 bytes/param fp16, 4 bytes fp32).
     """
     s = c.sums
     if c.quant is None:
@@ -74,9 +74,9 @@ def base_weight_bytes(c: Ctx) -> int:
 
 
 def is_quantized(g) -> bool:
-    """bitsandbytes replaces exactly ``nn.Linear``/``Conv1D`` modules (``ParamGroup.quantizable``, set by the
-    architecture builders) except the output head (transformers' ``modules_to_not_convert``)."""
-    return g.kind == "linear" and getattr(g, "quantizable", True) and g.name not in HEAD_NAMES
+    """Whether bitsandbytes replaces the linears of group ``g`` (``ParamGroup.quantizable``: transformers' rule,
+    ``model/inventory.bnb_quantized_paths``; the hand builders follow it, ``tests/test_quantized_price.py``)."""
+    return g.kind == "linear" and g.quantizable
 
 
 def parameter_bytes(c: Ctx) -> int:

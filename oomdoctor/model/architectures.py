@@ -66,7 +66,11 @@ def _lin(
     per_layer: bool = True,
     path: str = "",
     module: str = "Linear",
+    kept: bool = False,
 ) -> ParamGroup:
+    """A linear group; bitsandbytes through transformers quantizes it unless it is a subclass of nn.Linear
+    (``module``) or ``kept`` by transformers' quantizer (``model/inventory.bnb_quantized_paths``: the output
+    embeddings, the module of the model's last parameter, ``_keep_in_fp32_modules``)."""
     return ParamGroup(
         name=name,
         kind="linear",
@@ -77,8 +81,14 @@ def _lin(
         per_layer=per_layer,
         path=path,
         module=module,
-        quantizable=module in ("Linear", "Conv1D"),
+        quantizable=module in ("Linear", "Conv1D") and not kept,
     )
+
+
+def _head(name: str, i: int, o: int, bias: bool = False) -> ParamGroup:
+    """The output head (``lm_head``, a decoder classifier's ``score``): transformers' quantizer keeps it (the output
+    embeddings, or the last parameter's module)."""
+    return _lin(name, i, o, 1, bias, per_layer=False, path=name, kept=True)
 
 
 def _norm(name: str, numel: int, count: int, per_layer: bool = True, path: str = "", module: str = "RMSNorm") -> ParamGroup:
@@ -188,7 +198,7 @@ def _llama_like(cfg: dict, name: str) -> ModelSpec:
         ]
     groups.append(_norm("norm", h, 1, per_layer=False, path="model.norm"))
     if not tie:
-        groups.append(_lin("lm_head", h, V, 1, per_layer=False, path="lm_head"))
+        groups.append(_head("lm_head", h, V))
     sw = cfg.get("sliding_window")
     if mt == "qwen2" and not cfg.get("use_sliding_window", False):
         sw = None  # Qwen2 configs carry sliding_window but only use it when use_sliding_window is true
@@ -242,7 +252,7 @@ def _phi3(cfg: dict, name: str) -> ModelSpec:
         _norm("norm", h, 1, per_layer=False, path="model.norm"),
     ]
     if not tie:
-        groups.append(_lin("lm_head", h, V, 1, per_layer=False, path="lm_head"))
+        groups.append(_head("lm_head", h, V))
     sw = cfg.get("sliding_window")
     return ModelSpec(
         name=name, model_type="phi3", arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
@@ -286,7 +296,7 @@ def _phi(cfg: dict, name: str) -> ModelSpec:
                    _ln("k_layernorm", hd, L, path=f"{P}.self_attn.k_layernorm")]
     groups.append(_ln("final_layernorm", h, 1, per_layer=False, path="model.final_layernorm"))
     if not tie:
-        groups.append(_lin("lm_head", h, V, 1, True, per_layer=False, path="lm_head"))
+        groups.append(_head("lm_head", h, V, bias=True))
     else:  # PhiForCausalLM's lm_head has a bias even when its weight is tied to the embedding
         groups.append(ParamGroup(name="lm_head", kind="other", numel_each=V, count=1, per_layer=False,
                                  path="lm_head", module="Linear"))
@@ -349,7 +359,7 @@ def _falcon(cfg: dict, name: str) -> ModelSpec:
         groups.append(_ln("input_layernorm", h, L, path=f"{P}.input_layernorm"))
     groups.append(_ln("ln_f", h, 1, per_layer=False, path="transformer.ln_f"))
     if not tie:
-        groups.append(_lin("lm_head", h, V, 1, per_layer=False, path="lm_head"))
+        groups.append(_head("lm_head", h, V))
     return ModelSpec(
         name=name, model_type="falcon", arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
         num_kv_heads=nkv, head_dim=hd, intermediate_size=ffn, vocab_size=V, groups=tuple(groups),
@@ -390,7 +400,7 @@ def _gpt2(cfg: dict, name: str) -> ModelSpec:
         _ln("ln_f", h, 1, per_layer=False, path="transformer.ln_f"),
     ]
     if not tie:
-        groups.append(_lin("lm_head", h, V, 1, per_layer=False, path="lm_head"))
+        groups.append(_head("lm_head", h, V))
     return ModelSpec(
         name=name, model_type="gpt2", arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
         num_kv_heads=nh, head_dim=max(h // nh, 1), intermediate_size=inner, vocab_size=V, groups=tuple(groups),
@@ -442,6 +452,8 @@ def _bert(cfg: dict, name: str) -> ModelSpec:
         _lin("dense", inter, h, L, True, path=f"{P}.output.dense"),
         _ln("LayerNorm", h, L, path=f"{P}.output.LayerNorm"),
         _lin("dense", h, h, 1, True, per_layer=False, path="bert.pooler.dense"),
+        # the last parameter is classifier.bias, and transformers' quantizer keeps the module named like it
+        # ("classifier.bias" names none): its 4-bit loading quantizes the classifier (quantizers/base.py)
         _lin("classifier", h, labels, 1, True, per_layer=False, path="classifier"),
     ]
     return ModelSpec(
@@ -500,7 +512,8 @@ def _t5(cfg: dict, name: str) -> ModelSpec:
                        _lin("wi_1", d, dff, n, path=f"{B}.layer.{fi}.DenseReluDense.wi_1")]
         else:
             groups.append(_lin("wi", d, dff, n, path=f"{B}.layer.{fi}.DenseReluDense.wi"))
-        groups.append(_lin("wo", dff, d, n, path=f"{B}.layer.{fi}.DenseReluDense.wo"))
+        # T5's _keep_in_fp32_modules = ["wo"]: transformers' bitsandbytes loading leaves wo unquantized
+        groups.append(_lin("wo", dff, d, n, path=f"{B}.layer.{fi}.DenseReluDense.wo", kept=True))
         groups.append(_norm("layer_norm", d, n, path=f"{B}.layer.{fi}.layer_norm", module="T5LayerNorm"))
         groups.append(_norm("final_layer_norm", d, 1, per_layer=False, path=f"{stack}.final_layer_norm",
                             module="T5LayerNorm"))
@@ -546,5 +559,5 @@ def _as_sequence_classifier(spec: ModelSpec, cfg: dict, name: str) -> ModelSpec:
     labels = _num_labels(c)
     c.check()
     groups = [g for g in spec.groups if g.name != "lm_head"]
-    groups.append(_lin("score", spec.hidden_size, labels, 1, per_layer=False, path="score"))
+    groups.append(_head("score", spec.hidden_size, labels))
     return replace(spec, groups=tuple(groups), num_labels=labels, tie_word_embeddings=False)

@@ -40,35 +40,75 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k
 _LAYER_RE = re.compile(r"\.(layers|h|blocks|layer)\.(\d+)\.")
 
 
+#: What to run next when transformers refuses a config (every refusal names the model kind and why).
+_NEXT = ("compare config.json with the model's published one; `oomdoctor models` lists the configs priced offline")
+#: transformers' message for an optional package a module needs (``utils/import_utils.requires_backends``).
+_MISSING_PACKAGE = re.compile(r"(\w+) requires the ([\w.\-]+) library but it was not found")
+#: huggingface_hub's strict-dataclass validation of a config field (transformers 5.x configs).
+_BAD_FIELD = re.compile(r"Validation error for field '(\w+)':\s*(?:\w+Error: )?(.*)", re.S)
+
+
+def _transformers_version() -> str:
+    from transformers import __version__
+
+    return __version__
+
+
+def _refused_config(name: str, mt: str, exc: Exception) -> BadInput:
+    """transformers' refusal of the config itself, as one message: an unknown model kind, or a field it rejects."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    tv = _transformers_version()
+    if mt not in CONFIG_MAPPING:
+        import difflib
+
+        close = difflib.get_close_matches(mt, list(CONFIG_MAPPING), n=5, cutoff=0.6)
+        return BadInput(f"{name}: model kind {mt!r} is not supported: model_type {mt!r} is not a kind of model "
+                        f"transformers {tv} knows",
+                        (f"close model kinds transformers knows: {', '.join(close)}; " if close else "")
+                        + "check model_type in config.json; a model newer than transformers needs "
+                        "`pip install -U transformers`; models that need their own code (trust_remote_code) are not "
+                        "supported; `oomdoctor models` lists the configs priced offline")
+    field = _BAD_FIELD.search(str(exc))
+    why = f"field {field.group(1)}: {' '.join(field.group(2).split())[:160]}" if field else _first_line(exc)
+    return BadInput(f"{name}: this {mt!r} config is not supported: transformers {tv} refuses this {mt} config "
+                    f"({why})",
+                    (f"fix {field.group(1)} in config.json; " if field else "") + _NEXT)
+
+
+def _first_line(exc: Exception) -> str:
+    text = " ".join(str(exc).strip().splitlines()[:1])
+    return f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+
+
+def _refused_model(name: str, mt: str, exc: Exception) -> BadInput:
+    """transformers' refusal to build the model of a config it read: a missing optional package (Gemma-3n's vision
+    tower is timm's) says which and how to get it; anything else names the model kind and transformers' reason."""
+    tv = _transformers_version()
+    missing = _MISSING_PACKAGE.search(str(exc)) if isinstance(exc, ImportError) else None
+    if missing:
+        module, package = missing.groups()
+        return BadInput(f"{name}: transformers needs the optional package {package!r} to build this {mt!r} model "
+                        f"(its {module} comes from {package}), and it is not installed",
+                        f"pip install {package} (then run again: oomdoctor prices every tower's weights); or price "
+                        "the language model alone: a config.json holding its text_config")
+    return BadInput(f"{name}: this {mt!r} config is not supported: transformers {tv} cannot build its model "
+                    f"({_first_line(exc)})", _NEXT)
+
+
 def transformers_config(cfg: dict, name: str):
     """The transformers config of ``cfg`` (a config.json's dict), as ``AutoConfig`` builds it; BadInput when
-    transformers refuses it: a ``model_type`` it does not know (a model newer than the installed transformers, or one
-    that needs its own code), or values its config class rejects (the key and why, in one line)."""
-    import transformers
-    from transformers import CONFIG_MAPPING, AutoConfig
+    transformers refuses it (:func:`_refused_config`): a ``model_type`` it does not know (a model newer than the
+    installed transformers, or one that needs its own code), or values its config class rejects (the key and why, in
+    one line)."""
+    from transformers import AutoConfig
 
     mt = cfg["model_type"]
-    version = transformers.__version__
-    if mt not in CONFIG_MAPPING:
-        raise BadInput(f"{name}: model_type {mt!r} is not a kind of model transformers {version} knows, so oomdoctor "
-                       "cannot price or train it",
-                       f"check model_type in the config.json; if the model is newer than transformers {version}, "
-                       "`pip install -U transformers`; models that need their own code (trust_remote_code) are not "
-                       "supported; `oomdoctor models` lists the bundled configs")
     kw = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(mt, **kw)
     except Exception as exc:  # noqa: BLE001 - ValueError, KeyError, huggingface_hub's StrictDataclassError...
-        raise BadInput(f"{name}: transformers {version} refuses this {mt} config: {_reason(exc)}",
-                       "fix that key in the config.json, or start from a bundled config (`oomdoctor models`)") from None
-
-
-def _reason(exc: Exception, limit: int = 200) -> str:
-    """transformers' refusal in one line: the innermost line of its message (StrictDataclass errors nest the field's
-    own error last), at most ``limit`` characters."""
-    lines = [ln.strip() for ln in str(exc).strip("'\"").splitlines() if ln.strip()]
-    text = lines[-1] if lines else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+        raise _refused_config(name, mt, exc) from None
 
 
 def auto_model_class(config):
@@ -89,14 +129,14 @@ def _meta_model(config, name: str):
 
     auto = auto_model_class(config)
     if type(config) not in auto._model_mapping:
-        raise BadInput(f"{name}: {config.model_type!r} is neither a causal LM nor an image-text-to-text model in "
-                       "transformers", "oomdoctor prices causal LMs (and the text side of vision-language models)")
+        raise BadInput(f"{name}: model kind {config.model_type!r} is not supported: oomdoctor prices causal LMs (and "
+                       "the text side of vision-language models), and transformers has neither class for it",
+                       "pass the config of a causal LM (`oomdoctor models` lists the bundled ones)")
     try:
         with torch.device("meta"):
             return auto.from_config(config)
     except Exception as exc:  # noqa: BLE001 - transformers' own refusal of this config
-        raise BadInput(f"{name}: transformers cannot build {config.model_type!r} ({type(exc).__name__}: {exc})",
-                       "fix the config.json") from None
+        raise _refused_model(name, config.model_type, exc) from None
 
 
 def tower_prefixes(model) -> tuple[str, ...]:
@@ -133,6 +173,25 @@ def tower_prefixes(model) -> tuple[str, ...]:
     return tuple(out)
 
 
+def bnb_quantized_paths(model) -> frozenset[str]:
+    """Paths of the modules transformers' bitsandbytes integration replaces when it loads ``model`` in 4 or 8 bits
+    (transformers 5.x ``quantizers/quantizer_bnb_4bit.py``/``_8bit.py``: ``replace_with_bnb_linear`` skipping
+    ``get_modules_to_not_convert``): every module whose class is exactly ``nn.Linear`` (subclasses such as Falcon's
+    ``FalconLinear`` are not replaced: QLoRA leaves them in the load dtype) or a ``Conv1D``, except the output
+    embeddings, the weights tied to others, the module holding the model's last parameter and the model's
+    ``_keep_in_fp32_modules`` (T5's ``wo``), with ``llm_int8_skip_modules`` unset as oomdoctor's
+    ``BitsAndBytesConfig`` leaves it. The one rule for the inventory (``ParamGroup.quantizable``) and the
+    executor's stand-ins (``execute/bnb_standin.py``)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    return frozenset(name for name, mod in model.named_modules()
+                     if (type(mod) is torch.nn.Linear or isinstance(mod, Conv1D)) and should_convert_module(name, skip))
+
+
 def in_tower(path: str, prefixes: tuple[str, ...]) -> bool:
     """True when the module or parameter at ``path`` is inside one of the towers ``prefixes``."""
     return any(path == t or path.startswith(t + ".") for t in prefixes)
@@ -164,6 +223,7 @@ def text_side_targets(names: set[str], towers: tuple[str, ...]) -> str:
 
 def _groups(model, head_module, towers: tuple[str, ...]) -> tuple[tuple[ParamGroup, ...], int]:
     """The parameter groups of ``model`` (module docstring) and the number of decoder layers seen."""
+    quantized = bnb_quantized_paths(model)
     seen: set[int] = set()  # parameters counted (tied weights once)
     agg: OrderedDict[tuple, dict] = OrderedDict()
     layers: set[str] = set()
@@ -184,11 +244,13 @@ def _groups(model, head_module, towers: tuple[str, ...]) -> tuple[tuple[ParamGro
         if kind == "linear" and hasattr(mod, "weight") and mod.weight is not None and mod.weight.dim() == 2:
             w = mod.weight
             out_f, in_f = (w.shape[1], w.shape[0]) if type(mod).__name__ == "Conv1D" else (w.shape[0], w.shape[1])
-            key = ("linear", tmpl, int(in_f), int(out_f), getattr(mod, "bias", None) is not None, tower)
+            key = ("linear", tmpl, int(in_f), int(out_f), getattr(mod, "bias", None) is not None, tower,
+                   path in quantized)
             name = "lm_head" if mod is head_module else leaf
             g = agg.setdefault(key, dict(name=name, kind="linear", in_features=int(in_f), out_features=int(out_f),
                                          bias=key[4], count=0, per_layer=per_layer and mod is not head_module,
-                                         path=tmpl, module=type(mod).__name__, quantizable=True, tower=tower))
+                                         path=tmpl, module=type(mod).__name__, quantizable=path in quantized,
+                                         tower=tower))
             g["count"] += 1
             extra = [p for n, p in own if n not in ("weight", "bias")]
             if extra:
@@ -239,9 +301,21 @@ def _peft_moe_conversion(model_type: str) -> str:
     return base if base in _MOE_TARGET_MODULE_MAPPING else ""
 
 
+def _value(tc, key: str) -> Any:
+    """``tc.key`` as transformers' model reads it. A heterogeneous config (``per_layer_config``: Gemma 4's global
+    layers have their own ``head_dim``) refuses a global read of a per-layer attribute
+    (``AmbiguousGlobalPerLayerAttributeError``); its blocks read ``config.per_layer_config[i].key``: the largest
+    value over the layers then (the widest block; the blocks themselves are measured, ``engines/blocks.py``)."""
+    if key in (getattr(tc, "per_layer_attributes", None) or ()):
+        values = [getattr(tc.per_layer_config[i], key, None) for i in range(tc.num_hidden_layers)]
+        numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        return max(numbers) if numbers else None
+    return getattr(tc, key, None)
+
+
 def _first(tc, keys: tuple[str, ...], default: Any = 0) -> Any:
     for k in keys:
-        v = getattr(tc, k, None)
+        v = _value(tc, k)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return default
@@ -256,7 +330,7 @@ def _top_k(tc, n_exp: int, name: str) -> int:
     k = _first(tc, TOP_K_KEYS, 0)
     if k:
         return k
-    unset = [key for key in TOP_K_KEYS if hasattr(tc, key) and getattr(tc, key) is None]
+    unset = [key for key in TOP_K_KEYS if key in tc.to_dict() and _value(tc, key) is None]
     if unset:
         raise BadInput(f"{name}: {unset[0]} is not set in this {n_exp}-expert config, and transformers' router "
                        "cannot run without it (topk with k=None)",
@@ -275,30 +349,30 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
     head = model.get_output_embeddings()
     towers = tower_prefixes(model)
     groups, n_layers = _groups(model, head, towers)
-    h = int(getattr(tc, "hidden_size", 0) or getattr(tc, "d_model", 0))
-    L = int(getattr(tc, "num_hidden_layers", 0) or n_layers)
-    nh = int(getattr(tc, "num_attention_heads", 0) or 1)
+    h = int(_first(tc, ("hidden_size", "d_model")))
+    L = int(_first(tc, ("num_hidden_layers",), n_layers))
+    nh = int(_first(tc, ("num_attention_heads",), 1))
     nkv = int(_first(tc, ("num_key_value_heads", "num_kv_heads", "n_head_kv"), nh))
-    if getattr(tc, "multi_query", False) and not getattr(tc, "new_decoder_architecture", False):
+    if _value(tc, "multi_query") and not _value(tc, "new_decoder_architecture"):
         nkv = 1  # multi-query attention (Falcon-7B style): one key/value head whatever num_kv_heads says
-    hd = int(getattr(tc, "head_dim", 0) or max(h // max(nh, 1), 1))
+    hd = int(_first(tc, ("head_dim",), max(h // max(nh, 1), 1)))
     n_exp = _first(tc, EXPERT_KEYS)
     inter = _first(tc, ("moe_intermediate_size",) if n_exp else (), 0) or _first(
         tc, ("intermediate_size", "ffn_hidden_size", "n_inner"), 4 * h)
-    act = str(getattr(tc, "hidden_act", "") or getattr(tc, "hidden_activation", ""))
+    act = str(_value(tc, "hidden_act") or _value(tc, "hidden_activation") or "")
     names = {g.name for g in groups}
     gated = bool(names & {"gate_proj", "gate_up_proj", "w1", "w3", "gate_up"}) or "glu" in act
     norm_kind = "rms" if any("RMS" in g.module for g in groups if g.kind == "norm") else "layer"
-    sw = getattr(tc, "sliding_window", None)
-    tie = bool(getattr(config, "tie_word_embeddings", False) or getattr(tc, "tie_word_embeddings", False))
+    sw = _value(tc, "sliding_window")
+    tie = bool(getattr(config, "tie_word_embeddings", False) or _value(tc, "tie_word_embeddings"))
     return ModelSpec(
         name=name, model_type=cfg["model_type"], arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
-        num_kv_heads=nkv, head_dim=hd, intermediate_size=int(inter), vocab_size=int(getattr(tc, "vocab_size", 0)),
+        num_kv_heads=nkv, head_dim=hd, intermediate_size=int(inter), vocab_size=int(_first(tc, ("vocab_size",))),
         groups=groups, mlp_kind="gated" if gated else "plain", norm_kind=norm_kind,
-        parallel_attn=bool(getattr(tc, "parallel_attn", False) or getattr(tc, "use_parallel_residual", False)),
+        parallel_attn=bool(_value(tc, "parallel_attn") or _value(tc, "use_parallel_residual")),
         num_experts=n_exp, experts_per_token=_top_k(tc, n_exp, name), tie_word_embeddings=tie,
         peft_moe_conversion=_peft_moe_conversion(cfg["model_type"]) if n_exp else "",
-        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 0) or 0),
+        max_position_embeddings=int(_first(tc, ("max_position_embeddings",))),
         sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None, config=cfg,
         inventory="transformers", towers=towers,
     )
@@ -311,5 +385,5 @@ def spec_from_transformers(cfg: dict, name: str) -> ModelSpec:
     return _cached((json.dumps(cfg, sort_keys=True, default=str),), name)
 
 
-__all__ = ["auto_model_class", "in_tower", "spec_from_transformers", "text_side_targets", "tower_prefixes",
+__all__ = ["auto_model_class", "bnb_quantized_paths", "in_tower", "spec_from_transformers", "text_side_targets", "tower_prefixes",
            "towers_pattern"]

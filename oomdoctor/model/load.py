@@ -124,7 +124,26 @@ def _read_config(path: Path) -> dict:
         ) from None
     if not isinstance(cfg, dict):
         raise BadInput(f"{path} holds JSON but not an object; a Hugging Face config.json is an object")
-    return cfg
+    return decode_special_floats(cfg)
+
+
+#: How transformers 5.x writes a float JSON cannot hold (``PreTrainedConfig._encode_special_floats``):
+#: ``{"__float__": "Infinity"}`` (Mamba-2's ``time_step_limit`` = (0, inf)). transformers 4.x wrote Python's bare
+#: ``Infinity``/``NaN`` literals, which ``json.loads`` reads as floats already.
+FLOAT_TAG = "__float__"
+FLOAT_TAG_VALUES = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_special_floats(obj):
+    """``obj`` with every ``{"__float__": "Infinity"}`` (``-Infinity``, ``NaN``) replaced by its float, as
+    transformers' ``PreTrainedConfig._dict_from_json_file`` reads a config.json (``_decode_special_floats``)."""
+    if isinstance(obj, dict):
+        if set(obj) == {FLOAT_TAG} and obj[FLOAT_TAG] in FLOAT_TAG_VALUES:
+            return FLOAT_TAG_VALUES[obj[FLOAT_TAG]]
+        return {k: decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_special_floats(v) for v in obj]
+    return obj
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -195,7 +214,7 @@ def _fetch_from_hub(model_id: str) -> dict | None:
         raise BadInput(f"the config.json fetched for {model_id} is not valid JSON") from None
     if not isinstance(cfg, dict):
         raise BadInput(f"the config.json fetched for {model_id} is not a JSON object")
-    return cfg
+    return decode_special_floats(cfg)
 
 
 def load_config(model: str) -> tuple[dict, str, dict | None]:

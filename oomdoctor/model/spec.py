@@ -15,6 +15,9 @@ from oomdoctor.errors import BadInput
 ParamKind = Literal["linear", "embedding", "norm", "other"]
 ArchKind = Literal["decoder", "encoder", "encoder-decoder"]
 
+#: Output head module names: never in peft's ``all-linear`` (bitsandbytes: ``ParamGroup.quantizable``).
+HEAD_NAMES = ("lm_head", "score", "classifier")
+
 #: Model types whose attention takes relative position buckets: ``max_position_embeddings``/``n_positions`` is the
 #: training length, not a limit (T5's ``relative_attention_bias``).
 RELATIVE_POSITIONS: frozenset[str] = frozenset({"t5", "mt5", "umt5", "longt5"})
@@ -66,11 +69,12 @@ class ParamGroup:
     """Class of the HF module (``Linear``, ``Conv1D``, ``FalconLinear``, ``Embedding``, ``LayerNorm``, ``RMSNorm``,
     ``Parameter``). GPT-2's ``Conv1D`` stores its weight as (in, out) but holds the same elements as a Linear."""
     quantizable: bool = False
-    """True when bitsandbytes quantization through transformers (``replace_with_bnb_linear``, transformers 5.x)
-    replaces this module: exactly ``type(m) is nn.Linear`` or ``Conv1D``. Falcon's ``FalconLinear`` (a subclass)
-    and Mixtral's fused 3D expert tensors are NOT replaced and stay in the load dtype; neither are embeddings and
-    norms. The output head is excluded by transformers too (``lm_head`` is in ``modules_to_not_convert``); that
-    is the memory model's call, so the head's flag only says whether its class could be quantized."""
+    """True when loading the model quantized through transformers' bitsandbytes integration (transformers 5.x
+    ``replace_with_bnb_linear``) replaces this module (``model/inventory.bnb_quantized_paths``, the one rule):
+    exactly ``type(m) is nn.Linear`` or ``Conv1D``, but not the output embeddings, tied weights, the module of the
+    last parameter or the model's ``_keep_in_fp32_modules`` (T5's ``wo``) — BERT's classifier is quantized (its last
+    parameter is a bias). Falcon's ``FalconLinear`` (a subclass) and Mixtral's fused 3D expert tensors are NOT
+    replaced and stay in the load dtype; neither are embeddings and norms."""
     tower: bool = False
     """A module of a multimodal tower (vision/audio encoder, its projector): text-only training neither runs nor
     trains it — frozen, never a LoRA target — but holds (and quantizes) its weights (``model/inventory.py``)."""
