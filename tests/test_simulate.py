@@ -291,11 +291,11 @@ def test_attention_dropout_replays_as_the_cuda_kernel_keeping_every_other_argume
     dropout_p, positional or not, still apply (a causal call stays causal)."""
     import torch
 
-    from oomdoctor.engines.replay import _cuda_policy_mode_cls
+    from oomdoctor.engines.replay import cuda_policy_mode_cls
 
     q = torch.randn(1, 2, 8, 4)
     causal = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    with _cuda_policy_mode_cls()():
+    with cuda_policy_mode_cls()():
         positional = torch.nn.functional.scaled_dot_product_attention(q, q, q, None, 0.5, True)
         keywords = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5, is_causal=True)
     assert torch.equal(positional, causal) and torch.equal(keywords, causal)

@@ -108,13 +108,14 @@ def test_livebytes_equals_torch_fsdp_mem_tracker_on_fsdp2(tiny_config):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from oomdoctor.engines.simulate import _meta_model, fake_process_group
+    from oomdoctor.engines.fake import meta_model
+    from oomdoctor.engines.simulate import fake_process_group
     from oomdoctor.execute.build import make_batch
     from oomdoctor.execute.tracking import LiveBytes
 
     spec, plan = _spec(tiny_config), _fsdp(2)
     with fake_process_group(2):
-        model = _meta_model(spec, plan, None, True).model
+        model = meta_model(spec, plan, None, True).model
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             batch = make_batch(spec, plan)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from oomdoctor.execute.tracking import LiveBytes
 
@@ -133,17 +133,17 @@ class BlockReplay:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from oomdoctor.engines.routing import balanced_routing
-        from oomdoctor.engines.simulate import _fake_gaps, _meta_model, _retie
+        from oomdoctor.engines.fake import fake_gaps, meta_model, retie
         from oomdoctor.execute.build import find_layers
 
         st = self._stack
         st.enter_context(_quiet())
-        self.built = _meta_model(self.spec, self.plan, self.num_layers, True)
+        self.built = meta_model(self.spec, self.plan, self.num_layers, True)
         st.enter_context(FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False))
-        st.enter_context(_fake_gaps())
+        st.enter_context(fake_gaps())
         st.enter_context(balanced_routing(self.spec, self.plan))
         self.built.model.to_empty(device="cpu")
-        _retie(self.built.model)
+        retie(self.built.model)
         self.layers = find_layers(self.built.model)
         return self
 
@@ -179,7 +179,7 @@ class BlockReplay:
     def _run(self, plan: "Plan", budget: int | None) -> BlockRun:
         import torch
 
-        from oomdoctor.engines.replay import (TrackingHooks, _cuda_policy_mode_cls, _wrap_checkpoint_functions,
+        from oomdoctor.engines.replay import (TrackingHooks, cuda_policy_mode_cls, wrap_checkpoint_functions,
                                               cuda_autocast_answers, hf_data_paths)
         from oomdoctor.execute.bnb_standin import CONTEXT_HELD
         from oomdoctor.execute.build import make_batch
@@ -276,9 +276,9 @@ class BlockReplay:
             hooks += [layer.register_forward_pre_hook(enter(i), with_kwargs=True),
                       layer.register_forward_hook(leave(i))]
         hooks.append(self.built.head_module.register_forward_pre_hook(head_reached))
-        policy_cls = _cuda_policy_mode_cls()
+        policy_cls = cuda_policy_mode_cls()
         # the recompute in backward runs under the CUDA policy again (torch-function modes are off in backward)
-        restore = _wrap_checkpoint_functions(model, lb, policy_cls, classify=False) if plan.gradient_checkpointing \
+        restore = wrap_checkpoint_functions(model, lb, policy_cls, classify=False) if plan.gradient_checkpointing \
             else []
         # under checkpointing the kept block inputs (and bnb's context-held int8 inputs) are formulas
         observers = [] if plan.gradient_checkpointing else [held]

@@ -43,7 +43,7 @@ _FP32_FUNCS = (
 _FP32_OPT_DTYPE_FUNCS = ("softmax", "log_softmax", "sum", "prod", "cumsum", "cumprod", "nansum", "softmin")
 
 
-def _cuda_policy_mode_cls():
+def cuda_policy_mode_cls():
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -333,13 +333,13 @@ class Instruments:
                     out.register_hook(lambda _g: self.tail_starts.append(lb.events))
 
             self.hooks.append(emb.register_forward_hook(_mark_tail))
-        self.policy_cls = _cuda_policy_mode_cls() if target == "cuda" else None
+        self.policy_cls = cuda_policy_mode_cls() if target == "cuda" else None
         self.restore_ckpt: list = []
         self._stack: ExitStack | None = None
 
     def wrap_checkpoints(self) -> None:
         """Make each checkpointed block recompute under the CUDA policy (call once checkpointing is enabled)."""
-        self.restore_ckpt += _wrap_checkpoint_functions(self.model, self.lb, self.policy_cls,
+        self.restore_ckpt += wrap_checkpoint_functions(self.model, self.lb, self.policy_cls,
                                                         classify=self.checkpoint_region)
 
     def __enter__(self) -> "Instruments":
@@ -461,7 +461,7 @@ def _offload_optimizer_state(opt, lb) -> None:
                 lb.ignore(v, external="cpu_offloaded")
 
 
-def _wrap_checkpoint_functions(model, lb, policy_cls=None, *, classify: bool = True) -> list:
+def wrap_checkpoint_functions(model, lb, policy_cls=None, *, classify: bool = True) -> list:
     """Wrap each block's checkpoint function so that the recompute during backward (a) runs under the CUDA policy
     again (torch-function modes are not active inside autograd's backward) and (b) is classified as activations
     (try/finally survives the non-reentrant checkpoint's early stop)."""
@@ -492,4 +492,4 @@ def _wrap_checkpoint_functions(model, lb, policy_cls=None, *, classify: bool = T
 
 
 __all__ = ["Instruments", "RunStats", "run_steps", "replay_step", "replayed_micro_batches", "TrackingHooks",
-           "cuda_autocast_answers", "hf_data_paths"]
+           "cuda_autocast_answers", "hf_data_paths", "cuda_policy_mode_cls", "wrap_checkpoint_functions"]

@@ -41,6 +41,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from oomdoctor.engines.fake import fake_gaps, meta_model, retie
 from oomdoctor.engines.kinds import layer_period
 from oomdoctor.engines.replay import RunStats, run_steps
 from oomdoctor.errors import BadInput
@@ -103,18 +104,6 @@ def fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
-def _meta_model(spec, plan, num_layers, bnb_decompose: bool, device_type: str = "cpu"):
-    """The meta-built model of ``plan``; wrapped by FSDP2 on the current process group when ``strategy: fsdp``."""
-    from oomdoctor.execute.build import build_model
-
-    built = build_model(spec, plan, device="meta", num_layers=num_layers, bnb_decompose=bnb_decompose)
-    if plan.strategy == "fsdp":
-        from oomdoctor.execute.shard import apply_fsdp, device_mesh
-
-        apply_fsdp(built.model, plan, device_mesh(plan, device_type), device_type)
-    return built
-
-
 def random_sharded_model(spec: "ModelSpec", plan: "Plan", device: str, num_layers: int | None = None,
                          bnb_decompose: bool = True):
     """The FSDP2 model of ``plan`` with real random shards on ``device`` (``cpu`` here, ``cuda`` for the measured
@@ -123,9 +112,9 @@ def random_sharded_model(spec: "ModelSpec", plan: "Plan", device: str, num_layer
     ``execute/load.load_sharded_model`` does). Returns the ``BuiltModel``."""
     import torch
 
-    built = _meta_model(spec, plan, num_layers, bnb_decompose, device_type=device)
+    built = meta_model(spec, plan, num_layers, bnb_decompose, device_type=device)
     built.model.to_empty(device="cpu" if plan.offload_params else device)
-    _retie(built.model)
+    retie(built.model)
     with torch.no_grad():
         for p in built.model.parameters():
             getattr(p, "_local_tensor", p).normal_(0, 0.02)
@@ -184,13 +173,13 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
     if why:
         raise BadInput(f"the simulated engine cannot run this plan: {why}", "use --engine analytic")
     with fake_process_group(plan.world_size) if plan.strategy == "fsdp" else nullcontext():
-        built = _meta_model(spec, plan, num_layers, bnb_decompose)
+        built = meta_model(spec, plan, num_layers, bnb_decompose)
         model = built.model
         # no fallback kernels: an op without a fake implementation must never run for real on full-size zeros
         fake = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
-        with fake, _fake_gaps(), balanced_routing(spec, plan):
+        with fake, fake_gaps(), balanced_routing(spec, plan):
             model.to_empty(device="cpu")
-            _retie(model)
+            retie(model)
             batch = make_batch(spec, plan, "cpu")
             lb = LiveBytes(round_to=round_to, record_timeline=timeline, param_copy_category="master_weights")
 
@@ -202,28 +191,6 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
         stats.layers = built.num_layers
         del model, built
     return stats
-
-
-@contextmanager
-def _fake_gaps():
-    """Ops torch has no fake implementation for: ``_fused_sgd_`` (in-place update, allocates nothing on CUDA)."""
-    import torch
-
-    orig = torch._fused_sgd_
-
-    def fused_sgd_(*args, **kwargs):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        params = args[0] if args else kwargs.get("self", [])
-        if params and isinstance(params[0], FakeTensor):
-            return None
-        return orig(*args, **kwargs)
-
-    torch._fused_sgd_ = fused_sgd_
-    try:
-        yield
-    finally:
-        torch._fused_sgd_ = orig
 
 
 def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_layers: int | None = None,
@@ -252,14 +219,6 @@ def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_
     stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=head)
     stats.layers = layers
     return stats
-
-
-def _retie(model) -> None:
-    """``to_empty`` replaces each module's parameters one by one, which unties shared weights (tied embeddings):
-    tie them again as transformers does after loading."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(getattr(base, "config", None), "tie_word_embeddings", False) and hasattr(base, "tie_weights"):
-        base.tie_weights()
 
 
 def _first_replay() -> str:

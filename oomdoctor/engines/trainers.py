@@ -287,7 +287,7 @@ def trainer_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from oomdoctor.engines.routing import balanced_routing
-    from oomdoctor.engines.simulate import _fake_gaps, _retie
+    from oomdoctor.engines.fake import fake_gaps, retie
     from oomdoctor.execute.tracking import LiveBytes
 
     why = not_replayed(plan)
@@ -303,11 +303,11 @@ def trainer_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, 
         if not real:
             fake = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
             stack.enter_context(fake)
-            stack.enter_context(_fake_gaps())
+            stack.enter_context(fake_gaps())
             stack.enter_context(balanced_routing(spec, plan))
             stack.enter_context(_full_batch_cls()())
             model.to_empty(device="cpu")
-            _retie(model)
+            retie(model)
         trainer.accelerator.device_placement = False  # the model is on its device already (module docstring)
         batch = _batch(trainer, plan, fake)
         lb = LiveBytes(round_to=round_to, record_timeline=timeline, param_copy_category="master_weights")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput
 from oomdoctor.memory.context import experts_implementation
+from oomdoctor.model.inventory import EXPERT_KEYS
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -204,7 +205,7 @@ def lora_targets_of_model(model, plan: "Plan") -> str | list[str]:
 
 
 def _num_experts(config) -> int:
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+    for key in EXPERT_KEYS:
         v = getattr(config, key, None)
         if isinstance(v, int) and v > 1:
             return v

@@ -204,7 +204,7 @@ class ModelSpec:
     def head_name(self) -> str:
         """Name of the output head module (``lm_head`` for causal LMs)."""
         for g in self.groups:
-            if g.name in ("lm_head", "score", "classifier"):
+            if g.name in HEAD_NAMES:
                 return g.name
         return "lm_head"
 
