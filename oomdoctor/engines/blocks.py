@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from oomdoctor.engines.kinds import extend, replay_depth
-from oomdoctor.memory.activations import BlockBytes, BlockSaves
+from oomdoctor.memory.measured import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def measured_plan(plan: "Plan") -> "Plan":
     micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation, topology,
     LoRA's scale, the 4-bit data type, double quantization and the upcast of an fp32-loaded base (a no-op) do not
     touch the blocks and take their defaults (one cache entry for them all)."""
-    from oomdoctor.memory.context import upcast_changes_bytes
+    from oomdoctor.model.execution import upcast_changes_bytes
     from oomdoctor.plan.techniques import DEFAULTS
 
     keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant", "tiled_mlp", "trainer")
@@ -191,7 +191,7 @@ def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:
     from oomdoctor.execute.build import find_layers, make_batch
     from oomdoctor.execute.step import TrainStep
     from oomdoctor.execute.tracking import LiveBytes
-    from oomdoctor.memory.context import runs_autocast
+    from oomdoctor.model.execution import runs_autocast
 
     q, p = replay_depth(spec, plan)
     built = _meta_model(spec, plan, q + p + 1 if p else None, True)

@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.context import experts_implementation
+from oomdoctor.model.execution import experts_implementation
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -152,7 +152,7 @@ def lora_targets_of_model(model, plan: "Plan") -> str | list[str]:
     layer but the output head and a multimodal tower's (peft's ``all-linear`` resolution without them) plus the head;
     on models where peft refuses some linears (Mamba mixers: ``memory/context.lora_refused_names``) all-linear is
     that list without them."""
-    from oomdoctor.memory.context import all_linear_string, lora_refused_names
+    from oomdoctor.model.lora_targets import all_linear_string, lora_refused_names
     from oomdoctor.model.inventory import in_tower, tower_prefixes
 
     model_type = getattr(getattr(model, "config", None), "model_type", "")

@@ -4,7 +4,9 @@ LoRA adapters, and AMP's low-precision weight copies. Pure functions of (ModelSp
 
 from __future__ import annotations
 
-from oomdoctor.memory.context import HEAD_NAMES, PARAM_WRAPPER, Ctx
+from oomdoctor.memory.context import Ctx
+from oomdoctor.model.lora_targets import PARAM_WRAPPER
+from oomdoctor.model.spec import HEAD_NAMES
 from oomdoctor.memory.logits import fused_head
 from oomdoctor.memory.lora import adapter_bytes
 

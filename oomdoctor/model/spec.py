@@ -15,6 +15,9 @@ from oomdoctor.errors import BadInput
 ParamKind = Literal["linear", "embedding", "norm", "other"]
 ArchKind = Literal["decoder", "encoder", "encoder-decoder"]
 
+#: Output head module names: never in peft's ``all-linear`` (bitsandbytes: ``ParamGroup.quantizable``).
+HEAD_NAMES = ("lm_head", "score", "classifier")
+
 #: Model types whose attention takes relative position buckets: ``max_position_embeddings``/``n_positions`` is the
 #: training length, not a limit (T5's ``relative_attention_bias``).
 RELATIVE_POSITIONS: frozenset[str] = frozenset({"t5", "mt5", "umt5", "longt5"})
@@ -200,7 +203,7 @@ class ModelSpec:
     def head_name(self) -> str:
         """Name of the output head module (``lm_head`` for causal LMs)."""
         for g in self.groups:
-            if g.name in ("lm_head", "score", "classifier"):
+            if g.name in HEAD_NAMES:
                 return g.name
         return "lm_head"
 

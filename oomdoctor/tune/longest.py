@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from oomdoctor.errors import DoesNotFit
-from oomdoctor.memory.context import tiled_mlp_refusal
+from oomdoctor.model.execution import tiled_mlp_refusal
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.context import upcast_changes_bytes
+from oomdoctor.model.execution import upcast_changes_bytes
 from oomdoctor.memory.sharding import node_host_bytes
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan

@@ -93,7 +93,7 @@ def lora_targets(plan: Plan, spec: ModelSpec) -> str | list[str]:
     ``all-linear`` as is, else the sorted leaf names (all-linear expanded without what peft cannot adapt, the
     head with ``lora_on_head``); on a vision-language model one regex for those names outside its towers
     (``model/inventory.text_side_targets``: the executor's ``exclude_modules``, which TRL and axolotl lack)."""
-    from oomdoctor.memory.context import all_linear_names, executor_targets
+    from oomdoctor.model.lora_targets import all_linear_names, executor_targets
 
     names = executor_targets(spec, plan)
     if spec.towers:
