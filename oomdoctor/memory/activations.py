@@ -50,7 +50,7 @@ from oomdoctor.model.execution import experts_implementation
 from oomdoctor.model.lora_targets import PARAM_WRAPPER
 from oomdoctor.model.quirks import (EMBEDDINGS_SCALED_IN_FORWARD, FP32_ROUTING_WEIGHTS, POW_ACTS, act_extra_tensors,
                                     activation_name, config_float, effective_attn)
-from oomdoctor.model.roles import layer_roles
+from oomdoctor.model.roles import LayerRoles, layer_roles
 from oomdoctor.model.spec import HEAD_NAMES
 
 
@@ -71,6 +71,8 @@ def eager_forward_transient(c: Ctx) -> int:
 
 @dataclass(frozen=True)
 class LayerActs:
+    """One block's activation terms (bytes), from the formulas (:func:`layer_activations`) or measured blocks."""
+
     saved: int
     """Bytes one block saves for backward (its own norm inputs included; its output is counted by the next norm)."""
     stack: int
@@ -105,231 +107,360 @@ class LayerActs:
     stack's gradients as made); None where ``bwd_extra`` holds no weight gradient (the formulas)."""
 
 
-def layer_activations(c: Ctx) -> LayerActs:
-    spec, plan = c.spec, c.plan
-    roles = layer_roles(spec)
-    T, B, S = c.T, c.B, c.S
-    h, I = spec.hidden_size, spec.intermediate_size
-    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    qd, kvd = nh * hd, nkv * hd
-    ab, rb = c.ab, c.rb
-    n_att = roles.attn_blocks
-    ktok = roles.mlp_tokens
+@dataclass(frozen=True)
+class AttentionSaves:
+    """What one block's attention saves for backward, with the parts its backward formula reads."""
 
-    # --- norms over the hidden size (input: residual stream, rb bytes)
-    n_hidden_norms = c.sums.hidden_norms_per_layer or (1 if spec.parallel_attn else 2)
-    norms = n_hidden_norms * norm_saved(c, h, T, rb)
-    # q/k norms over q (T x qd) and k (T x kvd), input in the compute dtype; per head (Qwen3) their statistics are
-    # per head, over the whole projection (OLMo 2) per token
+    total: float
+    """Bytes saved: the input linears (and adapters), the kernel's saves per attention block, the output projection."""
+    out_saved: float
+    """Bytes the output projection (and its adapter) saves."""
+    out_copy: int
+    """Eager attention: the contiguous output copy a trainable output projection saves (0 otherwise)."""
+    kv_width: float
+    """Width of k and v together per token (a fused qkv's outputs beyond q)."""
+    kv_repeat: float
+    """Eager attention: how many times GQA repeats k/v to the query heads (1.0 without GQA or for fused kernels)."""
+    impl: str
+    """The attention implementation the model really runs (:func:`~oomdoctor.model.quirks.effective_attn`)."""
+
+
+@dataclass(frozen=True)
+class MlpSaves:
+    """What one block's MLP (dense or experts) saves for backward, with the parts the other terms read."""
+
+    total: float
+    """Bytes saved by the MLP: its input linears, intermediates, output linear (experts: router and routing too)."""
+    down: float
+    """Bytes saved by the MLP output linear(s) (0 for fused experts)."""
+    after_inputs: float
+    """Dense MLPs: what the MLP saves after its input linears (0 for MoE)."""
+    experts: float
+    """Fused experts: what they save that is freed before the attention's backward runs (0 otherwise)."""
+
+
+def hidden_norm_count(c: Ctx) -> int:
+    """Norms over the hidden size in one block (a parallel block has one, Llama two, Gemma 2 four)."""
+    return c.sums.hidden_norms_per_layer or (1 if c.spec.parallel_attn else 2)
+
+
+def norms_saved(c: Ctx) -> int:
+    """Bytes one block's norms save: those over the hidden size (input: the residual stream, ``rb`` bytes) and the
+    q/k norms over q (T x qd) and k (T x kvd), input in the compute dtype; per head (Qwen3) their statistics are per
+    head, over the whole projection (OLMo 2) per token."""
+    spec, T = c.spec, c.T
+    nh, nkv = spec.num_heads, spec.num_kv_heads
+    qd, kvd = nh * spec.head_dim, nkv * spec.head_dim
+    norms = hidden_norm_count(c) * norm_saved(c, spec.hidden_size, T, c.rb)
     if c.sums.head_dim_norms_per_layer:
-        norms += norm_saved(c, qd, T, ab) + norm_saved(c, kvd, T, ab)
+        norms += norm_saved(c, qd, T, c.ab) + norm_saved(c, kvd, T, c.ab)
         if c.sums.qk_norms_per_head:
             norms += (nh + nkv - 2) * T * RMS_STATS_BYTES
+    return norms
 
-    # --- attention
-    att = consumers_saved(c, T, rb, roles.attn_in)
+
+def eager_kernel_saved(c: Ctx, kv_w: float, rep: float) -> float:
+    """Bytes eager attention (transformers ``eager_attention_forward``) saves per attention block: q, the repeated
+    k/v (copies under GQA), the fp32 softmax output, its cast to the compute dtype (saved by the matmul with v),
+    soft-capping's tanh output (Gemma 2), attention dropout's mask and output, and the contiguous output copy a
+    trainable output projection saves."""
+    spec, T, B, S, ab = c.spec, c.T, c.B, c.S, c.ab
+    nh, qd = spec.num_heads, spec.num_heads * spec.head_dim
+    inner = ab * T * (qd + kv_w * rep)  # q, repeated k/v (copies when GQA)
+    inner += 4 * B * nh * S * S  # fp32 softmax output
+    if ab != 4:
+        inner += ab * B * nh * S * S  # probs cast back to the compute dtype (saved by matmul with v)
+    if spec.config.get("attn_logit_softcapping") is not None:
+        inner += ab * B * nh * S * S  # tanh soft-capping keeps its output (Gemma-2 eager_attention_forward)
+    p_att = config_float(spec, "attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")
+    if p_att > 0:
+        inner += (c.mask_b + ab) * B * nh * S * S
+    return inner + eager_output_copy(c)
+
+
+def eager_output_copy(c: Ctx) -> int:
+    """The contiguous copy of eager attention's output a trainable output projection saves (outside autocast)."""
+    return c.ab * c.T * c.spec.num_heads * c.spec.head_dim if c.full and not c.mixed else 0
+
+
+def fused_kernel_saved(c: Ctx, roles: LayerRoles, kv_w: float, impl: str) -> float:
+    """Bytes SDPA / flash attention saves per attention block: q, k, v, the output and the fp32 logsumexp, plus what
+    T5's position bias, sliding-window masks, repeated GQA k/v and a fused qkv keep alive."""
+    spec, T, B, S, ab = c.spec, c.T, c.B, c.S, c.ab
+    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    qd, kvd = nh * hd, nkv * hd
+    n_att = roles.attn_blocks
+    inner = ab * T * (qd + kv_w) + ab * T * qd + 4 * B * nh * S  # q,k,v + out + logsumexp
+    if spec.model_type == "t5":
+        # T5 hands its relative position bias (1 x heads x S x S) to SDPA as attn_mask: each self-attention
+        # saves its own copy (cross-attention: one shared zero bias, in shared_forward_bytes)
+        inner += ab * nh * S * S / max(n_att, 1e-9)
+    if impl == "sdpa":
+        # sliding-window blocks hand SDPA a boolean mask, which it turns into an additive mask in the query's
+        # dtype (aten/src/ATen/native/transformers/attention.cpp ``convert_boolean_attn_mask``) that the kernel
+        # saves (CUDA: memory-efficient attention, flash takes no mask); with a mask (or head_dim > 256)
+        # transformers repeats GQA's k/v to the query heads instead of passing enable_gqa
+        # (integrations/sdpa_attention.py ``use_gqa_in_sdpa``): SDPA saves the repeated copies
+        masked = sliding_fraction(c)
+        inner += masked * ab * B * S * S
+        if nkv and nkv < nh:
+            inner += (1.0 if hd > 256 else masked) * ab * T * 2 * (qd - kvd)
+    if (len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon")
+            and not bnb_outputs_fp32(c, roles.attn_in)):
+        # fused qkv (Phi-3 qkv_proj): v is a view of the fused output, so SDPA's saved v keeps all of it alive
+        # while rotary made new q/k — unless autocast casts v for SDPA: a bitsandbytes qkv under autocast
+        # returns fp32 (traced on replayed Phi-3-mini blocks, QLoRA: 25 MB per block at 2k tokens over before)
+        inner += ab * T * (qd + kv_w / 2)
+    return inner
+
+
+def attention_saved(c: Ctx, roles: LayerRoles) -> AttentionSaves:
+    """What one block's attention saves: its input linears' saves (:func:`consumers_saved` of the norm output), the
+    kernel's per attention block (:func:`eager_kernel_saved`, :func:`fused_kernel_saved`) and the output
+    projection's, unless the kernel saved that very tensor already (:func:`attn_saves_output`)."""
+    spec, T, ab = c.spec, c.T, c.ab
+    nh, nkv = spec.num_heads, spec.num_kv_heads
+    qd, kvd = nh * spec.head_dim, nkv * spec.head_dim
+    n_att = roles.attn_blocks
+    att = consumers_saved(c, T, c.rb, roles.attn_in)
     qkv_out = sum(o * m for _n, _i, o, m in roles.attn_in) / max(n_att, 1e-9)  # q+k+v width per attention block
     kv_w = max(qkv_out - qd, 2 * kvd) if qkv_out else qd + 2 * kvd
-    attn_impl = effective_attn(spec, plan.attn)
-    if attn_impl == "eager":
+    impl = effective_attn(spec, c.plan.attn)
+    rep = 1.0
+    if impl == "eager":
         rep = qd / max(kvd, 1) if nkv and nkv != nh else 1.0
-        inner = ab * T * (qd + kv_w * rep)  # q, repeated k/v (copies when GQA)
-        inner += 4 * B * nh * S * S  # fp32 softmax output
-        if ab != 4:
-            inner += ab * B * nh * S * S  # probs cast back to the compute dtype (saved by matmul with v)
-        if spec.config.get("attn_logit_softcapping") is not None:
-            inner += ab * B * nh * S * S  # tanh soft-capping keeps its output (Gemma-2 eager_attention_forward)
-        p_att = config_float(spec, "attention_dropout", "attention_probs_dropout_prob", "attn_pdrop")
-        if p_att > 0:
-            inner += (c.mask_b + ab) * B * nh * S * S
+        inner = eager_kernel_saved(c, kv_w, rep)
+        out_copy = eager_output_copy(c)
         out_saved_by_attn = False
-        out_copy = ab * T * qd if c.full and not c.mixed else 0  # contiguous output copy saved by a trainable o_proj
-        inner += out_copy
     else:
-        inner = ab * T * (qd + kv_w) + ab * T * qd + 4 * B * nh * S  # q,k,v + out + logsumexp
-        if spec.model_type == "t5":
-            # T5 hands its relative position bias (1 x heads x S x S) to SDPA as attn_mask: each self-attention
-            # saves its own copy (cross-attention: one shared zero bias, in shared_forward_bytes)
-            inner += ab * nh * S * S / max(n_att, 1e-9)
-        if attn_impl == "sdpa":
-            # sliding-window blocks hand SDPA a boolean mask, which it turns into an additive mask in the query's
-            # dtype (aten/src/ATen/native/transformers/attention.cpp ``convert_boolean_attn_mask``) that the kernel
-            # saves (CUDA: memory-efficient attention, flash takes no mask); with a mask (or head_dim > 256)
-            # transformers repeats GQA's k/v to the query heads instead of passing enable_gqa
-            # (integrations/sdpa_attention.py ``use_gqa_in_sdpa``): SDPA saves the repeated copies
-            masked = sliding_fraction(c)
-            inner += masked * ab * B * S * S
-            if nkv and nkv < nh:
-                inner += (1.0 if hd > 256 else masked) * ab * T * 2 * (qd - kvd)
-        if (len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon")
-                and not bnb_outputs_fp32(c, roles.attn_in)):
-            # fused qkv (Phi-3 qkv_proj): v is a view of the fused output, so SDPA's saved v keeps all of it alive
-            # while rotary made new q/k — unless autocast casts v for SDPA: a bitsandbytes qkv under autocast
-            # returns fp32 (traced on replayed Phi-3-mini blocks, QLoRA: 25 MB per block at 2k tokens over before)
-            inner += ab * T * (qd + kv_w / 2)
+        inner = fused_kernel_saved(c, roles, kv_w, impl)
+        out_copy = 0
         out_saved_by_attn = attn_saves_output(c)
     att += n_att * inner
-    already = out_saved_by_attn or (attn_impl == "eager" and c.full and not c.mixed)  # eager: the copy is in inner
+    already = out_saved_by_attn or (impl == "eager" and c.full and not c.mixed)  # eager: the copy is in inner
     out_saved = consumers_saved(c, T, ab, roles.attn_out, already_saved=already)
-    if attn_impl == "eager" and c.full and c.mixed:
+    if impl == "eager" and c.full and c.mixed:
         out_saved += n_att * ab * T * qd  # o_proj saves the bf16 output copy (autocast cast is a no-op on bf16)
     att += out_saved
+    return AttentionSaves(att, out_saved, out_copy, kv_w, rep, impl)
 
-    # --- MLP
-    gated = spec.mlp_kind == "gated"
-    mlp_after = 0.0
-    moe_saved = 0.0  # what fused experts save (freed before the attention's backward runs)
-    if spec.num_experts and not roles.mlp_in:
-        # transformers 5.x MoE (Mixtral): router = raw Parameter (F.linear on the normed hidden states), experts =
-        # fused 3-D Parameters looped per expert: gathered tokens -> gate_up (2I, its chunks saved by act and
-        # product) -> act * up -> down -> * routing weight -> index_add_. Each token visits experts_per_token
-        # experts. Weights train only in full fine-tuning (peft all-linear does not adapt raw Parameters).
-        E = spec.num_experts
-        mlp = 0.0
-        pw = param_wrapped(c)
-        if c.full or "gate" in pw:
-            mlp += (2 if c.mixed and rb == 4 else rb) * T * h  # router input
-        if c.full or "gate_up_proj" in pw:
-            mlp += rb * T * h * ktok  # gathered tokens (input of gate_up)
-        if c.full or "down_proj" in pw:
-            mlp += ab * T * I * ktok  # product (input of down)
-        mlp += ab * T * h * ktok  # expert outputs, saved by the routing-weight product (which requires grad)
-        mlp += param_wrapper_weights(c)
-        moe_saved = mlp
-        mlp += 3 * ab * T * I * ktok  # gate_up output (act input + up view) + act output
-        mlp += T * E * (4 + ab)  # router logits + fp32 routing softmax
-        # routing bookkeeping (grouped_mm_experts_forward): int64 top-k indices, sort permutation and token index
-        # (perm // k), the reordered routing weights; a normalized top-k (Mixtral, norm_topk_prob) divides fp32
-        # values by their sum, both saved. Measured with the simulate engine (tiny Qwen3-MoE / Mixtral).
-        sb = routing_weight_bytes(c)
-        if experts_implementation(plan) == "eager":
-            # eager experts (MixtralExperts.forward): ``index_add_`` keeps its source, the routing-weighted output,
-            # for its backward (``expand_as(source)``); per slot the int64 (top-k slot, token) pair ``nonzero``
-            # made. Measured block by block with the replay under a balanced router (engines/routing).
-            mlp += ab * T * h * ktok + T * ktok * (2 * 8 + sb)
-        else:
-            mlp += T * ktok * (3 * 8 + sb)
-        if spec.model_type in FP32_ROUTING_WEIGHTS or spec.config.get("norm_topk_prob"):
-            mlp += 8 * T * ktok
-        down = 0
-    elif spec.num_experts:
-        E = spec.num_experts
-        mlp = consumers_saved(c, T, rb, roles.router)
-        if c.full:
-            mlp += (2 if c.mixed and rb == 4 else rb) * T * h * ktok
-        else:
-            mlp += consumers_saved(c, T, rb, roles.mlp_in, already_saved=True)
-        mlp += ktok * ab * T * h + T * E * (4 + ab)
-        mlp += 3 * ab * T * I * ktok
-        down = consumers_saved(c, T, ab, roles.mlp_out)
-        mlp += down
+
+def fused_experts_saved(c: Ctx, roles: LayerRoles) -> tuple[float, float]:
+    """(all, freed before the attention's backward) bytes transformers 5.x fused MoE experts save per block
+    (Mixtral): router = raw Parameter (F.linear on the normed hidden states), experts = fused 3-D Parameters looped
+    per expert: gathered tokens -> gate_up (2I, its chunks saved by act and product) -> act * up -> down -> *
+    routing weight -> index_add_. Each token visits experts_per_token experts. Weights train only in full
+    fine-tuning or under a peft ``ParamWrapper`` (peft all-linear does not adapt raw Parameters otherwise)."""
+    spec, T, ab, rb = c.spec, c.T, c.ab, c.rb
+    h, I, E = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    ktok = roles.mlp_tokens
+    mlp = 0.0
+    pw = param_wrapped(c)
+    if c.full or "gate" in pw:
+        mlp += (2 if c.mixed and rb == 4 else rb) * T * h  # router input
+    if c.full or "gate_up_proj" in pw:
+        mlp += rb * T * h * ktok  # gathered tokens (input of gate_up)
+    if c.full or "down_proj" in pw:
+        mlp += ab * T * I * ktok  # product (input of down)
+    mlp += ab * T * h * ktok  # expert outputs, saved by the routing-weight product (which requires grad)
+    mlp += param_wrapper_weights(c)
+    moe_saved = mlp
+    mlp += 3 * ab * T * I * ktok  # gate_up output (act input + up view) + act output
+    mlp += T * E * (4 + ab)  # router logits + fp32 routing softmax
+    # routing bookkeeping (grouped_mm_experts_forward): int64 top-k indices, sort permutation and token index
+    # (perm // k), the reordered routing weights; a normalized top-k (Mixtral, norm_topk_prob) divides fp32
+    # values by their sum, both saved. Measured with the simulate engine (tiny Qwen3-MoE / Mixtral).
+    sb = routing_weight_bytes(c)
+    if experts_implementation(c.plan) == "eager":
+        # eager experts (MixtralExperts.forward): ``index_add_`` keeps its source, the routing-weighted output,
+        # for its backward (``expand_as(source)``); per slot the int64 (top-k slot, token) pair ``nonzero``
+        # made. Measured block by block with the replay under a balanced router (engines/routing).
+        mlp += ab * T * h * ktok + T * ktok * (2 * 8 + sb)
     else:
-        # a parallel block's attention and MLP read the same norm output: saved once when the attention's linears
-        # save it as it is (a full fine-tune; LoRA adapters reading their input itself)
-        shared_norm_saved = spec.parallel_attn and (c.full or saves_input_itself(c, rb, roles.attn_in))
-        mlp = consumers_saved(c, T, rb, roles.mlp_in, already_saved=shared_norm_saved)
-        mlp_after = -mlp  # + the total below: what the MLP saves after its input linears
-        # bitsandbytes under autocast: fp32 MLP intermediates (measured by the simulate engine: +6·T·I per layer)
+        mlp += T * ktok * (3 * 8 + sb)
+    if spec.model_type in FP32_ROUTING_WEIGHTS or spec.config.get("norm_topk_prob"):
+        mlp += 8 * T * ktok
+    return mlp, moe_saved
+
+
+def linear_experts_saved(c: Ctx, roles: LayerRoles) -> tuple[float, float]:
+    """(all, down's) bytes an MoE block whose experts are linear modules saves: the router's input, the gathered
+    tokens (full) or the experts' adapters' inputs, the expert outputs, router logits and fp32 softmax, the
+    intermediates, and the down projections' saves."""
+    spec, T, ab, rb = c.spec, c.T, c.ab, c.rb
+    h, I, E = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    ktok = roles.mlp_tokens
+    mlp = consumers_saved(c, T, rb, roles.router)
+    if c.full:
+        mlp += (2 if c.mixed and rb == 4 else rb) * T * h * ktok
+    else:
+        mlp += consumers_saved(c, T, rb, roles.mlp_in, already_saved=True)
+    mlp += ktok * ab * T * h + T * E * (4 + ab)
+    mlp += 3 * ab * T * I * ktok
+    down = consumers_saved(c, T, ab, roles.mlp_out)
+    mlp += down
+    return mlp, down
+
+
+def dense_mlp_saved(c: Ctx, roles: LayerRoles) -> tuple[float, float, float]:
+    """(all, down's, after the input linears) bytes a dense MLP saves: its input linears' saves (a parallel block's
+    attention and MLP read the same norm output: saved once when the attention's linears save it as it is — a full
+    fine-tune, LoRA adapters reading their input itself), the intermediates (gated: gate output, activation output,
+    up output; plain: fc1 output), the extra tensors of composite activations, and down's saves."""
+    spec, T, rb = c.spec, c.T, c.rb
+    I = spec.intermediate_size
+    gated = spec.mlp_kind == "gated"
+    shared_norm_saved = spec.parallel_attn and (c.full or saves_input_itself(c, rb, roles.attn_in))
+    mlp = consumers_saved(c, T, rb, roles.mlp_in, already_saved=shared_norm_saved)
+    mlp_after = -mlp  # + the total below: what the MLP saves after its input linears
+    # bitsandbytes under autocast: fp32 MLP intermediates (measured by the simulate engine: +6·T·I per layer)
+    mab = mab_global(c, roles)
+    mlp += (3 if gated else 1) * mab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
+    mlp += act_extra_tensors(spec) * mab * T * I  # activations composed of several pointwise ops
+    if c.autocast and mab == 2 and activation_name(spec) in POW_ACTS:
+        # autocast: pow saves the fp32 cast of its input (not the bf16 input), and tanh's output, 1 + tanh are
+        # fp32 (0.5·x stays bf16): 4 + 4 + 4 + 2 bytes per element, not 4 x 2 (measured on Phi-2 with the
+        # simulated engine: -8 % for a full bf16-mixed fine-tune before)
+        mlp += 6 * T * I
+    down = consumers_saved(c, T, mab, roles.mlp_out)
+    mlp += down
+    mlp_after += mlp
+    return mlp, down, mlp_after
+
+
+def mlp_saved(c: Ctx, roles: LayerRoles) -> MlpSaves:
+    """What one block's MLP saves: fused experts (:func:`fused_experts_saved`), experts as linear modules
+    (:func:`linear_experts_saved`) or a dense MLP (:func:`dense_mlp_saved`)."""
+    if c.spec.num_experts and not roles.mlp_in:
+        mlp, moe_saved = fused_experts_saved(c, roles)
+        return MlpSaves(mlp, 0, 0.0, moe_saved)
+    if c.spec.num_experts:
+        mlp, down = linear_experts_saved(c, roles)
+        return MlpSaves(mlp, down, 0.0, 0.0)
+    mlp, down, mlp_after = dense_mlp_saved(c, roles)
+    return MlpSaves(mlp, down, mlp_after, 0.0)
+
+
+def hidden_dropout_saved(c: Ctx) -> int:
+    """Hidden dropout (BERT/T5/GPT-2 style configs): a bool mask per dropout on the residual branch, two per block."""
+    p_hid = config_float(c.spec, "hidden_dropout_prob", "hidden_dropout", "resid_pdrop", "dropout_rate", "dropout")
+    return 2 * c.mask_b * c.T * c.spec.hidden_size if p_hid > 0 else 0
+
+
+def first_block_discount(c: Ctx, roles: LayerRoles) -> int:
+    """LoRA: block 0's input does not require grad (frozen embedding): its first norm saves nothing and the dropout
+    masks of the modules reading it are not kept."""
+    if c.full:
+        return 0
+    discount = norm_saved(c, c.spec.hidden_size, c.T, c.rb)
+    if c.plan.lora_dropout > 0:
+        discount += sum(c.mask_b * c.T * i for n, i, _o, m in roles.attn_in if c.is_adapted(n))
+    return discount
+
+
+def mlp_input_adapter_forward(c: Ctx, roles: LayerRoles, mlp: MlpSaves) -> int:
+    """LoRA: the forward of an MLP-input adapter (base output + lora_B output + its scaled copy: fp32 unless under
+    autocast) runs before the MLP's later saved tensors exist, while the residual and the norm output are held by
+    the running forward (and, pure bf16 with dropout, peft's fp32 cast of the input). The first MLP input (gate, or
+    a fused gate_up) runs before every MLP save (``mlp.after_inputs``); a second one (up) after the first's output
+    and activation are saved: only its own output and down's saves are still to come. Bytes beyond the block's
+    saves; measured tensor by tensor with the simulated engine on Phi-3 shapes (fused gate_up, 2I wide) and on
+    Llama-3.2-1B blocks at 16k tokens (up's adapter in the top block's recompute: -6 % before)."""
+    T, rb, h = c.T, c.rb, c.spec.hidden_size
+    worst = 0
+    for w_in, w, first in adapted_mlp_inputs(c, roles):
+        later = mlp.after_inputs if first else mab_global(c, roles) * T * w + mlp.down
+        moment = int(adapter_out_bytes(c) * T * w - later + 2 * rb * T * h)
+        if not c.mixed and rb != 4 and c.plan.lora_dropout > 0 and c.adapter_b == 4:
+            moment += 4 * T * w_in
+        worst = max(worst, moment)
+    return worst
+
+
+def down_adapter_copies(c: Ctx, roles: LayerRoles) -> tuple[int, int]:
+    """(fp32 copies of the MLP product that are not saved, down's adapted input width) in the down adapter's
+    forward: peft's cast of a 16-bit product to the fp32 adapter (autocast saves its 16-bit recast, made after; in
+    pure 16-bit with dropout the dropout output is saved, and the product is alive next to it), and under autocast
+    with dropout the fp32 dropout output (autocast saves lora_A's 16-bit cast of it; a bitsandbytes MLP's product is
+    fp32 already). A bitsandbytes down under CUDA autocast: peft makes no copy of the product; the dropout output is
+    in the product's dtype, a transient only when fp32 (a 16-bit one is what lora_A saves)."""
+    w_down = max((i for n, i, _o, _m in roles.mlp_out if c.is_adapted(n)), default=0)
+    mab, dropout = mab_global(c, roles), c.plan.lora_dropout > 0
+    copies = (1 if mab == 2 and (c.autocast or dropout) else 0) + (1 if c.autocast and dropout else 0)
+    if c.autocast and any(c.is_adapted(n) and bnb_skips_input_cast(c, n) for n, *_x in roles.mlp_out):
+        copies = 1 if dropout and mab == 4 else 0
+    return copies, w_down
+
+
+def mlp_adapter_forward(c: Ctx, roles: LayerRoles, mlp: MlpSaves) -> tuple[int, int]:
+    """(LoRA recompute moment, forward moment) of a dense MLP's adapters beyond the block's saves.
+
+    The first is the costlier of :func:`mlp_input_adapter_forward` and the down adapter's forward in block 0's
+    recompute, after every MLP save, next to the base output and the residual and norm output the running forward
+    holds, with :func:`down_adapter_copies`. Traced op by op with the simulated engine: Llama-3.2-1B blocks at 16k
+    tokens (-4.0 % before under autocast, -3.9 % with dropout 0.05 in bf16), Phi-3 shapes with dropout 0.05 (QLoRA
+    + GC -5.2 % once the fused qkv was priced right, LoRA under autocast -2.3 % before; scripts/
+    plans_vs_simulate.py --grid tests).
+
+    The second: bf16 weights under a foreign trainer's autocast (Ctx.autocast), in the forward: the 16-bit product
+    (down's input, which only lora_A's cast of peft's fp32 copy saves) is alive next to those copies, and so are the
+    block input (the decoder's reference), the residual, the norm output and the embedding output (the model's
+    ``inputs_embeds``). Traced op by op on a replayed TRL step (Llama-3.1-8B cut to 2 blocks, LoRA bf16 at 2k
+    tokens: -2.1 % before)."""
+    if c.full or not roles.mlp_in or c.spec.num_experts:
+        return 0, 0
+    T, rb, ab, h = c.T, c.rb, c.ab, c.spec.hidden_size
+    recompute = mlp_input_adapter_forward(c, roles, mlp)
+    forward = 0
+    copies, w_down = down_adapter_copies(c, roles)
+    if w_down and c.adapter_b == 4 and copies:
         mab = mab_global(c, roles)
-        mlp += (3 if gated else 1) * mab * T * I  # gate (act input), act out, up  |  fc1 out (act input)
-        mlp += act_extra_tensors(spec) * mab * T * I  # activations composed of several pointwise ops
-        if c.autocast and mab == 2 and activation_name(spec) in POW_ACTS:
-            # autocast: pow saves the fp32 cast of its input (not the bf16 input), and tanh's output, 1 + tanh are
-            # fp32 (0.5·x stays bf16): 4 + 4 + 4 + 2 bytes per element, not 4 x 2 (measured on Phi-2 with the
-            # simulated engine: -8 % for a full bf16-mixed fine-tune before)
-            mlp += 6 * T * I
-        down = consumers_saved(c, T, mab, roles.mlp_out)
-        mlp += down
-        mlp_after += mlp
+        product = 2 * T * w_down if mab == 2 and not c.autocast else 0
+        recompute = max(recompute, int(copies * 4 * T * w_down + product + ab * T * h + 2 * rb * T * h))
+        if c.autocast and not c.mixed and not c.plan.gradient_checkpointing:
+            forward = int(copies * 4 * T * w_down + mab * T * w_down + ab * T * h + 4 * rb * T * h)
+    return recompute, forward
 
-    # --- LLM.int8(): MatMul8bitLt keeps its input as a ``ctx.tensors`` attribute (bitsandbytes
-    # autograd/_functions.py; its fp16 cast only feeds the quantization): a distinct input the block's saves do not
-    # already keep is alive until the graph is freed. Under checkpointing the recompute's ctx attributes go with its
-    # graph; the forward's are ``gc_extra``.
-    int8_in = int8_held_only(c) if not plan.gradient_checkpointing else 0
 
-    # --- hidden dropout (BERT/T5/GPT-2 style configs): a bool mask per dropout on the residual branch
-    p_hid = config_float(spec, "hidden_dropout_prob", "hidden_dropout", "resid_pdrop", "dropout_rate", "dropout")
-    drop = 2 * c.mask_b * T * h if p_hid > 0 else 0
-
-    saved = int(norms + att + mlp + drop + int8_in)
-
-    # LoRA: block 0's input does not require grad (frozen embedding): its first norm saves nothing and the
-    # dropout masks of the modules reading it are not kept.
-    discount = 0
-    if not c.full:
-        discount = norm_saved(c, h, T, rb)
-        if plan.lora_dropout > 0:
-            discount += sum(c.mask_b * T * i for n, i, _o, m in roles.attn_in if c.is_adapted(n))
-
-    gc_saved = rb * T * h
-
-    # LoRA: the forward of an MLP-input adapter (base output + lora_B output + its scaled copy: fp32 unless under
-    # autocast) runs before the MLP's later saved tensors exist, while the residual and the norm output are held by
-    # the running forward (and, pure bf16 with dropout, peft's fp32 cast of the input). The first MLP input (gate,
-    # or a fused gate_up) runs before every MLP save (``mlp_after``); a second one (up) after the first's output and
-    # activation are saved: only its own output and down's saves are still to come. Bytes beyond the block's
-    # ``saved``; measured tensor by tensor with the simulated engine on Phi-3 shapes (fused gate_up, 2I wide) and on
-    # Llama-3.2-1B blocks at 16k tokens (up's adapter in the top block's recompute: -6 % before).
-    mlp_adapter_fwd = down_fwd = 0
-    if not c.full and roles.mlp_in and not spec.num_experts:
-        for w_in, w, first in adapted_mlp_inputs(c, roles):
-            later = mlp_after if first else mab_global(c, roles) * T * w + down
-            moment = int(adapter_out_bytes(c) * T * w - later + 2 * rb * T * h)
-            if not c.mixed and rb != 4 and plan.lora_dropout > 0 and c.adapter_b == 4:
-                moment += 4 * T * w_in
-            mlp_adapter_fwd = max(mlp_adapter_fwd, moment)
-        # the down adapter's forward in block 0's recompute, after every MLP save, next to the base output and the
-        # residual and norm output the running forward holds: fp32 copies of the MLP product that are not saved —
-        # peft's cast of a 16-bit product to the fp32 adapter (autocast saves its 16-bit recast, made after; in
-        # pure 16-bit with dropout the dropout output is saved, and the product is alive next to it), and under
-        # autocast with dropout the fp32 dropout output (autocast saves lora_A's 16-bit cast of it; a bitsandbytes
-        # MLP's product is fp32 already). Traced op by op with the simulated engine: Llama-3.2-1B blocks at 16k
-        # tokens (-4.0 % before under autocast, -3.9 % with dropout 0.05 in bf16), Phi-3 shapes with dropout 0.05
-        # (QLoRA + GC -5.2 % once the fused qkv was priced right, LoRA under autocast -2.3 % before; scripts/
-        # plans_vs_simulate.py --grid tests)
-        w_down = max((i for n, i, _o, _m in roles.mlp_out if c.is_adapted(n)), default=0)
-        mab, dropout = mab_global(c, roles), plan.lora_dropout > 0
-        copies = (1 if mab == 2 and (c.autocast or dropout) else 0) + (1 if c.autocast and dropout else 0)
-        if c.autocast and any(c.is_adapted(n) and bnb_skips_input_cast(c, n) for n, *_x in roles.mlp_out):
-            # a bitsandbytes down under CUDA autocast: peft makes no copy of the product; the dropout output is in
-            # the product's dtype, a transient only when fp32 (a 16-bit one is what lora_A saves)
-            copies = 1 if dropout and mab == 4 else 0
-        if w_down and c.adapter_b == 4 and copies:
-            product = 2 * T * w_down if mab == 2 and not c.autocast else 0
-            mlp_adapter_fwd = max(mlp_adapter_fwd,
-                                  int(copies * 4 * T * w_down + product + ab * T * h + 2 * rb * T * h))
-            if c.autocast and not c.mixed and not plan.gradient_checkpointing:
-                # bf16 weights under a foreign trainer's autocast (Ctx.autocast), in the forward: the 16-bit product
-                # (down's input, which only lora_A's cast of peft's fp32 copy saves) is alive next to those copies,
-                # and so are the block input (the decoder's reference), the residual, the norm output and the
-                # embedding output (the model's ``inputs_embeds``). Traced op by op on a replayed TRL step
-                # (Llama-3.1-8B cut to 2 blocks, LoRA bf16 at 2k tokens: -2.1 % before)
-                down_fwd = int(copies * 4 * T * w_down + mab * T * w_down + ab * T * h + 4 * rb * T * h)
-
-    # forward transients: gated product inputs + output, mixed-precision fp32 rotary copies, LoRA fp32 branch
-    # outputs, eager scores.
-    fwd_t = max(2 * rb * T * h + ab * T * I * ktok, down_fwd)
+def forward_transient(c: Ctx, roles: LayerRoles, adapter_recompute: int, adapter_forward: int,
+                      attn_impl: str) -> float:
+    """Peak bytes a block's forward holds beyond its saves: the gated product's inputs and output, the fp32 rotary
+    copies under autocast, LoRA's branch outputs (the widest adapter; net of the MLP's later tensors when it is an
+    MLP input), eager attention's scores (:func:`eager_forward_transient`), and with activations offloaded (no
+    checkpointing) all a block's forward holds (``memory/offloaded``)."""
+    spec, plan, T, rb, ab = c.spec, c.plan, c.T, c.rb, c.ab
+    h, I = spec.hidden_size, spec.intermediate_size
+    qd, kvd = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    fwd_t = max(2 * rb * T * h + ab * T * I * roles.mlp_tokens, adapter_forward)
     if c.mixed:
         fwd_t = max(fwd_t, 4 * T * (qd + kvd))
     if not c.full and c.lora_groups:
         widest = max((g.out_features for g in c.lora_groups if g.per_layer and g.module != PARAM_WRAPPER), default=0)
-        if mlp_adapter_fwd and widest == max(o for n, _i, o, _m in roles.mlp_in if c.is_adapted(n)):
-            fwd_t = max(fwd_t, mlp_adapter_fwd)  # the widest adapter is an MLP input: net of the MLP's later tensors
+        if adapter_recompute and widest == max(o for n, _i, o, _m in roles.mlp_in if c.is_adapted(n)):
+            fwd_t = max(fwd_t, adapter_recompute)  # the widest adapter is an MLP input: net of the MLP's later tensors
         else:
             fwd_t = max(fwd_t, adapter_out_bytes(c) * T * widest)  # base output, lora_B output, its scaled copy
     if attn_impl == "eager":
-        fwd_t = max(fwd_t, eager_forward_transient(c) * B * nh * S * S)
+        fwd_t = max(fwd_t, eager_forward_transient(c) * c.B * spec.num_heads * c.S * c.S)
     if plan.offload_activations and not plan.gradient_checkpointing:
         fwd_t = max(fwd_t, offloaded_mlp_forward(c, roles))
         if plan.trainer == "trl":  # TRL's own offloading: its forward stash (trl_offload_down_moment)
             fwd_t = max(fwd_t, trl_offload_down_moment(c, roles))
+    return fwd_t
 
-    # backward extras: MLP grads (3 intermediate-sized grads at the product's backward, next to the residual's
-    # grad, which is the MLP output's: one hidden-sized grad, not two — +2.5 % on QLoRA blocks at 16k tokens before)
-    # and the residual grad flow elsewhere (2 x hidden); SDPA/flash: dq/dk/dv + fp32 dq accumulator; eager: grad of
-    # probs + fp32 softmax grad.
-    flow = 2 * rb * T * h
+
+def residual_flow(c: Ctx) -> int:
+    """The residual gradient flowing past a block's backward: two hidden-sized tensors in the residual dtype."""
+    return 2 * c.rb * c.T * c.spec.hidden_size
+
+
+def mlp_backward(c: Ctx, roles: LayerRoles, down: float) -> float:
+    """Bytes beyond the block's saves at the MLP's backward: three intermediate-sized gradients at the product's
+    backward (two for a plain MLP), down's saves freed; what LLM.int8() keeps, autocast ``gelu_new``'s fp32 branch,
+    the fused experts' output path and the expert weights' gradients add."""
+    spec, plan, T = c.spec, c.plan, c.T
+    I, ktok = spec.intermediate_size, roles.mlp_tokens
+    gated = spec.mlp_kind == "gated"
     mlp_b = ((3 if gated else 2) * mab_global(c, roles) * T * I * ktok) - down
     if c.quant == "int8" and not plan.gradient_checkpointing and any(
             cons == roles.mlp_out and saves_input_itself(c, b, cons) for b, _w, cons in int8_inputs(c, roles)):
@@ -342,92 +473,161 @@ def layer_activations(c: Ctx) -> LayerActs:
         # op on a replayed Phi block), fc2's saved input already freed
         mlp_b = max(mlp_b, 16 * T * I - down)
     if spec.num_experts and not roles.mlp_in:
+        mlp_b = max(mlp_b, fused_experts_backward(c, roles))
+    return mlp_b
+
+
+def fused_experts_backward(c: Ctx, roles: LayerRoles) -> float:
+    """Bytes the fused experts' backward holds (0 when nothing below applies)."""
+    spec, plan, T, ab = c.spec, c.plan, c.T, c.ab
+    h, I, ktok = spec.hidden_size, spec.intermediate_size, roles.mlp_tokens
+    worst = 0.0
+    if experts_implementation(plan) == "grouped_mm":
+        # fused experts' output path backward (transformers integrations/moe.py grouped_mm_experts_forward:
+        # ``(proj_out * weights)[inv_perm].view(T, k, h).sum(1)``): the index backward's zeros + index_put and
+        # the grad copy, k·T·h each, in the routing weights' dtype (measured with the simulate engine on
+        # Mixtral); the eager loop's ``index_add_`` backward selects one expert's rows at a time
+        worst = max(worst, 3 * routing_weight_bytes(c) * T * h * ktok)
+    pw = param_wrapped(c)
+    if pw:
+        # ParamWrapper experts: each grouped matmul's backward makes the full-size gradient of its W' (param
+        # dtype) before peft's parametrization reduces it to lora_A/lora_B grads: down's first (gate_up's W' still
+        # saved), then gate_up's once down's W' is freed; with the down output's and input's grads alive.
+        # Measured with the simulate engine on wide-expert tiny Qwen3-MoE shapes (tests/test_moe.py).
+        w_d, w_gu = pw.get("down_proj", 0), pw.get("gate_up_proj", 0)
         if experts_implementation(plan) == "grouped_mm":
-            # fused experts' output path backward (transformers integrations/moe.py grouped_mm_experts_forward:
-            # ``(proj_out * weights)[inv_perm].view(T, k, h).sum(1)``): the index backward's zeros + index_put and
-            # the grad copy, k·T·h each, in the routing weights' dtype (measured with the simulate engine on
-            # Mixtral); the eager loop's ``index_add_`` backward selects one expert's rows at a time
-            mlp_b = max(mlp_b, 3 * routing_weight_bytes(c) * T * h * ktok)
-        pw = param_wrapped(c)
-        if pw:
-            # ParamWrapper experts: each grouped matmul's backward makes the full-size gradient of its W' (param
-            # dtype) before peft's parametrization reduces it to lora_A/lora_B grads: down's first (gate_up's W' still
-            # saved), then gate_up's once down's W' is freed; with the down output's and input's grads alive.
-            # Measured with the simulate engine on wide-expert tiny Qwen3-MoE shapes (tests/test_moe.py).
-            w_d, w_gu = pw.get("down_proj", 0), pw.get("gate_up_proj", 0)
-            if experts_implementation(plan) == "grouped_mm":
-                mlp_b = max(mlp_b, c.wb * max(w_d, w_gu - w_d) + ab * T * ktok * (h + I))
-            else:
-                mlp_b = max(mlp_b, eager_expert_grads(c, w_gu, w_d))
-        elif c.full and experts_implementation(plan) == "eager":
-            stacks = prm.expert_stacks(c)
-            mlp_b = max(mlp_b, eager_expert_grads(c, stacks.get("gate_up_proj", 0), stacks.get("down_proj", 0)))
-    att_b = flow + ab * T * (qd + kv_w) + 4 * T * qd
-    if attn_impl == "eager":
-        # at the softmax backward: the probabilities' gradient in fp32 and the softmax's input gradient (fp32),
-        # the compute-dtype probabilities already freed by the PV matmul's backward: (ab + 4) bytes per score net;
-        # the gradient of the (repeated) values and the residual's. Already freed: what the output projection
-        # saved and the values the PV matmul saved, what the later norms (Gemma 2: three) and the MLP saved: their
-        # backward ran first, in a parallel block too (Phi, GPT-NeoX: the MLP runs after the attention in forward;
-        # there the MLP branch's gradient of the shared norm output waits for the attention's). Traced op by op
-        # with the simulated engine (tiny Llama, Gemma 2 and Phi blocks checkpointed: +2 … +15 % before, which kept
-        # the values, the output copy and the MLP of a parallel block, and added the keys' gradient, made only at
-        # the next matmul's backward when the scores' gradients are smaller).
-        after = out_saved + out_copy + ab * T * kv_w * rep / 2
-        norms_after = n_hidden_norms - (0 if c.sums.post_norms_only else 1)  # all but the attention's pre-norm
-        after += norms_after * norm_saved(c, h, T, rb) + mlp
-        grads_in = (2 if spec.parallel_attn else 1) * rb * T * h
-        att_b = grads_in + (ab + 4) * B * nh * S * S + ab * T * qd - after
-        if plan.offload_activations and not plan.gradient_checkpointing:
-            # offloaded, the block's saves are on the host: the device holds the fp32 softmax output its backward
-            # unpacked next to the two fp32 gradients (the cast's, unpacked by the PV matmul's backward, is freed)
-            # and nothing the block saved after (tiny Llama and Gemma 2 blocks, LoRA bf16: -44 % and -37 % before)
-            att_b = grads_in + 12 * B * nh * S * S + ab * T * qd
+            worst = max(worst, c.wb * max(w_d, w_gu - w_d) + ab * T * ktok * (h + I))
+        else:
+            worst = max(worst, eager_expert_grads(c, w_gu, w_d))
+    elif c.full and experts_implementation(plan) == "eager":
+        stacks = prm.expert_stacks(c)
+        worst = max(worst, eager_expert_grads(c, stacks.get("gate_up_proj", 0), stacks.get("down_proj", 0)))
+    return worst
+
+
+def attention_backward(c: Ctx, attn: AttentionSaves, mlp: MlpSaves) -> float:
+    """Bytes beyond the block's saves at the attention's backward. SDPA/flash: the residual flow, dq/dk/dv and the
+    fp32 dq accumulator.
+
+    Eager, at the softmax backward: the probabilities' gradient in fp32 and the softmax's input gradient (fp32),
+    the compute-dtype probabilities already freed by the PV matmul's backward: (ab + 4) bytes per score net; the
+    gradient of the (repeated) values and the residual's. Already freed: what the output projection saved and the
+    values the PV matmul saved, what the later norms (Gemma 2: three) and the MLP saved: their backward ran first,
+    in a parallel block too (Phi, GPT-NeoX: the MLP runs after the attention in forward; there the MLP branch's
+    gradient of the shared norm output waits for the attention's). Traced op by op with the simulated engine (tiny
+    Llama, Gemma 2 and Phi blocks checkpointed: +2 … +15 % before, which kept the values, the output copy and the
+    MLP of a parallel block, and added the keys' gradient, made only at the next matmul's backward when the scores'
+    gradients are smaller). Offloaded without checkpointing, the block's saves are on the host: the device holds
+    the fp32 softmax output its backward unpacked next to the two fp32 gradients (the cast's, unpacked by the PV
+    matmul's backward, is freed) and nothing the block saved after (tiny Llama and Gemma 2 blocks, LoRA bf16: -44 %
+    and -37 % before)."""
+    spec, plan, T, B, S, ab, rb = c.spec, c.plan, c.T, c.B, c.S, c.ab, c.rb
+    h, nh = spec.hidden_size, spec.num_heads
+    qd = nh * spec.head_dim
+    att_b = residual_flow(c) + ab * T * (qd + attn.kv_width) + 4 * T * qd
+    if attn.impl != "eager":
+        return att_b
+    after = attn.out_saved + attn.out_copy + ab * T * attn.kv_width * attn.kv_repeat / 2
+    norms_after = hidden_norm_count(c) - (0 if c.sums.post_norms_only else 1)  # all but the attention's pre-norm
+    after += norms_after * norm_saved(c, h, T, rb) + mlp.total
+    grads_in = (2 if spec.parallel_attn else 1) * rb * T * h
+    att_b = grads_in + (ab + 4) * B * nh * S * S + ab * T * qd - after
+    if plan.offload_activations and not plan.gradient_checkpointing:
+        att_b = grads_in + 12 * B * nh * S * S + ab * T * qd
+    return att_b
+
+
+def lora_backward(c: Ctx, roles: LayerRoles, mlp: MlpSaves) -> float:
+    """peft LoRA backward of one adapted module (in -> out), the module's saved tensors still alive: first the
+    output side — the output grad's fp32 cast (pure bf16) and its scaled copy (4·T·out each) — freed by lora_B's
+    backward before lora_A's makes the grad of its input (4·T·in; then lora_A's saved input goes), so the larger
+    side, not both (down_proj, in = 4·out: +3 % at the top block's backward before, traced on Llama-3.2-1B blocks at
+    16k tokens); plus one more fp32 hidden-sized grad. The costliest adapted module's, 0 for a full fine-tune."""
+    if c.full:
+        return 0
+    spec, T, ab, h = c.spec, c.T, c.ab, c.spec.hidden_size
+    dense_gated = spec.mlp_kind == "gated" and not spec.num_experts
+    up_width = sum(o * m for _n, _i, o, m in roles.mlp_in)  # gate + up outputs (one fused 2I or two I)
     lora_b = 0
-    if not c.full:
-        # peft LoRA backward of one adapted module (in -> out), the module's saved tensors still alive: first the
-        # output side — the output grad's fp32 cast (pure bf16) and its scaled copy (4·T·out each) — freed by
-        # lora_B's backward before lora_A's makes the grad of its input (4·T·in; then lora_A's saved input goes),
-        # so the larger side, not both (down_proj, in = 4·out: +3 % at the top block's backward before, traced on
-        # Llama-3.2-1B blocks at 16k tokens); plus one more fp32 hidden-sized grad.
-        dense_gated = gated and not spec.num_experts
-        up_width = sum(o * m for _n, _i, o, m in roles.mlp_in)  # gate + up outputs (one fused 2I or two I)
-        for _n, i, o, m in roles.attn_in + roles.attn_out + roles.mlp_in + roles.mlp_out:
-            if c.is_adapted(_n):
-                t = T * (m if m > 1 else 1)
-                n_out_grads = 1 if ab == 4 and not c.autocast else 2  # an fp32 grad needs no cast copy
-                out_b = 4 * n_out_grads
-                if c.autocast:
-                    # under autocast the adapter's matmuls run in ab: the output grad and its scaled copy are ab,
-                    # not fp32 (measured with the simulated engine on Phi-3 shapes; no Llama grid cell moves)
-                    out_b = 2 * ab
-                b = t * max(out_b * o, 4 * i) + 4 * T * h
-                if (_n, i, o, m) in roles.attn_in + roles.attn_out:
-                    b -= moe_saved  # the fused experts' backward (after the attention's forward) freed their saves
-                if dense_gated and (_n, i, o, m) in roles.mlp_in:
-                    # gate/up (or fused gate_up, Phi-3): their backward runs after the product's and the
-                    # activation's, whose saved tensors (and down's) are freed by then; the gradients of both
-                    # outputs (the two halves) are alive. Measured with the simulated engine on Phi-3 and Llama
-                    # shapes (tests/test_simulate_vs_analytic.py).
-                    b += ab * T * up_width - mlp_after
-                lora_b = max(lora_b, b)
-    # a norm over the MLP output back-propagates first, with every save of the block alive: an RMSNorm's backward
-    # holds five fp32 T x h temporaries at once (through the weight, rsqrt, mean and pow; OLMo 2 blocks, LoRA + GC
-    # with the chunked loss: -3.3 % before)
-    norm_b = flow + RMS_BACKWARD_TEMPS * 4 * T * h if c.sums.post_mlp_norm and spec.norm_kind == "rms" else 0
-    bwd_extra = int(max(rb * T * h + mlp_b, att_b, flow + lora_b, norm_b))
-    alias = 0
-    if spec.norm_kind != "rms" or rb == 4:
-        alias = rb * T * h  # the first norm saves the block input tensor itself
-    gc_extra = 0
-    if c.quant == "int8":
-        # the forward's distinct inputs of the quantized linears, in their own dtype, but the kept block input
-        # (measured by the simulate engine; OLMo 3 / EXAONE 4 +7 % before the post-norm case)
-        gc_extra = sum(x_bytes * T * width for x_bytes, width, _consumers in int8_inputs(c, roles, gc_kept=True))
-    gc_recompute = int(mlp_adapter_fwd + 2 * rb * T * h + 4 * T * h + discount) if mlp_adapter_fwd else 0
+    for _n, i, o, m in roles.attn_in + roles.attn_out + roles.mlp_in + roles.mlp_out:
+        if c.is_adapted(_n):
+            t = T * (m if m > 1 else 1)
+            n_out_grads = 1 if ab == 4 and not c.autocast else 2  # an fp32 grad needs no cast copy
+            out_b = 4 * n_out_grads
+            if c.autocast:
+                # under autocast the adapter's matmuls run in ab: the output grad and its scaled copy are ab,
+                # not fp32 (measured with the simulated engine on Phi-3 shapes; no Llama grid cell moves)
+                out_b = 2 * ab
+            b = t * max(out_b * o, 4 * i) + 4 * T * h
+            if (_n, i, o, m) in roles.attn_in + roles.attn_out:
+                b -= mlp.experts  # the fused experts' backward (after the attention's forward) freed their saves
+            if dense_gated and (_n, i, o, m) in roles.mlp_in:
+                # gate/up (or fused gate_up, Phi-3): their backward runs after the product's and the
+                # activation's, whose saved tensors (and down's) are freed by then; the gradients of both
+                # outputs (the two halves) are alive. Measured with the simulated engine on Phi-3 and Llama
+                # shapes (tests/test_simulate_vs_analytic.py).
+                b += ab * T * up_width - mlp.after_inputs
+            lora_b = max(lora_b, b)
+    return lora_b
+
+
+def post_mlp_norm_backward(c: Ctx) -> int:
+    """A norm over the MLP output back-propagates first, with every save of the block alive: an RMSNorm's backward
+    holds five fp32 T x h temporaries at once (through the weight, rsqrt, mean and pow; OLMo 2 blocks, LoRA + GC
+    with the chunked loss: -3.3 % before)."""
+    if c.sums.post_mlp_norm and c.spec.norm_kind == "rms":
+        return residual_flow(c) + RMS_BACKWARD_TEMPS * 4 * c.T * c.spec.hidden_size
+    return 0
+
+
+def backward_extra(c: Ctx, roles: LayerRoles, attn: AttentionSaves, mlp: MlpSaves) -> int:
+    """Peak bytes a block's backward holds beyond its saves: the largest of the MLP's (next to the residual's
+    gradient, which is the MLP output's: one hidden-sized grad, not two — +2.5 % on QLoRA blocks at 16k tokens
+    before), the attention's, a LoRA adapter's and a post-MLP norm's."""
+    rb, T, h = c.rb, c.T, c.spec.hidden_size
+    return int(max(rb * T * h + mlp_backward(c, roles, mlp.down), attention_backward(c, attn, mlp),
+                   residual_flow(c) + lora_backward(c, roles, mlp), post_mlp_norm_backward(c)))
+
+
+def block_input_alias(c: Ctx) -> int:
+    """Bytes of a block's saves that are its input itself: the first norm saves it (LayerNorm, or an fp32 RMSNorm)."""
+    if c.spec.norm_kind != "rms" or c.rb == 4:
+        return c.rb * c.T * c.spec.hidden_size
+    return 0
+
+
+def int8_checkpoint_extra(c: Ctx, roles: LayerRoles) -> int:
+    """LLM.int8() under checkpointing: the forward's distinct inputs of the quantized linears, in their own dtype,
+    but the kept block input (measured by the simulate engine; OLMo 3 / EXAONE 4 +7 % before the post-norm case)."""
+    if c.quant != "int8":
+        return 0
+    return sum(x_bytes * c.T * width for x_bytes, width, _consumers in int8_inputs(c, roles, gc_kept=True))
+
+
+def layer_activations(c: Ctx) -> LayerActs:
+    """One block's activations from the formulas, term by term: what it saves (norms, attention, MLP, LLM.int8()'s
+    kept inputs, hidden dropout masks), its forward and backward transients, and what checkpointing keeps and
+    recomputes."""
+    spec, plan = c.spec, c.plan
+    roles = layer_roles(spec)
+    T, rb, h = c.T, c.rb, spec.hidden_size
+    norms = norms_saved(c)
+    attn = attention_saved(c, roles)
+    mlp = mlp_saved(c, roles)
+    # LLM.int8(): MatMul8bitLt keeps its input as a ``ctx.tensors`` attribute (bitsandbytes
+    # autograd/_functions.py; its fp16 cast only feeds the quantization): a distinct input the block's saves do not
+    # already keep is alive until the graph is freed. Under checkpointing the recompute's ctx attributes go with its
+    # graph; the forward's are ``gc_extra``.
+    int8_in = int8_held_only(c) if not plan.gradient_checkpointing else 0
+    saved = int(norms + attn.total + mlp.total + hidden_dropout_saved(c) + int8_in)
+    discount = first_block_discount(c, roles)
+    adapter_recompute, adapter_forward = mlp_adapter_forward(c, roles, mlp)
+    fwd_t = forward_transient(c, roles, adapter_recompute, adapter_forward, attn.impl)
+    gc_recompute = int(adapter_recompute + 2 * rb * T * h + 4 * T * h + discount) if adapter_recompute else 0
     L = max(spec.num_layers, 1)
-    return LayerActs(saved, L * saved - int(discount), saved - int(discount), gc_saved, int(fwd_t), bwd_extra,
-                     int(down), int(alias), int(gc_extra), gc_recompute)
+    return LayerActs(saved, L * saved - int(discount), saved - int(discount), rb * T * h, int(fwd_t),
+                     backward_extra(c, roles, attn, mlp), int(mlp.down), int(block_input_alias(c)),
+                     int(int8_checkpoint_extra(c, roles)), gc_recompute)
 
 
 def measured_layer_activations(c: Ctx, measured: BlockSaves) -> LayerActs:
