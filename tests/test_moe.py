@@ -131,9 +131,9 @@ def test_adapters_counted_as_peft_creates_them(cfg, targets, on_head):
 
 
 def test_all_linear_reaches_peft_as_the_string(moe_spec):
-    from oomdoctor.execute.build import lora_targets_of_model
+    from oomdoctor.model.lora_targets import target_modules
 
-    assert lora_targets_of_model(None, validate(Plan(method="lora"))) == "all-linear"
+    assert target_modules(moe_spec, validate(Plan(method="lora"))) == "all-linear"
 
 
 @pytest.mark.parametrize("cfg", [QWEN3_MOE_LORA, MIXTRAL], ids=lambda c: c["model_type"])

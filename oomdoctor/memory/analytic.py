@@ -177,7 +177,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         elif plan.trainer == "trl":
             # TRL's own offloading: every save but parameters goes to the host once (the final norm's and the fused
             # head's too: ``fin``, ``lg.saved``); a tensor saved again while its first save is in the forward stash
-            # stays on the device as well (activations.trl_offload_kept: 0 for block 0's first norm under LoRA)
+            # stays on the device as well (offloaded.trl_offload_kept: 0 for block 0's first norm under LoRA)
             kept += L * trl_offload_kept(c) - (trl_offload_final_kept(c) if not c.full else 0)
             kept += trl_offload_final_kept(c)
             cpu_act = layers_saved - L * int8_held_only(c) + fin + lg.saved + (
@@ -252,7 +252,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     if plan.offload_activations and plan.trainer == "trl" and gc:
         # TRL's offloading, checkpointed: at the head its forward stash still holds the last block's input (packed
         # by the checkpoint, copied to the host, kept until 5 more packs) and the final norm's twice-saved tensors
-        # stay on the device (activations.trl_offload_kept)
+        # stay on the device (offloaded.trl_offload_kept)
         at_head += c.rb * c.T * spec.hidden_size + trl_offload_final_kept(c) - 4 * c.T * spec.hidden_size
     fwd_at_loss = _components(parameters=P, master_weights=M_at_loss, gradients=G_pre, optimizer_states=O,
                               activations=at_head, logits=fwd_extra_logits)

@@ -15,7 +15,7 @@ def routing_weight_bytes(c: Ctx) -> int:
 
 
 def param_wrapped(c: Ctx) -> dict[str, int]:
-    """The MoE parameters of one block carrying a peft ``ParamWrapper`` adapter (``memory/context.lora_groups_of``):
+    """The MoE parameters of one block carrying a peft ``ParamWrapper`` adapter (``model/lora_targets.lora_groups_of``):
     ``gate`` (router), ``gate_up_proj``, ``down_proj`` -> their base weight's elements in one block."""
     L = max(c.spec.num_layers, 1)
     out = {}

@@ -5,9 +5,12 @@ executor hands them to peft and as peft 0.21 resolves them — the one rule the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from oomdoctor.errors import BadInput
 from oomdoctor.model.spec import HEAD_NAMES, ModelSpec, ParamGroup
 from oomdoctor.plan import Plan
+from oomdoctor.plan.techniques import ALL_LINEAR
 
 
 def lora_targets_match(name: str, targets: tuple[str, ...]) -> bool:
@@ -63,18 +66,29 @@ def all_linear_names(spec: ModelSpec) -> set[str]:
             if g.kind == "linear" and not g.tower and g.name not in HEAD_NAMES and g.name not in refused}
 
 
-def executor_targets(spec: ModelSpec, plan: Plan) -> set[str] | None:
-    """The target names the executor hands peft (``execute/build.lora_targets_of_model``; ``tune --emit`` writes the
-    same): None for the string ``all-linear`` (:func:`all_linear_string`), else the explicit leaf names
-    (all-linear expanded to every non-head linear peft adapts, the head added with ``lora_on_head``)."""
-    if all_linear_string(plan, spec.model_type):
-        return None
-    names = {t for t in plan.lora_targets if t != "all-linear"}
-    if "all-linear" in plan.lora_targets:
-        names |= all_linear_names(spec)
+def peft_target_modules(plan: Plan, model_type: str, linears: Iterable[str], heads: Iterable[str]) -> str | list[str]:
+    """peft ``target_modules`` for ``plan``, the one rule: the string ``all-linear`` where peft resolves it itself
+    (:func:`all_linear_string`; MoE conversion included), else the sorted leaf names — the plan's explicit names,
+    ``all-linear`` expanded to ``linears`` (leaf names of the model's linear modules outside its towers) but the
+    output ``heads`` and what peft refuses on ``model_type`` (:func:`lora_refused_names`), the heads added with
+    ``lora_on_head`` (``lm_head`` when the model names none)."""
+    if all_linear_string(plan, model_type):
+        return ALL_LINEAR
+    heads = set(heads)
+    names = {t for t in plan.lora_targets if t != ALL_LINEAR}
+    if ALL_LINEAR in plan.lora_targets:
+        names |= set(linears) - heads - lora_refused_names(model_type)
     if plan.lora_on_head:
-        names |= {g.name for g in spec.groups if g.kind == "linear" and g.name in HEAD_NAMES} or {"lm_head"}
-    return names
+        names |= heads or {"lm_head"}
+    return sorted(names)
+
+
+def target_modules(spec: ModelSpec, plan: Plan) -> str | list[str]:
+    """peft ``target_modules`` for ``plan`` on ``spec`` (:func:`peft_target_modules` over the spec's linears): what
+    the executor hands peft (``execute/build``), what the trainers' files name (``execute/trainers``) and what
+    :func:`lora_groups_of` prices."""
+    linears = {g.name for g in spec.groups if g.kind == "linear" and not g.tower}
+    return peft_target_modules(plan, spec.model_type, linears, linears & set(HEAD_NAMES))
 
 
 def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
@@ -94,12 +108,9 @@ def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
     Each becomes a synthetic ``linear`` group (``module`` :data:`PARAM_WRAPPER`, ``name`` its parameter path's last
     two parts) whose r·(in+out) is the adapter's trainable count and r·in / out·r the element counts of lora_A /
     lora_B."""
-    names = executor_targets(spec, plan)
+    targets = target_modules(spec, plan)
     conv = PEFT_MOE_TARGETS.get(spec.peft_moe_conversion, {})
-    if names is None:
-        names = all_linear_names(spec)
-        if conv:
-            names |= set(conv)
+    names = set(targets) if targets != ALL_LINEAR else all_linear_names(spec) | set(conv)
     params = {conv[n] for n in names if n in conv}
     modules = names - set(conv)
     out = [g for g in spec.groups if g.kind == "linear" and not g.tower and g.name in modules
@@ -129,7 +140,8 @@ def check_param_wrapper(spec: ModelSpec, plan: Plan) -> None:
     only one of two names fused into one parameter is targeted (``gate_proj`` without ``up_proj``)."""
     if not plan.uses_lora or not spec.peft_moe_conversion:
         return
-    names = executor_targets(spec, plan) or set()
+    targets = target_modules(spec, plan)
+    names = set() if targets == ALL_LINEAR else set(targets)
     conv = PEFT_MOE_TARGETS[spec.peft_moe_conversion]
     fused = sorted(n for n, p in conv.items() if p == "gate_up_proj")
     if 0 < len(names & set(fused)) < len(fused):

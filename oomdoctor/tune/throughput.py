@@ -77,7 +77,7 @@ def _embedding_numel(spec: ModelSpec) -> int:
 
 def trainable_params(spec: ModelSpec, plan: Plan) -> int:
     """Trainable parameters: all for full fine-tuning; for LoRA ``r * (in + out)`` per module peft adapts
-    (``memory/context.lora_groups_of``: the one rule the executor and the pricing use)."""
+    (``model/lora_targets.lora_groups_of``: the one rule the executor and the pricing use)."""
     if plan.method == "full":
         return spec.num_params
     return adapter_numel(plan, lora_groups_of(spec, plan))
