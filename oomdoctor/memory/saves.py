@@ -6,6 +6,8 @@ offloading terms (``memory/offloaded``); each cites the code it counts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from oomdoctor.memory.context import Ctx
 from oomdoctor.model.quirks import CONCATENATED_QUERY, FP32_PRODUCT_NORMS, effective_attn
 from oomdoctor.model.roles import LayerRoles, layer_roles
@@ -178,3 +180,40 @@ def adapted_mlp_inputs(c: Ctx, roles: LayerRoles) -> list[tuple[int, int, bool]]
 def m_tok(c: Ctx, m: float) -> float:
     """Token multiplier of a group with ``m`` instances per layer: dense groups see every token once per instance."""
     return m
+
+
+@dataclass(frozen=True)
+class AttentionSaves:
+    """What one block's attention saves for backward, with the parts its backward formula reads."""
+
+    total: float
+    """Bytes saved: the input linears (and adapters), the kernel's saves per attention block, the output projection."""
+    out_saved: float
+    """Bytes the output projection (and its adapter) saves."""
+    out_copy: int
+    """Eager attention: the contiguous output copy a trainable output projection saves (0 otherwise)."""
+    kv_width: float
+    """Width of k and v together per token (a fused qkv's outputs beyond q)."""
+    kv_repeat: float
+    """Eager attention: how many times GQA repeats k/v to the query heads (1.0 without GQA or for fused kernels)."""
+    impl: str
+    """The attention implementation the model really runs (:func:`~oomdoctor.model.quirks.effective_attn`)."""
+
+
+@dataclass(frozen=True)
+class MlpSaves:
+    """What one block's MLP (dense or experts) saves for backward, with the parts the other terms read."""
+
+    total: float
+    """Bytes saved by the MLP: its input linears, intermediates, output linear (experts: router and routing too)."""
+    down: float
+    """Bytes saved by the MLP output linear(s) (0 for fused experts)."""
+    after_inputs: float
+    """Dense MLPs: what the MLP saves after its input linears (0 for MoE)."""
+    experts: float
+    """Fused experts: what they save that is freed before the attention's backward runs (0 otherwise)."""
+
+
+def hidden_norm_count(c: Ctx) -> int:
+    """Norms over the hidden size in one block (a parallel block has one, Llama two, Gemma 2 four)."""
+    return c.sums.hidden_norms_per_layer or (1 if c.spec.parallel_attn else 2)
