@@ -16,8 +16,8 @@ def experts_implementation(plan: Plan) -> str:
     dense models): its default ``grouped_mm`` where the expert weights are bf16, else ``eager`` (one matmul per
     expert). torch's grouped matmul takes bf16 only on CUDA (``aten/src/ATen/native/cuda/Blas.cpp``, mirrored by its
     meta kernel), so fp32 master weights (``fp32``, ``*-mixed``) and QLoRA's fp32-upcast experts
-    (``prepare_model_for_kbit_training``; with ``kbit_upcast: false`` they stay bf16) fail there with "Expected inputs of BF16 type": the eager experts are what
-    runs, on a GPU and in the replay alike."""
+    (``prepare_model_for_kbit_training``; with ``kbit_upcast: false`` they stay bf16) fail there with "Expected
+    inputs of BF16 type": the eager experts are what runs, on a GPU and in the replay alike."""
     return "grouped_mm" if plan.precision == "bf16" and not plan.upcasts_kbit else "eager"
 
 

@@ -33,7 +33,8 @@ POW_ACTS = frozenset({"gelu_new", "gelu_accurate"})
 
 
 def activation_name(spec: ModelSpec) -> str:
-    """The MLP activation function transformers runs: the config's (``gated-`` stripped from T5's ``feed_forward_proj``), else the model type's default (:data:`DEFAULT_ACT`)."""
+    """The MLP activation function transformers runs: the config's (``gated-`` stripped from T5's
+    ``feed_forward_proj``), else the model type's default (:data:`DEFAULT_ACT`)."""
     for key in ("hidden_act", "activation_function", "hidden_activation", "feed_forward_proj"):
         v = spec.config.get(key)
         if isinstance(v, str):
@@ -60,7 +61,8 @@ def effective_attn(spec: ModelSpec, attn: str) -> str:
 
 
 def config_float(spec: ModelSpec, *keys: str) -> float:
-    """The first numeric value among config ``keys`` (model types name their dropout probabilities differently), 0.0 without one."""
+    """The first numeric value among config ``keys`` (model types name their dropout probabilities differently),
+    0.0 without one."""
     for key in keys:
         v = spec.config.get(key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):

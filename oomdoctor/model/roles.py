@@ -19,9 +19,13 @@ class LayerRoles:
     attn_in: tuple[tuple[str, int, int, float], ...]
     """(name, in, out, per-layer multiplicity) of linears reading the attention norm output (q/k/v or fused qkv)."""
     attn_out: tuple[tuple[str, int, int, float], ...]
+    """The attention output projections (-> hidden)."""
     mlp_in: tuple[tuple[str, int, int, float], ...]
+    """The MLP input projections (gate/up, fused gate_up, fc1); expert groups weighted by experts_per_token / E."""
     mlp_out: tuple[tuple[str, int, int, float], ...]
+    """The MLP output projections (down, fc2); expert groups weighted like ``mlp_in``."""
     router: tuple[tuple[str, int, int, float], ...]
+    """MoE routers (hidden -> experts)."""
     attn_blocks: float
     """Attention blocks per layer (2 for a T5 decoder layer with cross-attention, averaged over all layers)."""
     mlp_tokens: float
@@ -75,7 +79,8 @@ def layer_roles(spec: ModelSpec) -> LayerRoles:
             attn_out.append(item)
         elif g.in_features == h and g.out_features != h:
             attn_in.append(item)
-        elif g.name.endswith(("o_proj", "o", "out_proj", "dense", "c_proj", "wo")) and not g.name.startswith(("mlp", "fc")):
+        elif (g.name.endswith(("o_proj", "o", "out_proj", "dense", "c_proj", "wo"))
+              and not g.name.startswith(("mlp", "fc"))):
             attn_out.append(item)
         else:
             attn_in.append(item)
