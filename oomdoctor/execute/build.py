@@ -136,8 +136,9 @@ def runs_eager_experts(spec: "ModelSpec", plan: "Plan") -> bool:
     return bool(spec.num_experts) and experts_implementation(plan) == "eager" and switchable_experts(spec.model_type)
 
 
-#: Leaf class names of the linear layers LoRA can adapt (torch, bitsandbytes, the bnb stand-ins subclass these).
-_LINEAR_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
+#: Leaf class names of the linear layers LoRA can adapt (torch, transformers' ``Conv1D`` — GPT-2's, a linear to peft's
+#: all-linear: ``tuners_utils._maybe_include_all_linear_layers`` —, bitsandbytes; the bnb stand-ins subclass these).
+_LINEAR_CLASSES = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")
 
 
 def _is_linear(mod) -> bool:
