@@ -399,7 +399,7 @@ def test_analytic_matches_simulate_on_cuda_only_plans(name, plan):
 
 
 if __name__ == "__main__":  # pragma: no cover - prints the table used in docs/memory-model.md
-    print(f"| plan | model | real peak (B) | analytic (B) | error | phase real/analytic |")
+    print("| plan | model | real peak (B) | analytic (B) | error | phase real/analytic |")
     print("|---|---|---:|---:|---:|---|")
     for name, cfg, plan in CASES + ARCH_CASES:
         real, est, err, rp, ep = compare(cfg, plan)

@@ -8,7 +8,8 @@ import pytest
 
 from oomdoctor.engines import blocks, estimate, kinds
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.activations import layer_activations, norm_saved
+from oomdoctor.memory.activations import layer_activations
+from oomdoctor.memory.saves import norm_saved
 from oomdoctor.memory.context import make_ctx
 from oomdoctor.model.load import spec_from_config
 from oomdoctor.plan import Plan, validate
@@ -147,7 +148,7 @@ def test_how_blocks_repeat_is_read_from_transformers_config():
 def _all_linear_leaves_out(spec, plan, name: str) -> None:
     """The adapters peft puts on the executor's model are the ones priced, and none is on ``name``."""
     from oomdoctor.execute.build import build_model
-    from oomdoctor.memory.context import lora_groups_of
+    from oomdoctor.model.lora_targets import lora_groups_of
 
     priced = {g.name for g in lora_groups_of(spec, plan)}
     assert priced and name not in priced

@@ -131,14 +131,14 @@ def test_adapters_counted_as_peft_creates_them(cfg, targets, on_head):
 
 
 def test_all_linear_reaches_peft_as_the_string(moe_spec):
-    from oomdoctor.execute.build import lora_targets_of_model
+    from oomdoctor.model.lora_targets import target_modules
 
-    assert lora_targets_of_model(None, validate(Plan(method="lora"))) == "all-linear"
+    assert target_modules(moe_spec, validate(Plan(method="lora"))) == "all-linear"
 
 
 @pytest.mark.parametrize("cfg", [QWEN3_MOE_LORA, MIXTRAL], ids=lambda c: c["model_type"])
 def test_lora_dropout_on_expert_adapters_is_refused_with_the_fix(cfg):
-    from oomdoctor.memory.context import check_plan_for_model
+    from oomdoctor.model.execution import check_plan_for_model
 
     spec = spec_from_config(dict(cfg), name=cfg["model_type"])
     with pytest.raises(BadInput, match="ParamWrapper") as ei:

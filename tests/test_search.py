@@ -279,7 +279,7 @@ def test_every_single_pin_selects_plans_the_unpinned_search_considers():
     tiled MLP is never combined with the optimizer in backward (validate refuses it: tune --tiled-mlp crashed)."""
     from oomdoctor.tune.search import ADAMW_FAMILY
 
-    from oomdoctor.memory.context import upcast_changes_bytes
+    from oomdoctor.model.execution import upcast_changes_bytes
 
     def same_bytes(p: Plan) -> Plan:  # kbit_upcast off where there is nothing to upcast is the same plan
         return p if upcast_changes_bytes(p) else p.with_(kbit_upcast=True)

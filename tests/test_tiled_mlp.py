@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.context import num_tiles
+from oomdoctor.model.execution import num_tiles
 from oomdoctor.plan import Plan, validate
 
 from train_util import tiny_cfg
@@ -195,7 +195,7 @@ def test_tiled_mlp_is_refused_where_it_cannot_run():
 
 def test_tune_adds_tiled_plans_only_for_long_sequences():
     from oomdoctor.model.load import load_spec
-    from oomdoctor.memory.context import tiling_applies
+    from oomdoctor.model.execution import tiling_applies
     from oomdoctor.tune.search import enumerate_candidates
 
     spec = load_spec("meta-llama/Llama-3.1-8B")

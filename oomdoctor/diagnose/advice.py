@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from oomdoctor.memory import MemoryBreakdown
-from oomdoctor.memory.context import tiling_applies, upcast_to_fp32
+from oomdoctor.model.execution import tiling_applies, upcast_to_fp32
 from oomdoctor.engines import estimate
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget

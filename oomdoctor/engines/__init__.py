@@ -25,7 +25,7 @@ def estimate(spec, plan, engine: str = "analytic", device: str = "cuda") -> Memo
     """Memory breakdown of training ``spec`` with ``plan`` on ``device`` according to ``engine`` (BadInput for LoRA
     targets that adapt nothing, and for ``measure`` off CUDA)."""
     from oomdoctor.errors import BadInput
-    from oomdoctor.memory.context import check_plan_for_model
+    from oomdoctor.model.execution import check_plan_for_model
 
     if device not in DEVICES:
         raise BadInput(f"--device {device!r}: use one of {', '.join(DEVICES)}")

@@ -184,7 +184,7 @@ class BlockReplay:
         from oomdoctor.execute.bnb_standin import CONTEXT_HELD
         from oomdoctor.execute.build import make_batch
         from oomdoctor.execute.step import TrainStep
-        from oomdoctor.memory.context import runs_autocast
+        from oomdoctor.model.execution import runs_autocast
 
         model, layers = self.built.model, self.layers
         batch = make_batch(self.spec, plan, "cpu")

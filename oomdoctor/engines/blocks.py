@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from oomdoctor.engines.kinds import extend
-from oomdoctor.memory.activations import BlockBytes, BlockSaves
+from oomdoctor.memory.measured import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 from oomdoctor.progress import report
 
@@ -87,7 +87,7 @@ def measured_plan(plan: "Plan") -> "Plan":
     micro-batch 1 (the second measurement runs it at 2), one GPU, no offload; the optimizer, accumulation, topology,
     LoRA's scale, the 4-bit data type, double quantization and the upcast of an fp32-loaded base (a no-op) do not
     touch the blocks and take their defaults (one cache entry for them all)."""
-    from oomdoctor.memory.context import upcast_changes_bytes
+    from oomdoctor.model.execution import upcast_changes_bytes
     from oomdoctor.plan.techniques import DEFAULTS
 
     keep = ("method", "precision", "attn", "gradient_checkpointing", "seq_len", "quant", "tiled_mlp", "trainer")

@@ -27,8 +27,9 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.context import experts_implementation
+from oomdoctor.model.execution import experts_implementation
 from oomdoctor.model.inventory import EXPERT_KEYS
+from oomdoctor.model.lora_targets import target_modules
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -167,8 +168,9 @@ def runs_eager_experts(spec: "ModelSpec", plan: "Plan") -> bool:
     return bool(spec.num_experts) and experts_implementation(plan) == "eager" and switchable_experts(spec.model_type)
 
 
-#: Leaf class names of the linear layers LoRA can adapt (torch, bitsandbytes, the bnb stand-ins subclass these).
-_LINEAR_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
+#: Leaf class names of the linear layers LoRA can adapt (torch, transformers' ``Conv1D`` — GPT-2's, a linear to peft's
+#: all-linear: ``tuners_utils._maybe_include_all_linear_layers`` —, bitsandbytes; the bnb stand-ins subclass these).
+_LINEAR_CLASSES = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")
 
 
 def _is_linear(mod) -> bool:
@@ -178,30 +180,20 @@ def _is_linear(mod) -> bool:
 
 
 def lora_targets_of_model(model, plan: "Plan") -> str | list[str]:
-    """peft ``target_modules`` for the plan on this model, what a user passes: the string ``all-linear`` (peft
-    resolves it, including its MoE conversion to router/expert ``target_parameters``:
-    ``memory/context.lora_groups_of``), explicit names as given; with ``lora_on_head``, the leaf name of every linear
-    layer but the output head and a multimodal tower's (peft's ``all-linear`` resolution without them) plus the head;
-    on models where peft refuses some linears (Mamba mixers: ``memory/context.lora_refused_names``) all-linear is
-    that list without them."""
-    from oomdoctor.memory.context import all_linear_string, lora_refused_names
+    """peft ``target_modules`` for the plan on a loaded model that comes without a spec (``execute/load``: real
+    weights, random init): ``model/lora_targets.peft_target_modules`` — the rule :func:`build_model` applies to the
+    spec — over the leaf names of the model's linear layers outside a multimodal tower, its output head found by
+    ``get_output_embeddings``."""
     from oomdoctor.model.inventory import in_tower, tower_prefixes
+    from oomdoctor.model.lora_targets import peft_target_modules
 
     model_type = getattr(getattr(model, "config", None), "model_type", "")
-    if all_linear_string(plan, model_type):
-        return "all-linear"
-    refused = lora_refused_names(model_type)
     towers = tower_prefixes(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_names = {n.split(".")[-1] for n, m in model.named_modules() if head is not None and m is head}
-    targets = [t for t in plan.lora_targets if t != "all-linear"]
-    if "all-linear" in plan.lora_targets:
-        targets += [name.split(".")[-1] for name, mod in model.named_modules()
-                    if name and name.split(".")[-1] not in head_names | refused and _is_linear(mod)
-                    and not in_tower(name, towers)]
-    if plan.lora_on_head:
-        targets += sorted(head_names) or ["lm_head"]
-    return sorted(set(targets))
+    heads = {n.split(".")[-1] for n, m in model.named_modules() if head is not None and m is head}
+    linears = {name.split(".")[-1] for name, mod in model.named_modules()
+               if name and _is_linear(mod) and not in_tower(name, towers)}
+    return peft_target_modules(plan, model_type, linears, heads)
 
 
 def _num_experts(config) -> int:
@@ -414,7 +406,7 @@ def build_model(
 
         quantize_model_standin(model, plan, device=device, decompose=bnb_decompose)
 
-    model = apply_plan_techniques(model, plan, lora_targets_of_model(model, plan))
+    model = apply_plan_techniques(model, plan, target_modules(spec, plan))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = getattr(base, spec.head_name, None) or (base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None)
     layers = find_layers(base)

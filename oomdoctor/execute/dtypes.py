@@ -34,8 +34,8 @@ def weight_dtype(plan: "Plan") -> "torch.dtype":
 
 def autocast_dtype(plan: "Plan") -> "torch.dtype | None":
     """Autocast dtype of a plan whose forward runs under autocast (``fp16-mixed``/``bf16-mixed``, and pure bf16 as
-    another trainer runs it: ``memory.context.runs_autocast``), None otherwise."""
-    from oomdoctor.memory.context import runs_autocast
+    another trainer runs it: ``model.execution.runs_autocast``), None otherwise."""
+    from oomdoctor.model.execution import runs_autocast
 
     return torch_dtype(plan.compute_dtype) if runs_autocast(plan) else None
 

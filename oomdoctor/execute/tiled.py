@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.context import num_tiles
+from oomdoctor.model.execution import num_tiles
 
 #: Attribute names under which transformers' decoder blocks hold their MLP.
 MLP_NAMES: tuple[str, ...] = ("mlp", "feed_forward", "ffn")

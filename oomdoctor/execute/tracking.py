@@ -1,6 +1,9 @@
 """Live tensor-byte accounting with a ``TorchDispatchMode``: the meter under ``--engine simulate``, the fake GPU cap of
 ``train --gpu-mem`` on CPU, and the tune benchmark.
 
+One job, over 600 lines: the meter :class:`LiveBytes` (storage records, categories, phases, regions, timeline, cap,
+FSDP2's storage resizes) and :func:`capped_memory`, the cap as a context manager.
+
 :class:`LiveBytes` sees every ATen op while it is active. Each output tensor's *storage* is tracked once (views share
 storage, in-place ops allocate nothing) with a weak reference whose callback subtracts the bytes when the storage dies,
 so ``current`` is the bytes of all live tracked storages and ``peak`` its maximum. It works the same on real tensors

@@ -25,6 +25,12 @@ NCCL's buffers at the device level; the activations are those of the per-rank mi
 from __future__ import annotations
 
 from oomdoctor.memory import activations as act
+from oomdoctor.memory.masks import released_mask_bytes, shared_forward_bytes
+from oomdoctor.memory.measured import BlockSaves
+from oomdoctor.memory.offloaded import offload_repacks, trl_offload_final_kept, trl_offload_kept
+from oomdoctor.memory.saves import int8_held_only, norm_saved
+from oomdoctor.model.quirks import effective_attn
+from oomdoctor.model.roles import layer_roles
 from oomdoctor.memory import gradients as grads
 from oomdoctor.memory import logits as lgt
 from oomdoctor.memory import optimizer as optm
@@ -32,7 +38,8 @@ from oomdoctor.memory import parameters as prm
 from oomdoctor.memory import runtime as rt
 from oomdoctor.memory import sharding as shd
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
-from oomdoctor.memory.context import Ctx, make_ctx, upcast_to_fp32
+from oomdoctor.memory.context import Ctx, make_ctx
+from oomdoctor.model.execution import upcast_to_fp32
 from oomdoctor.memory.lora import adapter_bytes
 from oomdoctor.plan import Plan
 from oomdoctor.model.spec import HEAD_NAMES, ModelSpec
@@ -69,7 +76,7 @@ def _loss_packed(c: Ctx, lg: lgt.LogitsMemory, M_head: int) -> int:
     if c.spec.arch_kind != "decoder":
         return 0
     h = c.spec.hidden_size
-    final = act.norm_saved(c, h, c.T, c.rb) + (4 * c.T * h if c.spec.norm_kind == "rms" else 0)
+    final = norm_saved(c, h, c.T, c.rb) + (4 * c.T * h if c.spec.norm_kind == "rms" else 0)
     if c.plan.loss == "chunked":
         return final + c.rb * c.T * h
     weight = M_head if c.mixed else prm.head_weight_numel(c) * c.wb
@@ -84,7 +91,7 @@ def _components(**kw) -> dict[str, int]:
 
 
 def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
-                      blocks: act.BlockSaves | None = None) -> MemoryBreakdown:
+                      blocks: BlockSaves | None = None) -> MemoryBreakdown:
     """Memory breakdown of one training step of ``spec`` under ``plan`` from formulas alone.
 
     ``blocks``: what each block saves for backward, measured by replaying the blocks (``engines/blocks.py``), for
@@ -142,8 +149,8 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
 
     # ---- activations
     la = act.measured_layer_activations(c, blocks) if blocks else act.layer_activations(c)
-    released = act.released_mask_bytes(c)  # masks alive in the blocks' forward, gone from the loss on
-    shared = act.shared_forward_bytes(c) - released + act.embedding_leaf_bytes(c)
+    released = released_mask_bytes(c)  # masks alive in the blocks' forward, gone from the loss on
+    shared = shared_forward_bytes(c) - released + act.embedding_leaf_bytes(c)
     fin = act.final_saved(c, blocks)
     lg = lgt.logits_memory(c)
     if gc:
@@ -170,14 +177,14 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         elif plan.trainer == "trl":
             # TRL's own offloading: every save but parameters goes to the host once (the final norm's and the fused
             # head's too: ``fin``, ``lg.saved``); a tensor saved again while its first save is in the forward stash
-            # stays on the device as well (activations.trl_offload_kept: 0 for block 0's first norm under LoRA)
-            kept += L * act.trl_offload_kept(c) - (act.trl_offload_final_kept(c) if not c.full else 0)
-            kept += act.trl_offload_final_kept(c)
-            cpu_act = layers_saved - L * act.int8_held_only(c) + fin + lg.saved + (
+            # stays on the device as well (offloaded.trl_offload_kept: 0 for block 0's first norm under LoRA)
+            kept += L * trl_offload_kept(c) - (trl_offload_final_kept(c) if not c.full else 0)
+            kept += trl_offload_final_kept(c)
+            cpu_act = layers_saved - L * int8_held_only(c) + fin + lg.saved + (
                 L * prm.amp_weight_copy_bytes(c, 1) if c.mixed else 0)
             unpack_tmp = unpack_tmp if c.mixed else 0  # frozen 16-bit weights are parameters: never unpacked
         else:  # every save, once per save (offload_repacks), but LLM.int8()'s inputs only its ctx holds
-            cpu_act = layers_saved - L * act.int8_held_only(c) + L * act.offload_repacks(c)
+            cpu_act = layers_saved - L * int8_held_only(c) + L * offload_repacks(c)
             cpu_act += _loss_packed(c, lg, M_head)
         layers_saved = kept  # a checkpointed block's recompute (in backward, outside save_on_cpu) stays on the device
         if gc and (spec.norm_kind != "rms" or c.rb == 4):
@@ -210,7 +217,7 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         g_top = g_bottom = g_new
     else:
         g_top = G_head
-        roles = act.layer_roles(spec)
+        roles = layer_roles(spec)
         down_frac = 0.0
         if c.full and c.sums.per_layer_numel:
             down_frac = sum(i * o * m for _n, i, o, m in roles.mlp_out) / c.sums.per_layer_numel
@@ -245,13 +252,13 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     if plan.offload_activations and plan.trainer == "trl" and gc:
         # TRL's offloading, checkpointed: at the head its forward stash still holds the last block's input (packed
         # by the checkpoint, copied to the host, kept until 5 more packs) and the final norm's twice-saved tensors
-        # stay on the device (activations.trl_offload_kept)
-        at_head += c.rb * c.T * spec.hidden_size + act.trl_offload_final_kept(c) - 4 * c.T * spec.hidden_size
+        # stay on the device (offloaded.trl_offload_kept)
+        at_head += c.rb * c.T * spec.hidden_size + trl_offload_final_kept(c) - 4 * c.T * spec.hidden_size
     fwd_at_loss = _components(parameters=P, master_weights=M_at_loss, gradients=G_pre, optimizer_states=O,
                               activations=at_head, logits=fwd_extra_logits)
     in_block = A_end - fin + released
     if plan.offload_activations and plan.trainer == "trl" and not gc:
-        in_block -= act.trl_offload_final_kept(c)  # the final norm has not run yet
+        in_block -= trl_offload_final_kept(c)  # the final norm has not run yet
     fwd_in_block = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
                                activations=in_block, temporaries=fwd_tmp)
     fwd = max(rank("forward" + shd.LOSS_MOMENT, fwd_at_loss), rank("forward", fwd_in_block),
@@ -381,12 +388,12 @@ def _notes(c: Ctx, measured_blocks: bool) -> list[str]:
         notes.append("MoE: experts_per_token dense MLPs per token with perfect load balance (real routing varies)")
     if spec.arch_kind == "encoder-decoder":
         notes.append("encoder-decoder: decoder length taken equal to seq_len; cross-attention approximated")
-    if act.effective_attn(spec, plan.attn) != plan.attn:
+    if effective_attn(spec, plan.attn) != plan.attn:
         notes.append(
             f"{spec.model_type}: transformers cannot use a memory-efficient SDPA kernel here (Gemma-2 soft-capping, "
             "Falcon multi-query without enable_gqa): attention priced as eager (seq^2 probabilities)"
         )
-    if act.effective_attn(spec, plan.attn) == "eager":
+    if effective_attn(spec, plan.attn) == "eager":
         notes.append("eager attention saves fp32 B*heads*S^2 probabilities per layer (grows with seq_len^2)")
     if plan.grad_accum > 1:
         notes.append("grad_accum > 1: gradients stay allocated through every micro-batch's forward/backward")

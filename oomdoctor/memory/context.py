@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from oomdoctor.errors import BadInput
-from oomdoctor.plan import Plan
+from oomdoctor.model.execution import runs_autocast, upcast_to_fp32
+from oomdoctor.model.lora_targets import PARAM_WRAPPER, lora_groups_of
 from oomdoctor.model.spec import HEAD_NAMES, ModelSpec, ParamGroup
+from oomdoctor.plan import Plan
 
 #: Bytes of one dropout mask element: torch's fused ``native_dropout`` (CUDA) keeps a bool mask; the CPU path
 #: (``_dropout_impl``: ``input * bernoulli_noise``) keeps the noise in the input dtype.
@@ -123,203 +124,6 @@ def spec_sums(spec: ModelSpec) -> SpecSums:
     )
 
 
-def lora_targets_match(name: str, targets: tuple[str, ...]) -> bool:
-    """peft ``target_modules`` matching by module-name suffix; ``all-linear`` = every linear but the head."""
-    if "all-linear" in targets:
-        return name not in HEAD_NAMES
-    return name in targets
-
-
-def experts_implementation(plan: Plan) -> str:
-    """transformers' MoE experts kernel the executor picks for the plan (``execute/build.experts_kwargs``; ignored by
-    dense models): its default ``grouped_mm`` where the expert weights are bf16, else ``eager`` (one matmul per
-    expert). torch's grouped matmul takes bf16 only on CUDA (``aten/src/ATen/native/cuda/Blas.cpp``, mirrored by its
-    meta kernel), so fp32 master weights (``fp32``, ``*-mixed``) and QLoRA's fp32-upcast experts
-    (``prepare_model_for_kbit_training``; with ``kbit_upcast: false`` they stay bf16) fail there with "Expected inputs of BF16 type": the eager experts are what
-    runs, on a GPU and in the replay alike."""
-    return "grouped_mm" if plan.precision == "bf16" and not plan.upcasts_kbit else "eager"
-
-
-#: peft 0.21 ``utils/transformers_weight_conversion.py`` ``_MOE_TARGET_MODULE_MAPPING``: per conversion pattern,
-#: the (transformers v4) target names peft moves to ``target_parameters`` -> the v5 parameter they adapt.
-PEFT_MOE_TARGETS: dict[str, dict[str, str]] = {
-    "mixtral": {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
-    "qwen2_moe": {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-                  "down_proj": "down_proj"},
-}
-#: Module class recorded on the synthetic groups of :func:`lora_groups_of` that stand for a ``ParamWrapper``.
-PARAM_WRAPPER = "ParamWrapper"
-
-
-_MAMBA_MIXER = frozenset({"out_proj", "conv1d"})
-#: Linear modules peft cannot adapt with LoRA, by model type, also when they come from the string ``all-linear``:
-#: the Mamba mixers' ``out_proj``/``conv1d`` (peft 0.21 ``tuners/tuners_utils._check_lora_target_modules_mamba``
-#: raises); Llama 4's ``router``, an nn.Linear subclass returning a tuple, which peft's LoRA forward cannot add to
-#: (``'tuple' object has no attribute 'dtype'``, found replaying it).
-PEFT_LORA_REFUSED: dict[str, frozenset[str]] = {
-    **dict.fromkeys(("falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"), _MAMBA_MIXER),
-    **dict.fromkeys(("llama4", "llama4_text"), frozenset({"router"})),
-}
-
-
-def lora_refused_names(model_type: str) -> frozenset[str]:
-    """Module names peft cannot adapt with LoRA on ``model_type`` (:data:`PEFT_LORA_REFUSED`): the executor's
-    ``all-linear`` leaves them out, explicit targets naming them are refused."""
-    return PEFT_LORA_REFUSED.get(model_type, frozenset())
-
-
-def all_linear_string(plan: Plan, model_type: str) -> bool:
-    """Whether peft gets the string ``all-linear`` (it resolves it, MoE conversion included): the plan targets
-    all-linear alone, not the head, on a model where peft adapts every linear."""
-    return plan.lora_targets == ("all-linear",) and not plan.lora_on_head and not lora_refused_names(model_type)
-
-
-def all_linear_names(spec: ModelSpec) -> set[str]:
-    """Leaf names of the linears peft's ``all-linear`` adapts on ``spec`` as the executor runs it: every linear but
-    the head, the towers' (frozen, kept out by ``exclude_modules``) and those peft refuses."""
-    refused = lora_refused_names(spec.model_type)
-    return {g.name for g in spec.groups
-            if g.kind == "linear" and not g.tower and g.name not in HEAD_NAMES and g.name not in refused}
-
-
-def executor_targets(spec: ModelSpec, plan: Plan) -> set[str] | None:
-    """The target names the executor hands peft (``execute/build.lora_targets_of_model``; ``tune --emit`` writes the
-    same): None for the string ``all-linear`` (:func:`all_linear_string`), else the explicit leaf names
-    (all-linear expanded to every non-head linear peft adapts, the head added with ``lora_on_head``)."""
-    if all_linear_string(plan, spec.model_type):
-        return None
-    names = {t for t in plan.lora_targets if t != "all-linear"}
-    if "all-linear" in plan.lora_targets:
-        names |= all_linear_names(spec)
-    if plan.lora_on_head:
-        names |= {g.name for g in spec.groups if g.kind == "linear" and g.name in HEAD_NAMES} or {"lm_head"}
-    return names
-
-
-def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
-    """The groups peft 0.21 puts a LoRA adapter on, as ``get_peft_model`` resolves the executor's targets.
-
-    Dense models: the matching linear groups. On a model with ``spec.peft_moe_conversion`` peft first converts the
-    targets (``_convert_peft_config_moe``): a string ``all-linear`` resolves to every non-head linear leaf name plus
-    the conversion's v4 names; those names then leave ``target_modules`` (an nn.Linear named ``gate_proj`` —
-    DeepSeek's dense layers, shared experts — gets no adapter) and become ``target_parameters``, each wrapped by a
-    ``ParamWrapper`` (peft ``tuners/lora/layer.py``) whose factors are per expert, stacked:
-
-    * router ``gate.weight`` (E, h): lora_A (r, h), lora_B (E, r);
-    * ``gate_up_proj`` (E, 2I, h), rank 2r and alpha x2 (``rank_pattern``/``alpha_pattern``, two fused names):
-      lora_A (2r·E, h), lora_B (2I, 2r·E);
-    * ``down_proj`` (E, h, I): lora_A (r·E, I), lora_B (h, r·E).
-
-    Each becomes a synthetic ``linear`` group (``module`` :data:`PARAM_WRAPPER`, ``name`` its parameter path's last
-    two parts) whose r·(in+out) is the adapter's trainable count and r·in / out·r the element counts of lora_A /
-    lora_B."""
-    names = executor_targets(spec, plan)
-    conv = PEFT_MOE_TARGETS.get(spec.peft_moe_conversion, {})
-    if names is None:
-        names = all_linear_names(spec)
-        if conv:
-            names |= set(conv)
-    params = {conv[n] for n in names if n in conv}
-    modules = names - set(conv)
-    out = [g for g in spec.groups if g.kind == "linear" and not g.tower and g.name in modules
-           and (plan.lora_on_head or g.name not in HEAD_NAMES)]
-    E, h = max(spec.num_experts, 1), spec.hidden_size
-    for g in spec.groups:
-        if g.kind == "linear" or not params:
-            continue
-        path = g.path or g.name
-        if "gate.weight" in params and path.endswith(".gate") and g.numel_each == E * h:
-            io = (h, E)
-        elif "gate_up_proj" in params and path.endswith("experts.gate_up_proj"):
-            io = (2 * E * h, 2 * g.numel_each // h)  # out = 2E·2I
-        elif "down_proj" in params and path.endswith("experts.down_proj"):
-            io = (g.numel_each // h, E * h)  # in = E·I
-        else:
-            continue
-        out.append(ParamGroup(name=".".join(path.split(".")[-2:]), kind="linear", in_features=io[0],
-                              out_features=io[1], count=g.count, per_layer=g.per_layer, path=path,
-                              module=PARAM_WRAPPER))
-    return tuple(out)
-
-
-def num_tiles(tokens: int, hidden: int) -> int:
-    """Tiles of one tiled-MLP call over ``tokens`` tokens (batch x sequence): ``ceil(tokens / hidden)``, at least
-    1 — DeepSpeed's ``TiledMLP`` rule (a tile's intermediates about the size of one MLP weight). What
-    ``execute/tiled`` runs and the memory model prices."""
-    return max(1, -(-tokens // max(hidden, 1)))
-
-
-#: A tiled MLP is searched (tune) and advised (diagnose) when a micro-batch holds at least this many times the hidden
-#: size in tokens: below, a tile is most of the sequence, and the recompute costs more than the tiles save.
-TILED_MIN_TOKENS_PER_HIDDEN = 8
-
-
-def tiled_mlp_refusal(spec: ModelSpec) -> str | None:
-    """Why ``spec`` cannot run a tiled MLP (None: it can): tiling applies to dense decoder MLPs."""
-    if spec.num_experts:
-        return "a mixture of experts (its router balances load over the whole batch)"
-    if spec.arch_kind != "decoder":
-        return f"not a decoder-only causal LM ({spec.arch_kind})"
-    return None
-
-
-def tiling_applies(spec: ModelSpec, tokens: int) -> bool:
-    """Whether a tiled MLP (``execute/tiled``) is worth offering: a model that runs one (:func:`tiled_mlp_refusal`)
-    and ``tokens`` per micro-batch at least :data:`TILED_MIN_TOKENS_PER_HIDDEN` x the hidden size. What else a plan
-    must be for it (one GPU, no optimizer in backward) is ``plan.validate``'s."""
-    return tiled_mlp_refusal(spec) is None and tokens >= TILED_MIN_TOKENS_PER_HIDDEN * spec.hidden_size
-
-
-def check_plan_for_model(spec: ModelSpec, plan: Plan) -> None:
-    """Refuse what cannot run on this model: the chunked loss on a model that is not a decoder-only causal LM, the
-    tiled MLP where there is no dense decoder MLP, and LoRA targets that adapt nothing (peft raises on them too)."""
-    if plan.loss == "chunked" and spec.arch_kind != "decoder":
-        raise BadInput(f"loss chunked: {spec.name} is not a decoder-only causal LM ({spec.arch_kind})",
-                       "use the standard loss")
-    why = tiled_mlp_refusal(spec) if plan.tiled_mlp else None
-    if why:
-        raise BadInput(f"tiled_mlp: {spec.name} is {why}; tiling applies to dense decoder MLPs",
-                       "drop tiled_mlp (--no-tiled-mlp / tiled_mlp: false)")
-    check_lora_targets(spec, plan)
-    check_param_wrapper(spec, plan)
-
-
-def check_param_wrapper(spec: ModelSpec, plan: Plan) -> None:
-    """Refuse what peft refuses on adapters of raw parameters (:func:`lora_groups_of`): ``ParamWrapper`` raises
-    with ``lora_dropout != 0`` (peft 0.21 ``tuners/lora/layer.py``), and ``_convert_peft_config_moe`` raises when
-    only one of two names fused into one parameter is targeted (``gate_proj`` without ``up_proj``)."""
-    if not plan.uses_lora or not spec.peft_moe_conversion:
-        return
-    names = executor_targets(spec, plan) or set()
-    conv = PEFT_MOE_TARGETS[spec.peft_moe_conversion]
-    fused = sorted(n for n, p in conv.items() if p == "gate_up_proj")
-    if 0 < len(names & set(fused)) < len(fused):
-        raise BadInput(f"LoRA targets of {spec.name}: {' and '.join(fused)} are fused into one expert parameter "
-                       "(gate_up_proj); peft cannot adapt one without the other",
-                       f"target both {' and '.join(fused)}, or neither")
-    if plan.lora_dropout and any(g.module == PARAM_WRAPPER for g in lora_groups_of(spec, plan)):
-        raise BadInput(f"lora_dropout {plan.lora_dropout:g}: on {spec.name} the LoRA targets include MoE router/expert "
-                       "parameters, which peft adapts with a ParamWrapper that does not support dropout",
-                       "set lora_dropout: 0, or target attention only "
-                       "(--lora-targets / target_modules: q_proj,k_proj,v_proj,o_proj)")
-
-
-def check_lora_targets(spec: ModelSpec, plan: Plan) -> None:
-    """Refuse LoRA targets that adapt nothing (peft raises on them too): BadInput listing the model's linears."""
-    if not plan.uses_lora:
-        return
-    refused = sorted(lora_refused_names(spec.model_type) & set(plan.lora_targets))
-    if refused:
-        raise BadInput(f"LoRA targets {','.join(refused)}: peft cannot adapt them in {spec.model_type} models",
-                       "leave them out; all-linear adapts every other linear")
-    if plan.lora_on_head:
-        return
-    names = sorted({g.name for g in spec.groups if g.kind == "linear"})
-    if not any(lora_targets_match(n, plan.lora_targets) for n in names):
-        raise BadInput(f"LoRA targets {','.join(plan.lora_targets)} match no linear module of {spec.name}",
-                       f"use all-linear or some of: {', '.join(names)}")
-
-
 @dataclass(frozen=True)
 class Ctx:
     """Derived view of one (spec, plan) pair."""
@@ -382,30 +186,10 @@ class Ctx:
         return any(g.name == name for g in self.lora_groups)
 
 
-def runs_autocast(plan: Plan) -> bool:
-    """Whether the forward runs under autocast: ``*-mixed`` plans, and pure bf16 under any trainer but oomdoctor's own
-    (their file says ``bf16: true`` / ``mixed_precision: bf16``, and accelerate autocasts the forward whatever the
-    weights' dtype: ``execute/trainers/common.precision``; accelerate 1.15 ``Accelerator.prepare_model``) — bf16
-    weights need no cast, but fp32 LoRA adapters are cast (and cached) and their matmuls run in bf16."""
-    return plan.is_mixed or (plan.precision == "bf16" and plan.trainer != "oomdoctor")
-
-
 def adapter_numel(plan: Plan, groups) -> int:
     """LoRA parameters on ``groups``: lora_A (r x in) + lora_B (out x r) per module, no bias (Hu et al. 2021, peft
     tuners/lora/layer.py)."""
     return sum(plan.lora_r * (g.in_features + g.out_features) * g.count for g in groups)
-
-
-def upcast_changes_bytes(plan: Plan) -> bool:
-    """Whether ``kbit_upcast`` changes any byte of ``plan``: a quantized base whose unquantized weights load in 16
-    bits (pure ``bf16``); ``fp32`` and ``*-mixed`` load them in fp32, where peft's cast is a no-op."""
-    return plan.quant is not None and plan.precision == "bf16"
-
-
-def upcast_to_fp32(plan: Plan) -> bool:
-    """Whether peft's k-bit preparation makes the quantized base's unquantized weights (embeddings, norms, head,
-    biases) fp32 where they were loaded in 16 bits (``Plan.upcasts_kbit`` and :func:`upcast_changes_bytes`)."""
-    return plan.upcasts_kbit and upcast_changes_bytes(plan)
 
 
 def make_ctx(spec: ModelSpec, plan: Plan, device: str = "cuda") -> Ctx:

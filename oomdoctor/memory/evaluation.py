@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oomdoctor.memory import activations as act
+from oomdoctor.model.quirks import effective_attn
+from oomdoctor.model.roles import layer_roles
 from oomdoctor.memory import logits as lgt
 from oomdoctor.memory import parameters as prm
 from oomdoctor.memory.breakdown import MemoryBreakdown
-from oomdoctor.memory.context import make_ctx, num_tiles
+from oomdoctor.memory.context import make_ctx
+from oomdoctor.model.execution import num_tiles
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 
@@ -94,11 +96,11 @@ def block_forward_peak(c) -> int:
     probabilities in ``ab``) or the MLP (input, gate, up and the activation of a gated MLP; input, up and the
     activation of a plain one), for the tokens each expert sees in MoE blocks."""
     spec = c.spec
-    roles = act.layer_roles(spec)
+    roles = layer_roles(spec)
     T, h, I = c.T, spec.hidden_size, spec.intermediate_size
     qd, kvd = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     attn = c.ab * T * (2 * qd + 2 * kvd)
-    if act.effective_attn(spec, c.plan.attn) == "eager":
+    if effective_attn(spec, c.plan.attn) == "eager":
         attn += (4 + c.ab) * c.B * spec.num_heads * c.S * c.S
     width = (3 if spec.mlp_kind == "gated" else 2) * I * roles.mlp_tokens
     if c.plan.tiled_mlp:

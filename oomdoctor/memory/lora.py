@@ -4,7 +4,7 @@ Each adapted ``nn.Linear(in, out)`` gets ``lora_A: (r, in)`` and ``lora_B: (out,
 (peft ``tuners/lora/layer.py``), so r*(in+out) trainable parameters per module. ``all-linear`` adapts every linear
 but the output head (peft ``_maybe_include_all_linear_layers``); ``lora_on_head`` adds the head. On MoE models peft
 converts the expert/router names to ``target_parameters`` (``ParamWrapper`` adapters on the router and the fused
-expert stacks, per-expert factors): ``memory/context.lora_groups_of`` lists them as equivalent linear groups.
+expert stacks, per-expert factors): ``model/lora_targets.lora_groups_of`` lists them as equivalent linear groups.
 Adapters are fp32 whatever the base dtype: ``get_peft_model(autocast_adapter_dtype=True)`` (the default) upcasts
 fp16/bf16 adapter weights to fp32 (peft ``tuners/tuners_utils.py: cast_adapter_dtype``); the plan's
 ``adapter_dtype: bf16`` casts them to bf16 afterwards (TRL's SFTTrainer on a quantized model): ``Ctx.adapter_b``.

@@ -4,7 +4,8 @@ LoRA adapters, and AMP's low-precision weight copies. Pure functions of (ModelSp
 
 from __future__ import annotations
 
-from oomdoctor.memory.context import PARAM_WRAPPER, Ctx
+from oomdoctor.memory.context import Ctx
+from oomdoctor.model.lora_targets import PARAM_WRAPPER
 from oomdoctor.memory.logits import fused_head
 from oomdoctor.memory.lora import adapter_bytes
 
@@ -55,7 +56,7 @@ def base_weight_bytes(c: Ctx) -> int:
     embeddings, norms, biases and the other linears stay in the weight dtype ``c.wb``. The plan's weight dtype for
     ``*-mixed`` is fp32, so peft's ``prepare_model_for_kbit_training`` (which upcasts every non-4-bit fp16/bf16
     parameter to fp32, peft ``utils/other.py``) changes nothing there; in pure ``bf16`` it makes them fp32 (``c.wb``
-    = 4, ``context.upcast_to_fp32``) unless ``kbit_upcast: false`` skips it (bf16). Sizes: ZeRO paper (Rajbhandari
+    = 4, ``model.execution.upcast_to_fp32``) unless ``kbit_upcast: false`` skips it (bf16). Sizes: ZeRO paper (Rajbhandari
     et al. 2020) §3.1 "model states" (2 bytes/param fp16, 4 bytes fp32).
     """
     s = c.sums
@@ -108,7 +109,7 @@ def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
     is not quantized — the full linear set for full fine-tuning and for LoRA on an fp32 base (frozen copies), the
     adapters only for QLoRA (bitsandbytes dequantizes per call, nothing saved). Fused 3-D expert stacks are cast
     too (never quantized): per expert slice by transformers' eager experts, whole by Llama 4's batched ``bmm`` —
-    unless a peft ``ParamWrapper`` adapts them (its W' casts: ``activations.param_wrapper_weights``); the grouped
+    unless a peft ``ParamWrapper`` adapts them (its W' casts: ``experts.param_wrapper_weights``); the grouped
     matmul runs bf16 weights only, outside autocast. Embeddings and norm weights are not cast (not autocast ops).
     ``layers``: how many blocks' copies are alive (None = the whole model).
     Limit: fp16-mixed and bf16-mixed are both priced at 2 bytes; ``GradScaler`` buffers are ignored (tiny).

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from oomdoctor.errors import DoesNotFit
-from oomdoctor.memory.context import tiled_mlp_refusal
+from oomdoctor.model.execution import tiled_mlp_refusal
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget
@@ -54,7 +54,7 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
     candidate plan's longest sequence by bisection (:func:`longest_seq_len`, up to the model's positions,
     :attr:`ModelSpec.position_limit`; offload and paged-optimizer plans only within ``host_ram`` bytes of CPU RAM,
     ``search.host_bytes``; None: unchecked), the longest wins, ties broken by the quality tier, then by the untiled
-    MLP. Tiled MLPs (unless pinned off; one GPU, a model that runs them: ``memory.context.tiled_mlp_refusal``): each
+    MLP. Tiled MLPs (unless pinned off; one GPU, a model that runs them: ``model.execution.tiled_mlp_refusal``): each
     :func:`tiling_finalists` plan is bisected again with its MLPs tiled, from its untiled length up to
     :data:`TILED_REACH` times it (each power of two a block replay, seconds, cached per block shape) — unless one
     more step does not fit tiled (tiles gain it nothing) or its reach cannot beat a tiled plan already found;

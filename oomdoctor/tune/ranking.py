@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from oomdoctor.memory.breakdown import MemoryBreakdown
-from oomdoctor.memory.context import upcast_changes_bytes
+from oomdoctor.model.execution import upcast_changes_bytes
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import BatchChoice
 from oomdoctor.tune.throughput import Throughput

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.context import upcast_changes_bytes
+from oomdoctor.model.execution import upcast_changes_bytes
 from oomdoctor.memory.sharding import node_host_bytes
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
@@ -66,7 +66,7 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     with its activations offloaded too (checkpointed: unsloth's offloaded gradient checkpointing; not: every saved
     tensor to the host, ``save_on_cpu``; ranked after every on-device plan of its tier, and only within the host RAM:
     ``price``), with the chunked loss (``chunked_loss``: the model is a decoder), and with ``tiled_mlp``
-    (``memory.context.tiling_applies``) with its MLPs tiled (each such plan's blocks are measured by a replay: seconds
+    (``model.execution.tiling_applies``) with its MLPs tiled (each such plan's blocks are measured by a replay: seconds
     per distinct plan, cached). Every variant a single pin can select is in the unpinned list, so no pin finds a
     plan the search did not consider (tests/test_search_pins.py); diagnose's matrix leaves these variants out to
     stay readable. A pinned ``trainer`` other than oomdoctor keeps the plans it can run on ``model_type``, as it runs

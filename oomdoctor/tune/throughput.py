@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oomdoctor.memory.activations import layer_roles
+from oomdoctor.model.roles import layer_roles
 from oomdoctor.memory.breakdown import MemoryBreakdown
-from oomdoctor.memory.context import adapter_numel, lora_groups_of
+from oomdoctor.memory.context import adapter_numel
+from oomdoctor.model.lora_targets import lora_groups_of
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 
@@ -76,7 +77,7 @@ def _embedding_numel(spec: ModelSpec) -> int:
 
 def trainable_params(spec: ModelSpec, plan: Plan) -> int:
     """Trainable parameters: all for full fine-tuning; for LoRA ``r * (in + out)`` per module peft adapts
-    (``memory/context.lora_groups_of``: the one rule the executor and the pricing use)."""
+    (``model/lora_targets.lora_groups_of``: the one rule the executor and the pricing use)."""
     if plan.method == "full":
         return spec.num_params
     return adapter_numel(plan, lora_groups_of(spec, plan))

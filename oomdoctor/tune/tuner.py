@@ -24,7 +24,7 @@ from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput, DoesNotFit
 from oomdoctor.gpu import GpuInfo, detect_gpu, host_ram_bytes
 from oomdoctor.memory.breakdown import MemoryBreakdown
-from oomdoctor.memory.context import tiled_mlp_refusal, tiling_applies
+from oomdoctor.model.execution import tiled_mlp_refusal, tiling_applies
 from oomdoctor.model.load import load_spec
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan

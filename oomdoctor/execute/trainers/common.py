@@ -89,18 +89,18 @@ def hf_optim(plan: Plan) -> tuple[str, str | None]:
 
 
 def lora_targets(plan: Plan, spec: ModelSpec) -> str | list[str]:
-    """peft ``target_modules``: what the executor hands peft for this plan (``memory.context.executor_targets``):
+    """peft ``target_modules``: what the executor hands peft for this plan (``model/lora_targets.target_modules``):
     ``all-linear`` as is, else the sorted leaf names (all-linear expanded without what peft cannot adapt, the
     head with ``lora_on_head``); on a vision-language model one regex for those names outside its towers
     (``model/inventory.text_side_targets``: the executor's ``exclude_modules``, which TRL and axolotl lack)."""
-    from oomdoctor.memory.context import all_linear_names, executor_targets
+    from oomdoctor.model.lora_targets import all_linear_names, target_modules
 
-    names = executor_targets(spec, plan)
+    targets = target_modules(spec, plan)
     if spec.towers:
         from oomdoctor.model.inventory import text_side_targets
 
-        return text_side_targets(all_linear_names(spec) if names is None else names, spec.towers)
-    return ALL_LINEAR if names is None else sorted(names)
+        return text_side_targets(all_linear_names(spec) if targets == ALL_LINEAR else set(targets), spec.towers)
+    return targets
 
 
 def decoder_layer_class(spec: ModelSpec) -> str | None:
