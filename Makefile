@@ -16,7 +16,7 @@ PY := .venv/bin/python
 endif
 STAMP := $(dir $(PY)).oomdoctor-stamp
 
-.PHONY: install demo test test-fast test-all lint bench clean
+.PHONY: install demo test test-fast test-all lint format bench clean
 
 .venv/bin/python:
 	$(PYTHON) -m venv .venv
@@ -37,7 +37,16 @@ demo: $(STAMP)
 # intra-op thread each: the tiny tensors gain nothing from more, and spinning threads cost on a shared box.
 XDIST := -n auto --maxprocesses 4 --dist worksteal
 
-test: $(STAMP)
+# ruff (configured in pyproject.toml): lint, and the formatting checked; `make format` applies it.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST)
 
 test-fast: $(STAMP)

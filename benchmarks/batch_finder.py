@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-
 import os
 import sys
 import tempfile
@@ -47,12 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from oomdoctor.plan import Plan  # noqa: E402
-from oomdoctor.plan.batch import divisors, max_fitting  # noqa: E402
-from oomdoctor.model.load import spec_from_config  # noqa: E402
-from oomdoctor.units import format_bytes  # noqa: E402
+from oomdoctor.model.load import spec_from_config
+from oomdoctor.plan import Plan
+from oomdoctor.plan.batch import divisors, max_fitting
+from oomdoctor.units import format_bytes
 
 VERBOSE = bool(os.environ.get("BENCH_VERBOSE"))
 #: Most device trials oomdoctor may run per case (one verification, one refinement).
@@ -218,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     args.engine = args.engine or ("analytic" if args.quick else "simulate")
     torch.set_num_threads(args.threads)
 
-    from oomdoctor.engines.probe import build_for_probe
-
     import transformers
+
+    from oomdoctor.engines.probe import build_for_probe
 
     transformers.utils.logging.set_verbosity_error()
     cases = [
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         best_div = max(d for d in divisors(g) if d <= tmax) if tmax else 0
         row["best_exact_micro"] = best_div
         for label, fn in (
-            ("oomdoctor", lambda d: oomdoctor_finder(d, spec, args.engine, args.margin)),
+            ("oomdoctor", lambda d, spec=spec: oomdoctor_finder(d, spec, args.engine, args.margin)),
             ("lightning", lambda d: (lightning_binsearch(d), None)),
             ("accelerate", lambda d: (accelerate_finder(d), None)),
         ):
@@ -325,7 +324,7 @@ def _table(rows: list[dict], args) -> str:
             f"{'PASS' if meets_goal(r) else 'MISS'} |"
         )
     n = len(rows)
-    avg = lambda k, f: sum(r[k][f] for r in rows) / n  # noqa: E731
+    avg = lambda k, f: sum(r[k][f] for r in rows) / n  # noqa: E731 - a one-line local helper
     out.append("")
     out.append(
         f"mean trials: oomdoctor {avg('oomdoctor', 'trials'):.2f}, Lightning {avg('lightning', 'trials'):.2f}, "

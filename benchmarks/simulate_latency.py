@@ -137,9 +137,9 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from oomdoctor.plan import validate
     from oomdoctor.engines.simulate import simulate_plan
     from oomdoctor.model.load import load_spec
+    from oomdoctor.plan import validate
     from oomdoctor.units import format_bytes
 
     t0 = time.perf_counter()

@@ -83,8 +83,14 @@ def ours(steps: int, warmup: int, widen: bool) -> tuple[float, int, int]:
 def hf(steps: int, warmup: int, widen: bool, threads: int) -> float:
     """tokens/s of ``transformers.Trainer`` on the same model, rows, batches and thread count."""
     import torch
-    from transformers import (AutoConfig, AutoModelForCausalLM, PrinterCallback, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        PrinterCallback,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     from oomdoctor.execute.load import ModelSource, load_tokenizer
     from oomdoctor.train.data import collate, tokenize

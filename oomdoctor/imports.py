@@ -15,8 +15,9 @@ import functools
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 #: The package whose import runs under :func:`lazy_torch_compile`.
 LAZY_COMPILE_PACKAGE = "bitsandbytes"

@@ -10,10 +10,10 @@ down the call chain, and a thread or task that installs none reports to nobody.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 
 @dataclass(frozen=True)

@@ -75,9 +75,9 @@ CASES = [
 def spec_of(model: str):
     """A bundled model (``org/name``) or a model type (transformers' default config cut to 8 blocks); ``MODEL@N``:
     cut to N blocks."""
+    from blocks_vs_simulate import shrink
     from transformers import AutoConfig
 
-    from blocks_vs_simulate import shrink
     from oomdoctor.model.architectures import build_spec
     from oomdoctor.model.load import load_spec
 

@@ -62,6 +62,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from mechanisms_vs_simulate import spec_of
+
     from oomdoctor.engines import estimate
     from oomdoctor.engines.simulate import simulate_plan
     from oomdoctor.plan import Plan, validate

@@ -18,11 +18,11 @@ os.environ.setdefault("OOMDOCTOR_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from oomdoctor.engines import estimate  # noqa: E402
-from oomdoctor.plan import Plan  # noqa: E402
-from oomdoctor.plan.budget import Budget  # noqa: E402
-from oomdoctor.diagnose.plot import plot_plans, plot_timeline  # noqa: E402
-from oomdoctor.model.load import load_spec  # noqa: E402
+from oomdoctor.diagnose.plot import plot_plans, plot_timeline  # noqa: E402 - after the environment set-up above
+from oomdoctor.engines import estimate  # noqa: E402 - after the environment set-up above
+from oomdoctor.model.load import load_spec  # noqa: E402 - after the environment set-up above
+from oomdoctor.plan import Plan  # noqa: E402 - after the environment set-up above
+from oomdoctor.plan.budget import Budget  # noqa: E402 - after the environment set-up above
 
 OUT = ROOT / "docs" / "img"
 

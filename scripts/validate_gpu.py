@@ -162,8 +162,8 @@ def child(payload: str) -> int:
 
 
 def predictions(spec, plan, dry: bool) -> dict:
-    from oomdoctor.memory.analytic import estimate_analytic
     from oomdoctor.engines.simulate import simulate_plan, simulate_run
+    from oomdoctor.memory.analytic import estimate_analytic
 
     out = {}
     if dry:
@@ -232,7 +232,7 @@ def run(args) -> int:
                "measured": meas, "predicted": pred, "wall_seconds": round(wall, 1)}
         if "max_allocated_bytes" in meas:
             ma = meas["max_allocated_bytes"]
-            for eng, p in pred.items():
+            for p in pred.values():
                 p["error_allocated"] = _err(p["peak_allocated"] + (p.get("cublas_workspace") or 0), ma)
                 p["error_reserved"] = _err(p.get("peak_reserved"), meas.get("max_reserved_bytes"))
                 p["error_device"] = _err(p.get("peak_device"), meas.get("nvml_process_used_bytes"))
@@ -258,7 +258,7 @@ def _row_line(i, row) -> str:
     if "max_allocated_bytes" not in m:
         return f"{i + 1:3d} {row['model'][:34]:34s} {row['plan'][:60]:60s} {'OOM' if m.get('oom') else 'ERROR'}: {m.get('message', '')[:80]}"
     a, s = row["predicted"]["analytic"], row["predicted"]["simulate"]
-    fe = lambda e: "   -   " if e is None else f"{e * 100:+6.1f}%"  # noqa: E731
+    fe = lambda e: "   -   " if e is None else f"{e * 100:+6.1f}%"  # noqa: E731 - a one-line local helper
     return (f"{i + 1:3d} {row['model'][:34]:34s} {row['plan'][:60]:60s} meas {format_bytes(m['max_allocated_bytes']):>11s}"
             f"  analytic {fe(a.get('error_allocated'))}  simulate {fe(s.get('error_allocated'))}")
 
@@ -295,13 +295,13 @@ def _env_info() -> dict:
     for mod in ("torch", "transformers", "peft", "bitsandbytes", "accelerate"):
         try:
             info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a missing or broken package is recorded as None
             info[mod] = None
     try:
         import torch
 
         info["cuda"] = torch.version.cuda
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no CUDA version to record
         pass
     return info
 

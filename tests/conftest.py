@@ -36,7 +36,7 @@ def _cuda_available() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no usable torch means no GPU
         return False
 
 

@@ -13,6 +13,6 @@ from oomdoctor.plan import Plan as _Plan
 CALIBRATED = dict(precision="bf16-mixed", optimizer_impl="foreach", lora_r=16, lora_alpha=32, lora_dropout=0.05)
 
 
-def Plan(**kw) -> _Plan:  # noqa: N802 - stands in for the class in these tests
+def Plan(**kw) -> _Plan:  # stands in for the class in these tests
     """``oomdoctor.plan.Plan`` with :data:`CALIBRATED` under the given knobs."""
     return _Plan(**{**CALIBRATED, **kw})

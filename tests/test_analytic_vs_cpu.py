@@ -32,13 +32,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
-
-from oomdoctor.model.architectures import build_spec  # noqa: E402
-from oomdoctor.memory.analytic import estimate_analytic  # noqa: E402
-from oomdoctor.plan import validate  # noqa: E402
 from plans import Plan  # noqa: E402 - the settings these tolerances were measured with
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402 - after the environment set-up above
+from torch.utils._pytree import tree_flatten  # noqa: E402 - after the environment set-up above
+
+from oomdoctor.memory.analytic import estimate_analytic  # noqa: E402 - after the environment set-up above
+from oomdoctor.model.architectures import build_spec  # noqa: E402 - after the environment set-up above
+from oomdoctor.plan import validate  # noqa: E402 - after the environment set-up above
 
 #: Acceptance bound of the issue: analytic peak_allocated within 5% of the measured peak.
 TOLERANCE = 0.05

@@ -8,9 +8,9 @@ import json
 from dataclasses import replace
 
 import pytest
+from train_util import TINY_YAML, cli, run_main, tiny_cfg, write_yaml
 
 from oomdoctor.errors import EXIT_BAD_INPUT, EXIT_DOES_NOT_FIT, ConfigErrors
-from train_util import TINY_YAML, cli, run_main, tiny_cfg, write_yaml
 
 LLAMA = "meta-llama/Llama-2-7b-hf"
 TINY = "bundled:tiny/model/config.json"

@@ -9,8 +9,8 @@ import pytest
 from oomdoctor.engines import blocks, estimate, kinds
 from oomdoctor.errors import BadInput
 from oomdoctor.memory.activations import layer_activations
-from oomdoctor.memory.saves import norm_saved
 from oomdoctor.memory.context import make_ctx
+from oomdoctor.memory.saves import norm_saved
 from oomdoctor.model.load import spec_from_config
 from oomdoctor.plan import Plan, validate
 

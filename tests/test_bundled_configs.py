@@ -18,8 +18,8 @@ from collections import defaultdict
 
 import pytest
 
-from oomdoctor.model.spec import ModelSpec
 from oomdoctor.model.load import MODELS_DIR, bundled_ids, listing_of, load_spec, registry_entry
+from oomdoctor.model.spec import ModelSpec
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

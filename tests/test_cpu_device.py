@@ -8,11 +8,11 @@ import json
 from dataclasses import replace
 
 import pytest
+from train_util import cli, run_main, tiny_cfg
 
 from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput
 from oomdoctor.plan import Plan, validate
-from train_util import cli, run_main, tiny_cfg
 
 TINY = "bundled:tiny/model/config.json"
 OVERHEADS = ("allocator_slack", "cuda_context", "cublas_workspace", "nccl_buffers")

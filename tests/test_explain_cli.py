@@ -94,10 +94,10 @@ def test_model_ranks_fixes_by_bytes_saved():
 
 def test_model_savings_match_memory_model():
     """A fix's bytes saved is estimate(plan) - estimate(plan with the fix), computed independently here."""
-    from oomdoctor.explain.core import explain
     from oomdoctor.engines import estimate
-    from oomdoctor.plan import Plan
+    from oomdoctor.explain.core import explain
     from oomdoctor.model.load import load_spec
+    from oomdoctor.plan import Plan
 
     spec = load_spec("meta-llama/Llama-2-7b-hf")
     plan = Plan(method="lora", micro_batch=2, seq_len=1024)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 
 import pytest
+from train_util import run_main
 
 from oomdoctor.errors import EXIT_BAD_INPUT, EXIT_WRITE_FAILED, BadInput, WriteFailed
 from oomdoctor.files import check_output_path, write_file_atomic
-from train_util import run_main
 
 TINY = "bundled:tiny/model/config.json"
 

@@ -15,7 +15,6 @@ import torch
 from oomdoctor.execute.oom import OOMAtMicroBatchOne
 from oomdoctor.execute.tracking import LiveBytes
 from oomdoctor.hf import GuardedTrainer, batch_rows, guard_trainer, slice_rows, target_tokens
-
 from oomdoctor.resources import tiny_dir
 
 TINY = tiny_dir()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_moe import DEEPSEEK_V3
 
 from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput
@@ -10,7 +11,6 @@ from oomdoctor.model.architectures import build_spec
 from oomdoctor.model.inventory import spec_from_transformers
 from oomdoctor.model.load import load_config
 from oomdoctor.plan import Plan, validate
-from test_moe import DEEPSEEK_V3
 
 PLAN = validate(Plan(method="lora", precision="bf16", gradient_checkpointing=True, seq_len=2048))
 

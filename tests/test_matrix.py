@@ -2,8 +2,8 @@
 
 import pytest
 
-from oomdoctor.errors import BadInput
 from oomdoctor.diagnose.matrix import enumerate_plans
+from oomdoctor.errors import BadInput
 
 
 def test_unpinned_matrix_spans_methods_precisions_gc_optimizers_offload():

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 
-from oomdoctor.model.architectures import build_spec
 from oomdoctor.memory import activations as act
 from oomdoctor.memory import gradients as grads
 from oomdoctor.memory import logits as lgt
@@ -21,6 +20,7 @@ from oomdoctor.memory import runtime as rt
 from oomdoctor.memory.analytic import estimate_analytic
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS
 from oomdoctor.memory.context import make_ctx
+from oomdoctor.model.architectures import build_spec
 from oomdoctor.plan import Plan, validate
 
 H, L, I, NH, HD, V = 64, 2, 128, 4, 16, 256
@@ -184,7 +184,7 @@ def test_eager_adds_seq_squared_probabilities(spec):
         ea = act.layer_activations(ctx(spec, method="full", precision="bf16", attn="eager", micro_batch=2, seq_len=S)).saved
         # fp32 softmax + bf16 cast of B x heads x S x S, minus SDPA's logsumexp
         assert ea - sd == (4 + 2) * 2 * NH * S * S - 4 * 2 * NH * S
-    e = lambda S, a: estimate_analytic(spec, validate(Plan(precision="bf16", attn=a, seq_len=S))).activations  # noqa: E731
+    e = lambda S, a: estimate_analytic(spec, validate(Plan(precision="bf16", attn=a, seq_len=S))).activations  # noqa: E731 - a one-line local helper
     growth_eager = (e(2048, "eager") - e(1024, "eager")) / (e(1024, "eager") - e(512, "eager"))
     growth_sdpa = (e(2048, "sdpa") - e(1024, "sdpa")) / (e(1024, "sdpa") - e(512, "sdpa"))
     assert growth_sdpa == pytest.approx(2.0, rel=0.02)  # linear in seq

@@ -6,11 +6,10 @@ by the formulas and the simulated engine alike, run by ``train``, chosen by ``tu
 from __future__ import annotations
 
 import pytest
+from train_util import tiny_cfg
 
 from oomdoctor.errors import BadInput
 from oomdoctor.plan import Plan, validate
-
-from train_util import tiny_cfg
 
 
 def test_same_weights_as_stepping_after_backward_and_no_gradient_left(tmp_path):
@@ -67,11 +66,11 @@ def test_formulas_and_simulation_agree_and_gradients_vanish():
 
 @pytest.mark.slow
 def test_train_runs_it_and_the_yaml_demands_no_clipping(tmp_path):
+    import yaml
+
     from oomdoctor.train.config import parse_train_config
     from oomdoctor.train.config.render import render_yaml
     from oomdoctor.train.loop import train
-
-    import yaml
 
     cfg = tiny_cfg(tmp_path / "out", max_steps=2, gradient_accumulation_steps=1, micro_batch_size=8,
                    optimizer_in_backward=True)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from oomdoctor.errors import BadInput
 from oomdoctor.diagnose import plot
 from oomdoctor.diagnose.plot import plot_plans, plot_timeline
+from oomdoctor.errors import BadInput
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan.budget import Budget
 from oomdoctor.units import format_bytes
@@ -159,11 +159,11 @@ def test_plot_rejects_unknown_suffix_and_empty_input(tmp_path):
 
 def test_plot_with_real_analytic_breakdowns(tmp_path):
     """Bars from the real memory model (no capacity given: no line, still a valid picture)."""
-    from oomdoctor.engines import estimate
-    from oomdoctor.plan import Plan
-    from oomdoctor.model.load import spec_from_config
-
     from conftest import TINY_LLAMA
+
+    from oomdoctor.engines import estimate
+    from oomdoctor.model.load import spec_from_config
+    from oomdoctor.plan import Plan
 
     spec = spec_from_config(TINY_LLAMA, "tiny")
     rows = [(p.label(), estimate(spec, p)) for p in (Plan(seq_len=128), Plan(method="lora", seq_len=128))]

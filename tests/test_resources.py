@@ -4,10 +4,10 @@ The wheel install itself is exercised in tests/test_wheel.py (slow)."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from oomdoctor.errors import BadInput
 from oomdoctor.resources import (

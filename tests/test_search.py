@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from oomdoctor.errors import BadInput
 from oomdoctor.engines import estimate
-from oomdoctor.plan import Plan
+from oomdoctor.errors import BadInput
 from oomdoctor.model.load import load_spec
+from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import SearchTrace, choose_micro_batch, divisors, max_fitting
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.tune.batch_search import micro_batch_search, verify_and_refine
@@ -277,9 +277,8 @@ def test_every_single_pin_selects_plans_the_unpinned_search_considers():
     """What one pin can select is in the unpinned candidate list (paged 32-bit AdamW for a full fine-tune, the
     optimizer in backward for LoRA, activation offload without checkpointing, tiled MLPs without it), and a pinned
     tiled MLP is never combined with the optimizer in backward (validate refuses it: tune --tiled-mlp crashed)."""
-    from oomdoctor.tune.search import ADAMW_FAMILY
-
     from oomdoctor.model.execution import upcast_changes_bytes
+    from oomdoctor.tune.search import ADAMW_FAMILY
 
     def same_bytes(p: Plan) -> Plan:  # kbit_upcast off where there is nothing to upcast is the same plan
         return p if upcast_changes_bytes(p) else p.with_(kbit_upcast=True)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from oomdoctor.plan import validate
 from plans import Plan  # the settings these tolerances were measured with
+
 from oomdoctor.model.load import spec_from_config
+from oomdoctor.plan import validate
 
 SEQ = 32
 
@@ -74,8 +74,8 @@ def test_qlora_real_bitsandbytes_model_step_matches_standin(tiny_config, tmp_pat
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from oomdoctor.execute.build import apply_plan_techniques, hf_config, lora_targets_of_model
     from oomdoctor.engines.simulate import real_cpu_run, simulate_run
+    from oomdoctor.execute.build import apply_plan_techniques, hf_config, lora_targets_of_model
 
     spec = _spec(tiny_config)
     plan = validate(Plan(method="qlora", quant="nf4", double_quant=True, seq_len=SEQ, lora_dropout=0.0))

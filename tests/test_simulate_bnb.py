@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from oomdoctor.plan import Plan, validate
 from oomdoctor.model.load import spec_from_config
+from oomdoctor.plan import Plan, validate
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,7 @@ def saved_tiny(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from oomdoctor.execute.build import hf_config
-    from tests.conftest import TINY_LLAMA  # noqa: F401  (keeps one source of the tiny config)
+    from tests.conftest import TINY_LLAMA
 
     cfg = dict(TINY_LLAMA, num_hidden_layers=2)
     spec = spec_from_config(cfg, name="tiny")

@@ -57,7 +57,7 @@ def test_fake_process_group_private_api_is_still_there():
     """``FakeStore`` is torch's private API (torch.testing._internal.distributed.fake_pg; torchtitan uses it too):
     when a torch upgrade moves it, this fails loudly (and so would every sharded simulation)."""
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401 - whether it imports is the point
 
     from oomdoctor.engines.simulate import fake_process_group
 

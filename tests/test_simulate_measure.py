@@ -10,8 +10,8 @@ from oomdoctor.plan import Plan, validate
 def test_measure_without_gpu_says_so_and_exits_2(tiny_spec, monkeypatch):
     import torch
 
-    from oomdoctor.errors import EXIT_BAD_INPUT, NoGPU
     from oomdoctor.engines import estimate
+    from oomdoctor.errors import EXIT_BAD_INPUT, NoGPU
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(NoGPU) as ei:

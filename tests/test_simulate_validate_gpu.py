@@ -41,9 +41,9 @@ def test_matrix_covers_the_issue():
 @pytest.mark.slow
 def test_real_bnb_layers_from_random_weights_train(tiny_spec):
     """The GPU path builds real bitsandbytes layers quantized from random weights; check it on the CPU."""
+    from oomdoctor.engines.simulate import real_cpu_run
     from oomdoctor.execute.build import build_model
     from oomdoctor.plan import Plan, validate
-    from oomdoctor.engines.simulate import real_cpu_run
 
     plan = validate(Plan(method="qlora", quant="nf4", double_quant=True, seq_len=16, lora_dropout=0.0))
     b = build_model(tiny_spec, plan, device="meta", real_quant_device="cpu")

@@ -8,10 +8,10 @@ were fixed in the analytic engine), so the grid keeps its 5 % bar."""
 from __future__ import annotations
 
 import pytest
-
-from oomdoctor.plan import validate
 from plans import Plan  # the settings these tolerances were measured with
+
 from oomdoctor.model.load import spec_from_config
+from oomdoctor.plan import validate
 
 TOL = 0.05
 
@@ -348,9 +348,10 @@ TINY_CONFIG_MOMENTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type,cfg,kw", list(TINY_CONFIG_MOMENTS.values()), ids=list(TINY_CONFIG_MOMENTS))
 def test_attention_norm_and_mlp_moments_of_tiny_default_configs(model_type, cfg, kw):
+    from test_blocks import tiny
+
     from oomdoctor.engines import estimate
     from oomdoctor.plan import Plan as HFPlan
-    from test_blocks import tiny
 
     spec = spec_from_config(tiny(model_type, layers=4, **cfg), name=model_type)
     plan = validate(HFPlan(seq_len=256, micro_batch=2, **kw))

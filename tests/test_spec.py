@@ -189,10 +189,10 @@ class _FakeHub(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", "0")
         self.end_headers()
 
-    def do_HEAD(self):  # noqa: N802
+    def do_HEAD(self):  # http.server's method name
         self._answer(False)
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):  # http.server's method name
         self._answer(True)
 
     def log_message(self, *args):

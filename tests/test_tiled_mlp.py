@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import pytest
+from train_util import tiny_cfg
 
 from oomdoctor.errors import BadInput
 from oomdoctor.model.execution import num_tiles
 from oomdoctor.plan import Plan, validate
-
-from train_util import tiny_cfg
 
 TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
@@ -194,8 +193,8 @@ def test_tiled_mlp_is_refused_where_it_cannot_run():
 
 
 def test_tune_adds_tiled_plans_only_for_long_sequences():
-    from oomdoctor.model.load import load_spec
     from oomdoctor.model.execution import tiling_applies
+    from oomdoctor.model.load import load_spec
     from oomdoctor.tune.search import enumerate_candidates
 
     spec = load_spec("meta-llama/Llama-3.1-8B")

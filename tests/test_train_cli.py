@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from train_util import TINY_YAML, cli, tiny_cfg
 
 pytest.importorskip("oomdoctor.memory.analytic", reason="the analytic memory engine is not in this tree yet")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from train_util import ROOT, load_weights, max_abs_diff, tiny_cfg
 
 from oomdoctor.errors import BadInput
@@ -300,8 +299,8 @@ def test_pretrained_weights_directory(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from oomdoctor.train.loop import train
     from oomdoctor.execute.load import hf_config, load_tokenizer
+    from oomdoctor.train.loop import train
 
     cfg = tiny_cfg(tmp_path / "random", max_steps=2)
     torch.manual_seed(cfg.seed)

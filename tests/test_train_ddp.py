@@ -7,7 +7,6 @@ import sys
 from dataclasses import replace
 
 import pytest
-
 from train_util import cli, tiny_cfg, write_yaml
 
 pytestmark = pytest.mark.slow

@@ -6,12 +6,11 @@ import json
 from dataclasses import replace
 
 import pytest
+from train_util import cli, tiny_cfg, write_yaml
 
 from oomdoctor.errors import BadInput
 from oomdoctor.train.data import Sample
 from oomdoctor.train.evaluate import split_eval
-
-from train_util import cli, tiny_cfg, write_yaml
 
 
 def test_split_eval_is_seeded_disjoint_and_keeps_order():

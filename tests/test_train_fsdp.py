@@ -7,7 +7,6 @@ import shutil
 from dataclasses import replace
 
 import pytest
-
 from train_util import cli, load_weights, max_abs_diff, run_json, scaleout_cfg, write_yaml
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ import json
 import subprocess
 
 import pytest
+from train_util import cli, load_weights, tiny_cfg, write_yaml
 
 from oomdoctor.errors import EXIT_WRITE_FAILED, WriteFailed
-from train_util import cli, load_weights, tiny_cfg, write_yaml
 
 
 def _run_cfg(tmp_path, out_dir, **kw):
@@ -73,7 +73,8 @@ def test_write_errors_are_told_from_other_failures(tmp_path):
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")  # noqa: B904 - as torch
+            # raises it: the OSError only as the implicit __context__
     except RuntimeError as exc:
         assert os_error(exc).errno == errno.ENOSPC
     assert os_error(ValueError("a bug")) is None

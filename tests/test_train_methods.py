@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from train_util import load_weights, tiny_cfg
 
 from oomdoctor.train.loop import train
@@ -183,10 +182,10 @@ def test_paged_optimizer_needs_cuda(tmp_path):
 
 
 def test_prompt_response_masking(tmp_path):
-    from oomdoctor.train.config import DatasetConfig
-    from oomdoctor.train.data import IGNORE, tokenize
     from oomdoctor.execute.load import load_tokenizer
     from oomdoctor.resources import tiny_dir
+    from oomdoctor.train.config import DatasetConfig
+    from oomdoctor.train.data import IGNORE, tokenize
 
     cfg = tiny_cfg(tmp_path)
     tok = load_tokenizer(cfg.model)

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from train_util import cli, load_weights, max_abs_diff, tiny_cfg, write_yaml
 
 from oomdoctor.errors import UnrecoverableOOM
-from oomdoctor.train.loop import train
 from oomdoctor.execute.oom import GradTouch, OOMAtMicroBatchOne, OOMGuard
+from oomdoctor.train.loop import train
 
 
 @pytest.fixture(scope="module")

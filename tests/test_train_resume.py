@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from train_util import ROOT, cli, load_weights, max_abs_diff, tiny_cfg, write_yaml
 
 from oomdoctor.train.checkpoint import list_checkpoints

@@ -14,11 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from train_util import ROOT, cli, tiny_cfg, write_yaml
 
 from oomdoctor.errors import BadInput
 from oomdoctor.train.rundir import LOCK_NAME, check_space, open_run_dir
-
-from train_util import ROOT, cli, tiny_cfg, write_yaml
 
 
 def _train(cfg, **kw):

@@ -8,7 +8,6 @@ import shutil
 import sys
 
 import pytest
-
 from train_util import cli, load_weights, max_abs_diff, run_json, scaleout_cfg, write_yaml
 
 

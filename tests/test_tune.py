@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput, DoesNotFit
 from oomdoctor.gpu import GpuInfo
-from oomdoctor.engines import estimate
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import resolve_budget

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from train_util import cli, tiny_cfg, write_yaml
 
 from oomdoctor.engines import blocks, estimate
@@ -141,8 +140,8 @@ def test_emitted_targets_adapt_what_the_executor_adapts(spec, targets, head):
     from peft.tuners.lora import LoraLayer
 
     from oomdoctor.execute.build import build_model, hf_config
-    from oomdoctor.model.inventory import auto_model_class
     from oomdoctor.execute.trainers.common import lora_targets
+    from oomdoctor.model.inventory import auto_model_class
 
     plan = validate(Plan(method="lora", precision="bf16", seq_len=64, lora_targets=targets, lora_on_head=head))
 

@@ -11,20 +11,19 @@ import os
 import sys
 from typing import NoReturn
 
+# Each import registers its command on ``app``.
+from oomdoctor.cli import diagnose as _diagnose  # noqa: F401 - registers its command
+from oomdoctor.cli import explain as _explain  # noqa: F401 - registers its command
+from oomdoctor.cli import keys as _keys  # noqa: F401 - registers its command
+from oomdoctor.cli import models as _models  # noqa: F401 - registers its command
+from oomdoctor.cli import targets as _targets  # noqa: F401 - registers its command
+from oomdoctor.cli import train as _train  # noqa: F401 - registers its command
+from oomdoctor.cli import tune as _tune  # noqa: F401 - registers its command
 from oomdoctor.cli.app import app
 from oomdoctor.cli.output import stdout_for_json
 from oomdoctor.errors import OomDoctorError
 from oomdoctor.imports import cheap_imports
 from oomdoctor.noise import quiet_third_party
-
-# Each import registers its command on ``app``.
-from oomdoctor.cli import diagnose as _diagnose  # noqa: E402,F401
-from oomdoctor.cli import tune as _tune  # noqa: E402,F401
-from oomdoctor.cli import train as _train  # noqa: E402,F401
-from oomdoctor.cli import explain as _explain  # noqa: E402,F401
-from oomdoctor.cli import models as _models  # noqa: E402,F401
-from oomdoctor.cli import targets as _targets  # noqa: E402,F401
-from oomdoctor.cli import keys as _keys  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -72,7 +72,13 @@ class _Reporter:
             self._print(line)
             if self.tty:
                 from rich.progress import (
-                    BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+                    BarColumn,
+                    MofNCompleteColumn,
+                    Progress,
+                    TextColumn,
+                    TimeElapsedColumn,
+                    TimeRemainingColumn,
+                )
 
                 self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                          TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
@@ -286,8 +292,8 @@ def train(
     from oomdoctor.memory.runtime import set_allocator_env
 
     set_allocator_env()
-    from oomdoctor.errors import BadInput
     from oomdoctor.engines import ENGINES
+    from oomdoctor.errors import BadInput
     from oomdoctor.train.config import load_train_config
     from oomdoctor.units import parse_size
 

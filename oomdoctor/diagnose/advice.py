@@ -15,17 +15,17 @@ straight into the target dtype).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
+from oomdoctor.engines import estimate
 from oomdoctor.memory import MemoryBreakdown
 from oomdoctor.model.execution import tiling_applies, upcast_to_fp32
-from oomdoctor.engines import estimate
+from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget
 from oomdoctor.plan.changes import CHANGES
 from oomdoctor.plan.techniques import how
-from oomdoctor.model.spec import ModelSpec
 
 Estimator = Callable[[ModelSpec, Plan], MemoryBreakdown]
 

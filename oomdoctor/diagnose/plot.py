@@ -154,7 +154,7 @@ def plot_plans(rows, budget: Budget | None, path: str | Path, title: str | None 
     fits = verdicts(rows, budget)
     uname, usize = _unit(max([sum(getattr(m, c, 0) for c in components) for _, m in rows] + [capacity_bytes or 0]))
 
-    def gib(b):  # noqa: F811 - plot in the chosen unit
+    def gib(b):
         return b / usize
 
     ys = list(range(n))[::-1]
@@ -230,7 +230,7 @@ def plot_timeline(timeline, path: str | Path, capacity_bytes: int | None = None,
     xs = [ev for ev, _, _ in timeline]
     uname, usize = _unit(max([sum(cats.get(c, 0) for c in order) for _, _, cats in timeline] + [capacity_bytes or 0]))
 
-    def gib(b):  # noqa: F811 - plot in the chosen unit
+    def gib(b):
         return b / usize
 
     series = [[gib(cats.get(c, 0)) for _, _, cats in timeline] for c in order]

@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oomdoctor.diagnose.advice import Advice, SmallerModel, advise, smaller_model_that_fits
+from oomdoctor.diagnose.matrix import enumerate_plans
+from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput
 from oomdoctor.gpu import GpuInfo, detect_gpu
-from oomdoctor.diagnose.matrix import enumerate_plans
 from oomdoctor.memory import MemoryBreakdown
-from oomdoctor.engines import estimate
+from oomdoctor.model.load import load_spec
+from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.budget import Budget, resolve_budget
 from oomdoctor.progress import report as show_progress
-from oomdoctor.model.spec import ModelSpec
-from oomdoctor.model.load import load_spec
 
 #: The simulate/measure engines run real steps (seconds each): refuse huge matrices, ask to pin more flags.
 MAX_PLANS_SLOW_ENGINE = 12

@@ -132,8 +132,8 @@ class BlockReplay:
     def __enter__(self) -> "BlockReplay":
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from oomdoctor.engines.routing import balanced_routing
         from oomdoctor.engines.fake import fake_gaps, meta_model, retie
+        from oomdoctor.engines.routing import balanced_routing
         from oomdoctor.execute.build import find_layers
 
         st = self._stack
@@ -179,8 +179,13 @@ class BlockReplay:
     def _run(self, plan: "Plan", budget: int | None) -> BlockRun:
         import torch
 
-        from oomdoctor.engines.replay import (TrackingHooks, cuda_policy_mode_cls, wrap_checkpoint_functions,
-                                              cuda_autocast_answers, hf_data_paths)
+        from oomdoctor.engines.replay import (
+            TrackingHooks,
+            cuda_autocast_answers,
+            cuda_policy_mode_cls,
+            hf_data_paths,
+            wrap_checkpoint_functions,
+        )
         from oomdoctor.execute.bnb_standin import CONTEXT_HELD
         from oomdoctor.execute.build import make_batch
         from oomdoctor.execute.step import TrainStep

@@ -31,8 +31,8 @@ from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 from oomdoctor.memory.runtime import ALLOC_BLOCK
 
 if TYPE_CHECKING:  # pragma: no cover
-    from oomdoctor.plan import Plan
     from oomdoctor.model.spec import ModelSpec
+    from oomdoctor.plan import Plan
 
 NO_GPU_MESSAGE = "--engine measure needs a CUDA GPU; none found"
 NO_GPU_HINT = "use --engine simulate (exact tensor bytes, no GPU) or --engine analytic"
@@ -138,8 +138,8 @@ def _measure(spec, plan, model_path, steps: int, t0: float, gpu_before: dict, se
 
     import torch
 
-    from oomdoctor.execute.build import build_model, make_batch
     from oomdoctor.engines.replay import run_steps
+    from oomdoctor.execute.build import build_model, make_batch
     from oomdoctor.execute.step import PHASES
     from oomdoctor.execute.tracking import LiveBytes
 

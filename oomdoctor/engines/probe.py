@@ -216,7 +216,7 @@ def probe_in_process(model_ref: str, plan: Plan, *, device: str = "cuda", steps:
 
     try:
         loaded = build_for_probe(model_ref, plan, device)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any failure to build is the probe's outcome, never a crash
         outcome = "oom" if is_oom(exc) else "error"
         return ProbeResult(outcome, plan.micro_batch, 0, device=device, seconds=time.perf_counter() - t0,
                            context_bytes=ctx_bytes, message=f"building the model: {type(exc).__name__}: {exc}"[:500])

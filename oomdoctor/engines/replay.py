@@ -295,7 +295,7 @@ def replay_step(model, plan: "Plan", lb, *, target: str, head=None) -> Any:
     if not plan.offload_activations:
         offload = None
     elif on_gpu:
-        offload = lambda: activation_offload(True, "cuda")  # noqa: E731
+        offload = lambda: activation_offload(True, "cuda")  # noqa: E731 - a one-line local helper
     else:
         offload = HostActivationOffload(host_scope=lb.paused, lb=lb)
     scaler = StaticLossScale() if plan.precision == "fp16-mixed" and not on_gpu else None

@@ -45,18 +45,18 @@ from oomdoctor.engines.fake import fake_gaps, meta_model, retie
 from oomdoctor.engines.kinds import layer_period
 from oomdoctor.engines.replay import RunStats, run_steps
 from oomdoctor.errors import BadInput
-from oomdoctor.memory.runtime import ALLOC_BLOCK
 from oomdoctor.execute.shard import mesh_shape
 from oomdoctor.execute.step import PHASES
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
+from oomdoctor.memory.runtime import ALLOC_BLOCK
 from oomdoctor.memory.sharding import LOAD
 from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.progress import report
 from oomdoctor.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from oomdoctor.plan import Plan
     from oomdoctor.model.spec import ModelSpec
+    from oomdoctor.plan import Plan
 
 #: Block counts simulated for linear extrapolation. Memory is affine in the block count from two blocks on (blocks are
 #: identical; the first/last block's own differences, e.g. a non-grad-requiring input, are in the intercept; with one
@@ -287,7 +287,7 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
                               run or simulate_run)
     except BadInput:
         raise
-    except Exception as exc:  # noqa: BLE001 - an op or model path the replay cannot run: say so, point to analytic
+    except Exception as exc:
         msg = str(exc).strip().splitlines()[0][:240] if str(exc).strip() else ""
         raise BadInput(
             f"{spec.name}: the simulated step could not run this model/plan ({type(exc).__name__}: {msg})",
@@ -331,7 +331,7 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         _report_run(spec, lb_, f", extrapolated to {n}", 2, 2)
         r4 = run(spec, plan, lb_, timeline=False, round_to=round_to)
         runs = (r2, r4)
-        ex = lambda a, b: max(_extrapolate(a, b, r2.layers, r4.layers, n), 0)  # noqa: E731
+        ex = lambda a, b: max(_extrapolate(a, b, r2.layers, r4.layers, n), 0)  # noqa: E731 - a one-line local helper
         phase_peaks, phase_cats = {}, {}
         for ph in r4.phase_peaks:
             best, best_total = None, -1

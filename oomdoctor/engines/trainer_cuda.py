@@ -32,8 +32,9 @@ Where the trainer's CUDA and CPU code paths differ, the replay follows CUDA (bes
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any, Callable
+from typing import Any
 
 
 def _patch_everywhere(orig, new) -> list[tuple[Any, str, Any]]:

@@ -35,11 +35,17 @@ from __future__ import annotations
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from oomdoctor.engines.trainer_cuda import (OffloadOnHost, bnb_optimizers, cuda_kernel_defaults, full_batch_cls,
-                                            trl_cuda_paths)
+from oomdoctor.engines.trainer_cuda import (
+    OffloadOnHost,
+    bnb_optimizers,
+    cuda_kernel_defaults,
+    full_batch_cls,
+    trl_cuda_paths,
+)
 from oomdoctor.errors import BadInput
 from oomdoctor.memory.runtime import ALLOC_BLOCK
 
@@ -261,8 +267,8 @@ def trainer_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, 
     random CPU tensors (the reference the fake replay is checked against)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomdoctor.engines.routing import balanced_routing
     from oomdoctor.engines.fake import fake_gaps, retie
+    from oomdoctor.engines.routing import balanced_routing
     from oomdoctor.execute.tracking import LiveBytes
 
     why = not_replayed(plan)

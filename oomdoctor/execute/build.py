@@ -23,7 +23,7 @@ What :func:`build_model` applies, in the order a Hugging Face fine-tuning script
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput
@@ -32,8 +32,8 @@ from oomdoctor.model.inventory import EXPERT_KEYS
 from oomdoctor.model.lora_targets import target_modules
 
 if TYPE_CHECKING:  # pragma: no cover
-    from oomdoctor.plan import Plan
     from oomdoctor.model.spec import ModelSpec
+    from oomdoctor.plan import Plan
 
 #: config.json keys that hold the number of transformer blocks, per convention.
 LAYER_KEYS: tuple[str, ...] = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -141,7 +141,7 @@ def attn_implementation(plan: "Plan") -> str:
     return {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}[plan.attn]
 
 
-@lru_cache(maxsize=None)
+@cache
 def switchable_experts(model_type: str) -> bool:
     """Whether the causal-LM class of MoE ``model_type`` runs transformers' switchable experts kernels
     (``@use_experts_implementation``); MoE classes with their own experts code (Llama 4's batched experts) do not."""

@@ -28,8 +28,9 @@ attempt; the handler drops it, runs ``gc.collect()`` and ``torch.cuda.empty_cach
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any
 
 from oomdoctor.errors import BadInput, NoGPU
 
@@ -163,7 +165,7 @@ class CPUOffloadOptimizer:
     """
 
     def __init__(self, params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *,
-                 host_scope: Callable[[], ContextManager] = _disable_modes):
+                 host_scope: Callable[[], AbstractContextManager] = _disable_modes):
         import torch
 
         self.params = list(params)
@@ -181,7 +183,7 @@ class CPUOffloadOptimizer:
         self.state: dict = {}  # device-side state: none (what LiveBytes.track_optimizer reads)
         self.defaults = self.inner.defaults
 
-    def step(self, closure=None):  # noqa: ARG002 - optimizer protocol
+    def step(self, closure=None):  # optimizer protocol
         import torch
 
         with self.host_scope():
@@ -221,7 +223,7 @@ class CPUOffloadOptimizer:
 
 
 def make_plan_optimizer(params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *, target: str = "cpu",
-                        lb: Any = None, host_scope: Callable[[], ContextManager] | None = None):
+                        lb: Any = None, host_scope: Callable[[], AbstractContextManager] | None = None):
     """The optimizer a run of ``plan`` steps with: :class:`CPUOffloadOptimizer` when the plan offloads it,
     :class:`OptimizerInBackward` when it steps in backward, else :func:`make_optimizer`. Sharded strategies take
     the plain optimizer: FSDP2's CPUOffloadPolicy keeps the states with the offloaded shards, DeepSpeed wraps (and
@@ -256,7 +258,7 @@ class HostActivationOffload:
     ``host_scope``: outside the budget) and copied back onto the device in backward — weights too, as torch's
     ``save_on_cpu`` does. With ``lb`` the host bytes of the largest forward are reported as ``cpu_offloaded``."""
 
-    def __init__(self, host_scope: Callable[[], ContextManager] = _disable_modes, lb: Any = None):
+    def __init__(self, host_scope: Callable[[], AbstractContextManager] = _disable_modes, lb: Any = None):
         self.host_scope = host_scope
         self.lb = lb
         self._per_forward: dict[int, int] = {}
@@ -271,7 +273,7 @@ class HostActivationOffload:
         self.lb.external["cpu_offloaded"] = self.lb.external.get("cpu_offloaded", 0) - self._reported + largest
         self._reported = largest
 
-    def __call__(self) -> ContextManager:
+    def __call__(self) -> AbstractContextManager:
         import torch
 
         def pack(t):
@@ -287,7 +289,7 @@ class HostActivationOffload:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def activation_offload(enabled: bool, device_type: str) -> ContextManager:
+def activation_offload(enabled: bool, device_type: str) -> AbstractContextManager:
     """Context for the forward pass that moves saved activations to host memory."""
     if not enabled:
         return contextlib.nullcontext()
@@ -332,10 +334,10 @@ class OptimizerInBackward:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def step(self, closure=None) -> None:  # noqa: ARG002 - Optimizer protocol
+    def step(self, closure=None) -> None:  # Optimizer protocol
         return None
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - gradients are freed in backward
+    def zero_grad(self, set_to_none: bool = True) -> None:  # gradients are freed in backward
         return None
 
     def state_dict(self) -> dict:

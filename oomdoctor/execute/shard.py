@@ -96,9 +96,9 @@ def reset_after_error(model: Any) -> None:
     FSDP2's root state (private API, torch 2.13)."""
     from torch.distributed.fsdp import FSDPModule
 
-    root = model._get_fsdp_state()  # noqa: SLF001
-    if root._state_ctx.post_backward_final_callback_queued:  # noqa: SLF001
-        root._root_post_backward_final_callback()  # noqa: SLF001
+    root = model._get_fsdp_state()  # FSDP2's private state (no public API for it)
+    if root._state_ctx.post_backward_final_callback_queued:  # FSDP2's private state (no public API for it)
+        root._root_post_backward_final_callback()  # FSDP2's private state (no public API for it)
     for mod in model.modules():
         if isinstance(mod, FSDPModule):
             mod.reshard()

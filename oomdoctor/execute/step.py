@@ -23,8 +23,10 @@ how many micro-batches and steps run.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
@@ -38,7 +40,7 @@ EVAL_PHASE = "eval"
 class StepHooks:
     """No-op instrumentation; subclasses override what they observe."""
 
-    def phase(self, name: str) -> ContextManager:
+    def phase(self, name: str) -> AbstractContextManager:
         """Context around each phase (``forward``, ``backward``, ``optimizer-step``)."""
         return contextlib.nullcontext()
 
@@ -64,7 +66,7 @@ class StaticLossScale:
     def scale(self, loss):
         return loss * self.scale_value
 
-    def unscale_(self, optimizer) -> None:  # noqa: ARG002 - GradScaler protocol
+    def unscale_(self, optimizer) -> None:  # GradScaler protocol
         return None
 
     def step(self, optimizer) -> None:
@@ -95,7 +97,7 @@ class TrainStep:
     """fp16 loss scaler (``torch.amp.GradScaler`` or :class:`StaticLossScale`); made for ``fp16-mixed`` when None."""
     hooks: StepHooks = field(default_factory=StepHooks)
     """Instrumentation points."""
-    offload: Callable[[], ContextManager] | None = None
+    offload: Callable[[], AbstractContextManager] | None = None
     """Context for the forward pass that moves saved activations off the device; default
     :func:`oomdoctor.execute.optim.activation_offload` when the plan offloads activations."""
     fp32_outputs: bool = True
@@ -120,7 +122,7 @@ class TrainStep:
             self.offload = lambda: activation_offload(enabled, dev)
 
     # ------------------------------------------------------------------ micro-batch
-    def _autocast(self) -> ContextManager:
+    def _autocast(self) -> AbstractContextManager:
         import torch
 
         from oomdoctor.execute.dtypes import autocast_dtype

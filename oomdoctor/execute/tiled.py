@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+
 from oomdoctor.errors import BadInput
 from oomdoctor.model.execution import num_tiles
 

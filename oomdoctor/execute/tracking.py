@@ -51,9 +51,9 @@ peaks read +19 % (shared/research/multi-gpu.md §1 "Meter").
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -241,7 +241,7 @@ class LiveBytes(TorchDispatchMode):
         if grow > 0 and self.cap_bytes is not None and self.current + grow > self.cap_bytes:
             self.oom_count += 1
             # drop every reference to the refused outputs before raising (the traceback keeps this frame alive)
-            out = new = resized = seen = t = st = rec = None  # noqa: F841
+            out = new = resized = seen = t = st = rec = None
             raise torch.OutOfMemoryError(self.oom_message(grow))
         if new or grow:
             for key, rec, nb in resized:

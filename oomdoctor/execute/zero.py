@@ -113,7 +113,7 @@ class EngineOptimizer:
     def step(self) -> None:
         self.engine.step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: ARG002 - torch protocol
+    def zero_grad(self, set_to_none: bool = True) -> None:  # torch protocol
         """Nothing: ``engine.step()`` zeroed them (and a ZeRO rank never replays a step in-process)."""
 
 
@@ -124,7 +124,7 @@ def full_state_dict(engine: Any, stage: int) -> dict | None:
     import torch.distributed as tdist
 
     if stage == 3:
-        sd = engine._zero3_consolidated_16bit_state_dict()  # noqa: SLF001 - what save_16bit_model uses
+        sd = engine._zero3_consolidated_16bit_state_dict()  # what save_16bit_model uses
         return {k: v.cpu() for k, v in sd.items()} if tdist.get_rank() == 0 else None
     return None
 

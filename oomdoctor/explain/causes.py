@@ -12,8 +12,9 @@ remained is its own cause (:func:`request_size_term`, :func:`remaining_term`), n
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from oomdoctor.explain.fixes import (
     capacity_fixes,

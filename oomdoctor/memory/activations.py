@@ -45,13 +45,31 @@ from oomdoctor.memory.experts import param_wrapped, param_wrapper_weights, routi
 from oomdoctor.memory.logits import fused_head
 from oomdoctor.memory.masks import sliding_fraction
 from oomdoctor.memory.measured import BlockSaves
-from oomdoctor.memory.saves import (RMS_STATS_BYTES, AttentionSaves, MlpSaves, attn_saves_output, bnb_outputs_fp32,
-                                    consumers_saved, hidden_norm_count, int8_held_only, int8_inputs, mab_global,
-                                    norm_saved, saves_input_itself)
+from oomdoctor.memory.saves import (
+    RMS_STATS_BYTES,
+    AttentionSaves,
+    MlpSaves,
+    attn_saves_output,
+    bnb_outputs_fp32,
+    consumers_saved,
+    hidden_norm_count,
+    int8_held_only,
+    int8_inputs,
+    mab_global,
+    norm_saved,
+    saves_input_itself,
+)
 from oomdoctor.memory.transients import backward_extra, forward_transient, mlp_adapter_forward
 from oomdoctor.model.execution import experts_implementation
-from oomdoctor.model.quirks import (EMBEDDINGS_SCALED_IN_FORWARD, FP32_ROUTING_WEIGHTS, POW_ACTS, act_extra_tensors,
-                                    activation_name, config_float, effective_attn)
+from oomdoctor.model.quirks import (
+    EMBEDDINGS_SCALED_IN_FORWARD,
+    FP32_ROUTING_WEIGHTS,
+    POW_ACTS,
+    act_extra_tensors,
+    activation_name,
+    config_float,
+    effective_attn,
+)
 from oomdoctor.model.roles import LayerRoles, layer_roles
 from oomdoctor.model.spec import HEAD_NAMES
 

@@ -25,12 +25,6 @@ NCCL's buffers at the device level; the activations are those of the per-rank mi
 from __future__ import annotations
 
 from oomdoctor.memory import activations as act
-from oomdoctor.memory.masks import released_mask_bytes, shared_forward_bytes
-from oomdoctor.memory.measured import BlockSaves
-from oomdoctor.memory.offloaded import offload_repacks, trl_offload_final_kept, trl_offload_kept
-from oomdoctor.memory.saves import int8_held_only, norm_saved
-from oomdoctor.model.quirks import effective_attn
-from oomdoctor.model.roles import layer_roles
 from oomdoctor.memory import gradients as grads
 from oomdoctor.memory import logits as lgt
 from oomdoctor.memory import optimizer as optm
@@ -39,10 +33,17 @@ from oomdoctor.memory import runtime as rt
 from oomdoctor.memory import sharding as shd
 from oomdoctor.memory.breakdown import TENSOR_COMPONENTS, MemoryBreakdown
 from oomdoctor.memory.context import Ctx, make_ctx
-from oomdoctor.model.execution import upcast_to_fp32
 from oomdoctor.memory.lora import adapter_bytes
-from oomdoctor.plan import Plan
+from oomdoctor.memory.masks import released_mask_bytes, shared_forward_bytes
+from oomdoctor.memory.measured import BlockSaves
+from oomdoctor.memory.offloaded import offload_repacks, trl_offload_final_kept, trl_offload_kept
+from oomdoctor.memory.saves import int8_held_only, norm_saved
+from oomdoctor.model.execution import upcast_to_fp32
+from oomdoctor.model.quirks import effective_attn
+from oomdoctor.model.roles import layer_roles
 from oomdoctor.model.spec import HEAD_NAMES, ModelSpec
+from oomdoctor.plan import Plan
+
 
 def _persistent_tensors(c: Ctx, opt: optm.OptimizerMemory) -> list[tuple[int, int]]:
     """(bytes, count) of the long-lived tensors, for the allocator's per-block rounding."""

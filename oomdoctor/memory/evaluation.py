@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oomdoctor.model.quirks import effective_attn
-from oomdoctor.model.roles import layer_roles
 from oomdoctor.memory import logits as lgt
 from oomdoctor.memory import parameters as prm
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.memory.context import make_ctx
 from oomdoctor.model.execution import num_tiles
+from oomdoctor.model.quirks import effective_attn
+from oomdoctor.model.roles import layer_roles
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 

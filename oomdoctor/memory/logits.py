@@ -28,9 +28,8 @@ equal to ``seq_len``; encoder classifiers have a ``B x num_labels`` head (neglig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 from oomdoctor.memory.context import Ctx
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from oomdoctor.memory.context import Ctx
 
+
 def adapter_numel(c: Ctx) -> int:
     """Trainable LoRA parameters: sum over adapted modules of r*(in+out)."""
     return c.lora_numel

@@ -6,8 +6,14 @@ the host, the host bytes the hook packs beyond the block's saves, and what TRL's
 from __future__ import annotations
 
 from oomdoctor.memory.context import Ctx
-from oomdoctor.memory.saves import (RMS_STATS_BYTES, adapted_mlp_inputs, adapter_out_bytes, adapter_reads_input,
-                                    mab_global, quantized_linear)
+from oomdoctor.memory.saves import (
+    RMS_STATS_BYTES,
+    adapted_mlp_inputs,
+    adapter_out_bytes,
+    adapter_reads_input,
+    mab_global,
+    quantized_linear,
+)
 from oomdoctor.model.quirks import effective_attn
 from oomdoctor.model.roles import LayerRoles, layer_roles
 

@@ -5,9 +5,9 @@ LoRA adapters, and AMP's low-precision weight copies. Pure functions of (ModelSp
 from __future__ import annotations
 
 from oomdoctor.memory.context import Ctx
-from oomdoctor.model.lora_targets import PARAM_WRAPPER
 from oomdoctor.memory.logits import fused_head
 from oomdoctor.memory.lora import adapter_bytes
+from oomdoctor.model.lora_targets import PARAM_WRAPPER
 
 #: bitsandbytes 4-bit: one absmax per block of 64 weights (``quantize_4bit`` default blocksize; QLoRA paper §2,
 #: Dettmers et al. 2023, arXiv 2305.14314).

@@ -13,7 +13,6 @@ from oomdoctor.model.quirks import CONCATENATED_QUERY, FP32_PRODUCT_NORMS, effec
 from oomdoctor.model.roles import LayerRoles, layer_roles
 from oomdoctor.model.spec import ModelSpec
 
-
 #: Per-token fp32 statistics an RMSNorm saves (rsqrt of the variance).
 RMS_STATS_BYTES = 4
 

@@ -47,10 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from oomdoctor.memory.context import Ctx
-from oomdoctor.memory.runtime import NCCL_BUFFER_BYTES
 from oomdoctor.memory.gradients import gradient_bytes, param_bytes_per_trainable, trainable_numel
 from oomdoctor.memory.optimizer import optimizer_memory
 from oomdoctor.memory.parameters import parameter_bytes
+from oomdoctor.memory.runtime import NCCL_BUFFER_BYTES
 from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.plan.techniques import TORCH_OPTIMIZERS
 from oomdoctor.units import format_bytes

@@ -9,9 +9,19 @@ from oomdoctor.memory import parameters as prm
 from oomdoctor.memory.context import Ctx
 from oomdoctor.memory.experts import eager_expert_grads, param_wrapped, routing_weight_bytes
 from oomdoctor.memory.offloaded import offloaded_mlp_forward, trl_offload_down_moment
-from oomdoctor.memory.saves import (RMS_BACKWARD_TEMPS, AttentionSaves, MlpSaves, adapted_mlp_inputs,
-                                    adapter_out_bytes, bnb_skips_input_cast, hidden_norm_count, int8_inputs,
-                                    mab_global, norm_saved, saves_input_itself)
+from oomdoctor.memory.saves import (
+    RMS_BACKWARD_TEMPS,
+    AttentionSaves,
+    MlpSaves,
+    adapted_mlp_inputs,
+    adapter_out_bytes,
+    bnb_skips_input_cast,
+    hidden_norm_count,
+    int8_inputs,
+    mab_global,
+    norm_saved,
+    saves_input_itself,
+)
 from oomdoctor.model.execution import experts_implementation
 from oomdoctor.model.lora_targets import PARAM_WRAPPER
 from oomdoctor.model.quirks import POW_ACTS, activation_name

@@ -7,7 +7,7 @@ transformers model: same parameter count, same linear shapes.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from oomdoctor.errors import BadInput, ConfigErrors
 from oomdoctor.model.spec import ModelSpec, ParamGroup

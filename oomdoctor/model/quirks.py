@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from oomdoctor.model.spec import ModelSpec
 
-
 #: Models whose rotary embedding concatenates q's rotated and passed parts (``apply_rotary_pos_emb`` with
 #: ``torch.cat``): a contiguous (B, heads, S, hd) query.
 CONCATENATED_QUERY = frozenset({"phi", "phi3", "gpt_neox", "stablelm", "persimmon"})

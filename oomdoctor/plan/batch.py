@@ -11,8 +11,8 @@ that divides a global batch exactly, and the accumulation that keeps it. Pure in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from oomdoctor.errors import BadInput
 

@@ -26,12 +26,13 @@ not installable here: axolotl pins older transformers/peft/trl).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from oomdoctor.errors import BadInput
 from oomdoctor.plan.plan import DEEPSPEED, SHARDED, Plan, validate
-from oomdoctor.plan.techniques import TECHNIQUES, TRAINERS, TORCH_OPTIMIZERS
+from oomdoctor.plan.techniques import TECHNIQUES, TORCH_OPTIMIZERS, TRAINERS
 
 #: A trainer's config cannot run this value of the knob: why (None: it can).
 Refuse = Callable[[Plan], "str | None"]

@@ -94,8 +94,8 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
     from oomdoctor.engines import estimate
     from oomdoctor.gpu import detect_gpu
     from oomdoctor.model.load import load_spec
-    from oomdoctor.train.sizing import auto_micro_batch, run_budget
     from oomdoctor.train.preflight import check
+    from oomdoctor.train.sizing import auto_micro_batch, run_budget
 
     notes = check(cfg, source=source)
     device = "cpu" if cfg.device == "cpu" else "cuda"

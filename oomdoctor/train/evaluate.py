@@ -14,6 +14,7 @@ from typing import Any
 
 from oomdoctor.errors import BadInput
 
+
 def split_eval(samples: list, fraction: float, seed: int) -> tuple[list, list]:
     """(train, eval): ``fraction`` of ``samples`` (at least one) drawn with a generator seeded by ``seed``; the
     train samples keep their original order."""

@@ -35,7 +35,7 @@ def diagnosis(run: Run, state: RunState, phase: str, reason: str, message: str, 
     if run.memory:
         comps = {k[:-6]: v for k, v in run.memory.items() if k.endswith("_bytes") and not k.startswith("peak") and v}
         top = sorted(comps.items(), key=lambda kv: -kv[1])[:4]
-        lines.append("predicted (micro-batch %d): " % run.plan.micro_batch
+        lines.append(f"predicted (micro-batch {run.plan.micro_batch}): "
                      + ", ".join(f"{k} {format_bytes(v)}" for k, v in top))
     lines.append(f"OOM message: {message.splitlines()[0][:200]}")
     return "\n".join(lines)

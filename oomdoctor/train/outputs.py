@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from oomdoctor.files import write_file_atomic
-from oomdoctor.train.rundir import FINAL_TMP_PREFIX, MERGED_DIR
 from oomdoctor.train.run import Event, Run
+from oomdoctor.train.rundir import FINAL_TMP_PREFIX, MERGED_DIR
 
 
 @dataclass

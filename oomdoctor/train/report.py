@@ -91,7 +91,7 @@ class Reporter:
 class NullReporter:
     """What the ranks other than 0 of a data-parallel job log to: nothing (rank 0 reports for the job)."""
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:  # noqa: ARG002
+    def log(self, step: int, metrics: dict[str, float]) -> None:  # the sink protocol's signature
         return None
 
     def close(self) -> None:

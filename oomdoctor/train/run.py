@@ -6,8 +6,9 @@ the device, the data, the plan and its prediction, the model, the step, the sche
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from oomdoctor.execute import dist
 from oomdoctor.plan import Plan

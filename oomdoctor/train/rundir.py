@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from oomdoctor.errors import BadInput
 from oomdoctor.train.restart import MARKER as OOM_MARKER

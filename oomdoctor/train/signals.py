@@ -24,7 +24,7 @@ class StopRequest:
         all-reduce per step, so every rank stops after the same step)."""
         return any_rank(self.requested, self._info)
 
-    def _handler(self, signum, frame) -> None:  # noqa: ARG002 - signal protocol
+    def _handler(self, signum, frame) -> None:  # signal protocol
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True

@@ -7,8 +7,8 @@ so the same search runs on the analytic model, the simulator, or a fake in a uni
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.model.spec import ModelSpec

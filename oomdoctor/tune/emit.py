@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from oomdoctor.errors import BadInput
 from oomdoctor.execute.trainers import FOREIGN, DocumentRequest, command, document

@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from oomdoctor.errors import BadInput
-from oomdoctor.model.execution import upcast_changes_bytes
 from oomdoctor.memory.sharding import node_host_bytes
+from oomdoctor.model.execution import upcast_changes_bytes
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 from oomdoctor.plan.batch import DEFAULT_MICRO_LIMIT, BatchChoice, SearchTrace
@@ -18,9 +19,9 @@ from oomdoctor.plan.budget import Budget
 from oomdoctor.plan.targets import runnable
 from oomdoctor.plan.techniques import DEFAULTS
 from oomdoctor.tune.batch_search import Estimator, analytic_estimator, micro_batch_search
-from oomdoctor.units import format_bytes
 from oomdoctor.tune.ranking import PREFERS, Candidate, Prefer, fidelity_key, rank_key
 from oomdoctor.tune.throughput import REFERENCE_PROFILE, HardwareProfile, estimate_throughput
+from oomdoctor.units import format_bytes
 
 #: Optimizers that keep AdamW's algorithm (what tune may choose on its own). Adafactor, Lion and SGD are different
 #: optimizers (another training recipe, other hyper-parameters): tune only uses them when the user pins one.

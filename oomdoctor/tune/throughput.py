@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oomdoctor.model.roles import layer_roles
 from oomdoctor.memory.breakdown import MemoryBreakdown
 from oomdoctor.memory.context import adapter_numel
 from oomdoctor.model.lora_targets import lora_groups_of
+from oomdoctor.model.roles import layer_roles
 from oomdoctor.model.spec import ModelSpec
 from oomdoctor.plan import Plan
 

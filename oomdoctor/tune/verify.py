@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from oomdoctor.engines import estimate
 from oomdoctor.errors import BadInput

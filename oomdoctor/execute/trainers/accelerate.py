@@ -7,8 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from oomdoctor.execute.trainers.common import (DATASET_PLACEHOLDER, Document, DocumentRequest, decoder_layer_class,
-                                               hf_optim, lora_targets, precision)
+from oomdoctor.execute.trainers.common import (
+    DATASET_PLACEHOLDER,
+    Document,
+    DocumentRequest,
+    decoder_layer_class,
+    hf_optim,
+    lora_targets,
+    precision,
+)
 from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.plan.techniques import HF_ATTN_NAMES
 

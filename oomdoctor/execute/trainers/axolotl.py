@@ -13,9 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from oomdoctor.execute.trainers.common import (DATA_BUILDERS, Document, DocumentRequest, common_notes, dataset_kwargs,
-                                               decoder_layer_class, deepspeed_config, hf_optim, lora_targets,
-                                               precision)
+from oomdoctor.execute.trainers.common import (
+    DATA_BUILDERS,
+    Document,
+    DocumentRequest,
+    common_notes,
+    dataset_kwargs,
+    decoder_layer_class,
+    deepspeed_config,
+    hf_optim,
+    lora_targets,
+    precision,
+)
 from oomdoctor.model.execution import num_tiles
 from oomdoctor.plan.plan import DEEPSPEED
 from oomdoctor.plan.techniques import ALL_LINEAR, HF_ATTN_NAMES

@@ -22,11 +22,20 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from oomdoctor.execute.trainers.common import (Document, DocumentRequest, common_notes, dataset_kwargs, hf_optim,
-                                               lora_targets, precision, training_args_topology)
+from oomdoctor.execute.trainers.common import (
+    Document,
+    DocumentRequest,
+    common_notes,
+    dataset_kwargs,
+    hf_optim,
+    lora_targets,
+    precision,
+    training_args_topology,
+)
 from oomdoctor.plan.techniques import HF_ATTN_NAMES
 
 #: Keys of the file that are the script's, not TrainingArguments'.

@@ -9,10 +9,19 @@ in the model's dtype.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from oomdoctor.execute.trainers.common import (Document, DocumentRequest, common_notes, dataset_kwargs, hf_optim,
-                                               lora_targets, precision, training_args_topology)
+from oomdoctor.execute.trainers.common import (
+    Document,
+    DocumentRequest,
+    common_notes,
+    dataset_kwargs,
+    hf_optim,
+    lora_targets,
+    precision,
+    training_args_topology,
+)
 from oomdoctor.plan.techniques import HF_ATTN_NAMES
 
 #: The command that runs a TRL document.

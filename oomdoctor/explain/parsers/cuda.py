@@ -19,8 +19,8 @@ Values NVML cannot know are printed as ``2**64 - 1`` bytes (``17179869184.00 GiB
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from oomdoctor.explain.parsers import cuda_error, fsdp
 from oomdoctor.explain.parsers.base import Found

@@ -15,12 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from oomdoctor.errors import BadInput, ConfigErrors
-from oomdoctor.plan.techniques import (DEFAULTS, HF_ATTN_NAMES, HF_OPTIM_NAMES, OPTIM_VALUES, PAGED_OPTIMIZERS, TECHNIQUES,
-                                       technique)
+from oomdoctor.plan.techniques import (
+    DEFAULTS,
+    HF_ATTN_NAMES,
+    HF_OPTIM_NAMES,
+    OPTIM_VALUES,
+    PAGED_OPTIMIZERS,
+    TECHNIQUES,
+    technique,
+)
 from oomdoctor.resources import bundled_path, is_bundled, resolve_path
 from oomdoctor.train.config.schema import (
-    REPORT_TO,
-    default,
     DATASET,
     DATASET_ALIASES,
     KEYS_HINT,
@@ -28,8 +33,10 @@ from oomdoctor.train.config.schema import (
     PLAN_ONLY,
     PLAN_ONLY_KINDS,
     PRECISION_BOOLS,
+    REPORT_TO,
     TOP,
     TOP_ALIASES,
+    default,
 )
 from oomdoctor.train.config.sections import DatasetConfig, ModelConfig, TrainConfig
 from oomdoctor.units import parse_size
