@@ -62,15 +62,33 @@ GOAL_SHARE = 0.95
 MODELS = {
     # 2 layers, hidden 64: the test-suite shape
     "tiny": {
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu", "use_cache": False,
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "use_cache": False,
     },
     # 4 layers, hidden 128, a 4k vocabulary (logits matter, as in real LLMs)
     "small": {
-        "model_type": "llama", "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096, "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu", "use_cache": False,
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 4096,
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "use_cache": False,
     },
 }
 
@@ -94,8 +112,9 @@ class Device:
         self.trials += 1
         if VERBOSE:
             print(f"    trial micro={micro} steps={n}", file=sys.stderr, flush=True)
-        outcome, done, peak, msg = run_steps(self.loaded, self.plan.with_(micro_batch=micro),
-                                             device="cpu", steps=n, cap_bytes=self.cap)
+        outcome, done, peak, msg = run_steps(
+            self.loaded, self.plan.with_(micro_batch=micro), device="cpu", steps=n, cap_bytes=self.cap
+        )
         self.steps_run += done + (1 if outcome == "oom" else 0)  # the failing step counts as attempted
         if outcome == "error":
             raise RuntimeError(f"trial at micro-batch {micro} failed: {msg}")
@@ -145,8 +164,9 @@ def oomdoctor_finder(dev: Device, spec, engine: str, margin: float, limit: int =
     return best, len(cache)
 
 
-def lightning_binsearch(dev: Device, init_val: int = 2, max_trials: int = 25, steps_per_trial: int = 3,
-                        max_val: int = 8192) -> int:
+def lightning_binsearch(
+    dev: Device, init_val: int = 2, max_trials: int = 25, steps_per_trial: int = 3, max_val: int = 8192
+) -> int:
     """Lightning's ``_run_binary_scaling`` (batch_size_scaling.py, Lightning 2.0-2.4), statement by statement."""
     new_size = init_val
     low, high, count = 1, None, 0
@@ -204,15 +224,22 @@ def exact_for(micro: int, g: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engine", default=None,
-                    help="memory model for oomdoctor: analytic | simulate (default; analytic with --quick)")
+    ap.add_argument(
+        "--engine",
+        default=None,
+        help="memory model for oomdoctor: analytic | simulate (default; analytic with --quick)",
+    )
     ap.add_argument("--margin", type=float, default=0.02, help="oomdoctor safety margin (fraction of the cap)")
     ap.add_argument("--global-batch", type=int, default=64, help="effective batch to keep exact")
     ap.add_argument("--steps", type=int, default=2, help="training steps per oomdoctor / accelerate trial")
     ap.add_argument("--quick", action="store_true", help="one case, analytic engine unless given (a smoke run)")
     ap.add_argument("--json", default=None, help="write the rows as JSON here")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (1: tiny ops do not gain from threads, and a busy machine stalls them)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: tiny ops do not gain from threads, and a busy machine stalls them)",
+    )
     args = ap.parse_args(argv)
     args.engine = args.engine or ("analytic" if args.quick else "simulate")
     torch.set_num_threads(args.threads)
@@ -253,8 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         tmax = true_max(dev)
         t_true = time.perf_counter() - t0
-        row = {"model": name, "method": method, "seq_len": seq, "cap_bytes": cap, "true_max": tmax,
-               "true_max_trials": dev.trials, "true_max_s": round(t_true, 1)}
+        row = {
+            "model": name,
+            "method": method,
+            "seq_len": seq,
+            "cap_bytes": cap,
+            "true_max": tmax,
+            "true_max_trials": dev.trials,
+            "true_max_s": round(t_true, 1),
+        }
         g = args.global_batch
         best_div = max(d for d in divisors(g) if d <= tmax) if tmax else 0
         row["best_exact_micro"] = best_div
@@ -271,19 +305,27 @@ def main(argv: list[str] | None = None) -> int:
             # every chosen size must really fit (Lightning's result is not always re-checked by Lightning)
             fits_check = Device(loaded, plan, cap=cap, steps=args.steps).run(chosen)[0] if chosen else False
             row[label] = {
-                "trials": dev.trials, "steps": dev.steps_run, "chosen": chosen,
+                "trials": dev.trials,
+                "steps": dev.steps_run,
+                "chosen": chosen,
                 "pct_true_max": round(100.0 * chosen / tmax, 1) if tmax else None,
-                "chosen_fits": fits_check, "micro_for_global": micro_g,
+                "chosen_fits": fits_check,
+                "micro_for_global": micro_g,
                 "grad_accum": (g // micro_g) if label == "oomdoctor" and micro_g else None,
                 "exact_global": exact_for(micro_g, g) if label == "oomdoctor" else exact_for(chosen, g),
-                "seconds": round(dt, 2), "model_evaluations": evals, "log": dev.log,
+                "seconds": round(dt, 2),
+                "model_evaluations": evals,
+                "log": dev.log,
             }
         rows.append(row)
         o, l_, a = row["oomdoctor"], row["lightning"], row["accelerate"]
-        print(f"{name:5s} {method:4s} seq {seq:4d} cap {format_bytes(cap):>10s} true max {tmax:3d} | "
-              f"oomdoctor {o['trials']} trials -> {o['chosen']} ({o['pct_true_max']}%), {o['micro_for_global']}x"
-              f"{o['grad_accum']} | lightning {l_['trials']} -> {l_['chosen']} | accelerate {a['trials']} -> "
-              f"{a['chosen']}", flush=True)
+        print(
+            f"{name:5s} {method:4s} seq {seq:4d} cap {format_bytes(cap):>10s} true max {tmax:3d} | "
+            f"oomdoctor {o['trials']} trials -> {o['chosen']} ({o['pct_true_max']}%), {o['micro_for_global']}x"
+            f"{o['grad_accum']} | lightning {l_['trials']} -> {l_['chosen']} | accelerate {a['trials']} -> "
+            f"{a['chosen']}",
+            flush=True,
+        )
 
     print()
     print(_table(rows, args))
@@ -295,8 +337,13 @@ def main(argv: list[str] | None = None) -> int:
 def meets_goal(row: dict) -> bool:
     """oomdoctor's result in ``row`` meets the goal (module docstring)."""
     o = row["oomdoctor"]
-    return (o["trials"] <= GOAL_TRIALS and o["chosen_fits"] and row["true_max"] > 0
-            and o["chosen"] >= GOAL_SHARE * row["true_max"] and o["exact_global"])
+    return (
+        o["trials"] <= GOAL_TRIALS
+        and o["chosen_fits"]
+        and row["true_max"] > 0
+        and o["chosen"] >= GOAL_SHARE * row["true_max"]
+        and o["exact_global"]
+    )
 
 
 def _table(rows: list[dict], args) -> str:
@@ -340,4 +387,3 @@ def _table(rows: list[dict], args) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
-

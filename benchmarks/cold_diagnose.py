@@ -77,12 +77,12 @@ def config_path(ref: str, workdir: Path) -> str:
 def cold_run(model: str, extra: list[str]) -> tuple[float, float, int, int, str]:
     """(wall s, CPU s, block measurements, exit code, last error line) of one cold `oomdoctor diagnose`."""
     cache = tempfile.mkdtemp(prefix="oomdoctor-cold-")
-    env = {**os.environ, "OOMDOCTOR_CACHE": cache, "HF_HUB_OFFLINE": "1", "OOMDOCTOR_OFFLINE": "1",
-           "COLUMNS": "200"}
+    env = {**os.environ, "OOMDOCTOR_CACHE": cache, "HF_HUB_OFFLINE": "1", "OOMDOCTOR_OFFLINE": "1", "COLUMNS": "200"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "oomdoctor", "diagnose", model, *extra], capture_output=True,
-                          text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "oomdoctor", "diagnose", model, *extra], capture_output=True, text=True, env=env
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -103,8 +103,10 @@ def main() -> int:
         wanted = [w.strip().lower() for w in args.only.split(",") if w.strip()]
         kinds = [(k, r) for k, r in kinds if any(w in k.lower() or w in r.lower() for w in wanted)]
     workdir = Path(tempfile.mkdtemp(prefix="oomdoctor-cold-configs-"))
-    print(f"cold `oomdoctor diagnose {' '.join(extra) or '(full matrix)'}`, fresh process, empty cache; goal "
-          f"{GOAL_S:.0f} s wall")
+    print(
+        f"cold `oomdoctor diagnose {' '.join(extra) or '(full matrix)'}`, fresh process, empty cache; goal "
+        f"{GOAL_S:.0f} s wall"
+    )
     print(f"{'kind':44} {'config':38} {'wall s':>7} {'cpu s':>7} {'measured':>8} {'goal s':>7}  verdict")
     failed = 0
     try:

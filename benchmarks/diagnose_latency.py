@@ -28,8 +28,22 @@ CASES = [
     ("Llama-2-70B, full matrix, --json", ["meta-llama/Llama-2-70b-hf", "--gpu-mem", "24GB", "--json"], 3.0),
     ("Llama-2-7B, full matrix, table", ["meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB"], 3.0),
     ("Llama-3.1-405B, full matrix", ["meta-llama/Llama-3.1-405B", "--gpu-mem", "80GB"], 3.0),
-    ("Llama-2-7B, one plan", ["meta-llama/Llama-2-7b-hf", "--method", "lora", "--precision", "bf16-mixed",
-                              "--optimizer", "adamw", "--gradient-checkpointing", "--gpu-mem", "24GB"], 3.0),
+    (
+        "Llama-2-7B, one plan",
+        [
+            "meta-llama/Llama-2-7b-hf",
+            "--method",
+            "lora",
+            "--precision",
+            "bf16-mixed",
+            "--optimizer",
+            "adamw",
+            "--gradient-checkpointing",
+            "--gpu-mem",
+            "24GB",
+        ],
+        3.0,
+    ),
     ("Command R7B, full matrix, cold cache", ["CohereLabs/c4ai-command-r7b-12-2024", "--seq-len", "2048"], 120.0),
     ("Command R7B, full matrix, warm cache", ["CohereLabs/c4ai-command-r7b-12-2024", "--seq-len", "2048"], 3.0),
 ]
@@ -41,11 +55,17 @@ def run_once(name: str, args: list[str], warm: str) -> tuple[float, int, int, in
     with an empty cache, then copies what it measured into ``warm`` (the cache of the rows after it)."""
     cold = "cold cache" in name
     cache = tempfile.mkdtemp(prefix="oomdoctor-bench-cold-") if cold else warm
-    env = {**os.environ, "COLUMNS": "200", "HF_HUB_OFFLINE": "1", "OOMDOCTOR_CACHE": cache,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "COLUMNS": "200",
+        "HF_HUB_OFFLINE": "1",
+        "OOMDOCTOR_CACHE": cache,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "oomdoctor", "diagnose", *args], capture_output=True, text=True,
-                          env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "oomdoctor", "diagnose", *args], capture_output=True, text=True, env=env
+    )
     dt = time.perf_counter() - t0
     measured = 0
     if cold:

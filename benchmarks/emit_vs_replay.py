@@ -62,12 +62,22 @@ def run_case(model: str, card: str, trainer: str, pins: dict, seq_len: int) -> d
     from oomdoctor.units import parse_size
 
     t0 = time.perf_counter()
-    r = tune(model, gpu_mem=parse_size(card), seq_len=seq_len, global_batch=None, gpu=None,
-             pins={**pins, "trainer": trainer})
+    r = tune(
+        model, gpu_mem=parse_size(card), seq_len=seq_len, global_batch=None, gpu=None, pins={**pins, "trainer": trainer}
+    )
     predicted = r.budget.needed(r.memory)
-    return {"model": model, "card": card, "trainer": trainer, "plan": r.plan, "predicted": predicted,
-            "replayed": r.measured_peak_bytes, "budget": r.budget_bytes, "verification": r.verification,
-            "seconds": time.perf_counter() - t0, "knobs": knobs_changed(r, model)}
+    return {
+        "model": model,
+        "card": card,
+        "trainer": trainer,
+        "plan": r.plan,
+        "predicted": predicted,
+        "replayed": r.measured_peak_bytes,
+        "budget": r.budget_bytes,
+        "verification": r.verification,
+        "seconds": time.perf_counter() - t0,
+        "knobs": knobs_changed(r, model),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,10 +93,14 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = QUICK if a.quick else CASES
     seq_len = a.seq_len or (64 if a.quick else 2048)
-    print(f"goal: predicted within {GOAL:.0%} of the replayed peak of the trainer's own step, never above the budget "
-          f"(seq_len {seq_len})")
-    print(f"{'model':<34}{'card':>6} {'trainer':<11}{'plan':<58}{'micro x acc':>12}{'predicted':>12}{'replayed':>12}"
-          f"{'error':>8}{'budget':>12}  verdict")
+    print(
+        f"goal: predicted within {GOAL:.0%} of the replayed peak of the trainer's own step, never above the budget "
+        f"(seq_len {seq_len})"
+    )
+    print(
+        f"{'model':<34}{'card':>6} {'trainer':<11}{'plan':<58}{'micro x acc':>12}{'predicted':>12}{'replayed':>12}"
+        f"{'error':>8}{'budget':>12}  verdict"
+    )
     worst, misses = 0.0, 0
     for model, card, trainer, pins in cases:
         row = run_case(model, card, trainer, pins, seq_len)
@@ -99,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ok, verdict, shown = True, "priced", "-"
         misses += not ok
-        print(f"{model.split('/')[-1][:33]:<34}{card:>6} {trainer:<11}{p.label()[:57]:<58}"
-              f"{f'{p.micro_batch} x {p.grad_accum}':>12}{format_bytes(row['predicted']):>12}"
-              f"{format_bytes(rep) if rep else '-':>12}{shown:>8}{format_bytes(row['budget']):>12}  {verdict}")
+        print(
+            f"{model.split('/')[-1][:33]:<34}{card:>6} {trainer:<11}{p.label()[:57]:<58}"
+            f"{f'{p.micro_batch} x {p.grad_accum}':>12}{format_bytes(row['predicted']):>12}"
+            f"{format_bytes(rep) if rep else '-':>12}{shown:>8}{format_bytes(row['budget']):>12}  {verdict}"
+        )
         for line in row["knobs"]:
             print(f"{'':6}{line}")
     print(f"worst error {worst:.2%}; {misses} case(s) outside the goal")

@@ -49,9 +49,11 @@ class Case:
 
 
 #: What a replay of Llama's training step imports before it runs anything.
-REPLAY_IMPORTS = ("from oomdoctor.imports import cheap_imports; cheap_imports(); "
-                  "import torch, transformers.models.llama.modeling_llama, peft, bitsandbytes; "
-                  "from torch._subclasses.fake_tensor import FakeTensorMode")
+REPLAY_IMPORTS = (
+    "from oomdoctor.imports import cheap_imports; cheap_imports(); "
+    "import torch, transformers.models.llama.modeling_llama, peft, bitsandbytes; "
+    "from torch._subclasses.fake_tensor import FakeTensorMode"
+)
 
 
 def _oomdoctor(*args: str) -> list[str]:
@@ -61,12 +63,32 @@ def _oomdoctor(*args: str) -> list[str]:
 def cases(out_dir: str) -> list[Case]:
     import_torch = [sys.executable, "-c", "import torch, transformers"]
     return [
-        Case("tune 7B / 24 GB, verified (simulate)",
-             _oomdoctor("tune", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB", "--seq-len", "1024",
-                        "--global-batch", "32", "--output", os.path.join(out_dir, "plan.yaml"), "--force"),
-             "import torch, transformers", import_torch, 1.5),
-        Case("replay's imports alone (the floor)", [sys.executable, "-c", REPLAY_IMPORTS],
-             "import torch, transformers", import_torch, 1.5),
+        Case(
+            "tune 7B / 24 GB, verified (simulate)",
+            _oomdoctor(
+                "tune",
+                "meta-llama/Llama-2-7b-hf",
+                "--gpu-mem",
+                "24GB",
+                "--seq-len",
+                "1024",
+                "--global-batch",
+                "32",
+                "--output",
+                os.path.join(out_dir, "plan.yaml"),
+                "--force",
+            ),
+            "import torch, transformers",
+            import_torch,
+            1.5,
+        ),
+        Case(
+            "replay's imports alone (the floor)",
+            [sys.executable, "-c", REPLAY_IMPORTS],
+            "import torch, transformers",
+            import_torch,
+            1.5,
+        ),
         Case("models", _oomdoctor("models"), "oomdoctor --help", _oomdoctor("--help"), 3.0),
     ]
 
@@ -75,8 +97,9 @@ def wall(command: list[str], env: dict[str, str]) -> float:
     """Seconds of one fresh-process run of ``command`` (an empty measurement cache each time); it must succeed."""
     with tempfile.TemporaryDirectory(prefix="oomdoctor-bench-cache-") as cache:
         t0 = time.perf_counter()
-        proc = subprocess.run(command, capture_output=True, text=True, env={**env, "OOMDOCTOR_CACHE": cache},
-                              timeout=1800)
+        proc = subprocess.run(
+            command, capture_output=True, text=True, env={**env, "OOMDOCTOR_CACHE": cache}, timeout=1800
+        )
         dt = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
@@ -105,8 +128,10 @@ def main() -> None:
     print(f"{'command':<38} {'median s':>9}  {'yardstick':<26} {'median s':>9} {'ratio':>6} {'goal':>6}  verdict")
     for case, c, y in rows:
         ratio = c / y
-        print(f"{case.name:<38} {c:9.2f}  {case.yardstick_name:<26} {y:9.2f} {ratio:5.2f}x {case.goal:5.1f}x  "
-              f"{'PASS' if ratio <= case.goal else 'MISS'}")
+        print(
+            f"{case.name:<38} {c:9.2f}  {case.yardstick_name:<26} {y:9.2f} {ratio:5.2f}x {case.goal:5.1f}x  "
+            f"{'PASS' if ratio <= case.goal else 'MISS'}"
+        )
     print(f"\n{runs} run(s) each, fresh processes, medians; machine load {os.getloadavg()[0]:.1f} (1-minute average)")
 
 

@@ -69,8 +69,7 @@ def _wall(code: str, env: dict[str, str]) -> float:
 
 def _inner(code: str, env: dict[str, str]) -> float:
     """The time the snippet itself prints (the measured section only)."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True, timeout=120)
     return float(out.stdout.split()[-1])
 
 

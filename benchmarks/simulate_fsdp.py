@@ -47,11 +47,22 @@ def main() -> None:
 
     spec = load_spec(MODEL)
     print(f"{MODEL}: full FT, bf16-mixed, GC, micro 1 x 2048, foreach AdamW, FSDP2 per rank")
-    print(f"{'N':>3} {'depth':>14} {'peak GB':>8} {'phase':>15} {'params':>7} {'grads':>7} {'optim':>7} "
-          f"{'acts':>6} {'temps':>6} {'s':>6} {'reference':>10} {'error':>7} {'goal':>6}  verdict")
+    print(
+        f"{'N':>3} {'depth':>14} {'peak GB':>8} {'phase':>15} {'params':>7} {'grads':>7} {'optim':>7} "
+        f"{'acts':>6} {'temps':>6} {'s':>6} {'reference':>10} {'error':>7} {'goal':>6}  verdict"
+    )
     for n in args.gpus:
-        plan = Plan(method="full", precision="bf16-mixed", gradient_checkpointing=True, micro_batch=1,
-                    seq_len=2048, optimizer="adamw", optimizer_impl="foreach", world_size=n, strategy="fsdp")
+        plan = Plan(
+            method="full",
+            precision="bf16-mixed",
+            gradient_checkpointing=True,
+            micro_batch=1,
+            seq_len=2048,
+            optimizer="adamw",
+            optimizer_impl="foreach",
+            world_size=n,
+            strategy="fsdp",
+        )
         results = []
         for depth in ("auto",) if args.no_full else ("full", "auto"):  # the full replay is the auto rows' reference
             t = time.perf_counter()
@@ -64,11 +75,14 @@ def main() -> None:
             ref = RESEARCH_GB.get(n, full if depth == "auto" else None)
             err = None if ref is None else (peak - ref) / ref
             verdict = "-" if err is None else ("PASS" if abs(err) <= GOAL else "MISS")
-            print(f"{n:>3} {label:>14} {peak:8.3f} {b.peak_phase:>15} "
-                  f"{(b.parameters + b.master_weights) / 1e9:7.3f} {b.gradients / 1e9:7.3f} "
-                  f"{b.optimizer_states / 1e9:7.3f} {b.activations / 1e9:6.3f} {b.temporaries / 1e9:6.3f} "
-                  f"{s:6.1f} {'-' if ref is None else f'{ref:.3f}':>10} {'-' if err is None else f'{err:+.2%}':>7} "
-                  f"{GOAL:>6.0%}  {verdict}", flush=True)
+            print(
+                f"{n:>3} {label:>14} {peak:8.3f} {b.peak_phase:>15} "
+                f"{(b.parameters + b.master_weights) / 1e9:7.3f} {b.gradients / 1e9:7.3f} "
+                f"{b.optimizer_states / 1e9:7.3f} {b.activations / 1e9:6.3f} {b.temporaries / 1e9:6.3f} "
+                f"{s:6.1f} {'-' if ref is None else f'{ref:.3f}':>10} {'-' if err is None else f'{err:+.2%}':>7} "
+                f"{GOAL:>6.0%}  {verdict}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,12 @@ os.environ.setdefault("OOMDOCTOR_OFFLINE", "1")
 #: Seconds one plan may take (warm process; ``--cold``: a fresh one, imports included).
 GOAL_S = 5.0
 
-MODELS = ("meta-llama/Llama-3.2-1B", "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
-          "meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-70b-hf")
+MODELS = (
+    "meta-llama/Llama-3.2-1B",
+    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+    "meta-llama/Llama-2-7b-hf",
+    "meta-llama/Llama-2-70b-hf",
+)
 
 
 def default_plans():
@@ -40,8 +44,14 @@ def default_plans():
         Plan(method="full", seq_len=2048, micro_batch=1),
         Plan(method="full", seq_len=2048, micro_batch=1, gradient_checkpointing=True, optimizer="adamw-8bit"),
         Plan(method="lora", seq_len=2048, micro_batch=2),
-        Plan(method="qlora", quant="nf4", seq_len=2048, micro_batch=1, gradient_checkpointing=True,
-             optimizer="paged-adamw-8bit"),
+        Plan(
+            method="qlora",
+            quant="nf4",
+            seq_len=2048,
+            micro_batch=1,
+            gradient_checkpointing=True,
+            optimizer="paged-adamw-8bit",
+        ),
     ]
 
 
@@ -99,14 +109,21 @@ def cold(models: list[str], threads: int, plans: list) -> list[dict]:
             d = asdict(plan)
             d["lora_targets"] = list(d["lora_targets"])
             t = time.perf_counter()
-            out = subprocess.run([sys.executable, "-c", COLD_CHILD, mid, json.dumps(d), str(threads)],
-                                 capture_output=True, text=True, check=True,
-                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+            out = subprocess.run(
+                [sys.executable, "-c", COLD_CHILD, mid, json.dumps(d), str(threads)],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+            )
             total = time.perf_counter() - t
             imp, sim = (float(x) for x in out.stdout.split()[-2:])
             rows.append({"model": mid, "plan": plan.label(), "imports_s": imp, "simulate_s": sim, "cold_s": total})
-            print(f"{mid:40s} {plan.label():58s} {imp:8.2f} {sim:9.2f} {total:11.2f} {GOAL_S:7.1f}  "
-                  f"{'PASS' if total <= GOAL_S else 'MISS'}", flush=True)
+            print(
+                f"{mid:40s} {plan.label():58s} {imp:8.2f} {sim:9.2f} {total:11.2f} {GOAL_S:7.1f}  "
+                f"{'PASS' if total <= GOAL_S else 'MISS'}",
+                flush=True,
+            )
     worst = max(r["cold_s"] for r in rows)
     print(f"cold wall time per plan (interpreter start to result): max {worst:.2f} s (goal <= {GOAL_S:g} s)")
     return rows
@@ -146,8 +163,10 @@ def main(argv=None) -> int:
     simulate_plan(load_spec(args.models[0]), validate(default_plans()[0].with_(seq_len=128)))
     print(f"warm-up (imports + first plan): {time.perf_counter() - t0:.1f} s")
     rows = []
-    hdr = f"{'model':52s} {'plan':58s} {'params':>8s} {'seconds':>8s} {'goal s':>7s} {'verdict':>7s} " \
-          f"{'peak_allocated':>15s} {'phase':>14s}"
+    hdr = (
+        f"{'model':52s} {'plan':58s} {'params':>8s} {'seconds':>8s} {'goal s':>7s} {'verdict':>7s} "
+        f"{'peak_allocated':>15s} {'phase':>14s}"
+    )
     if args.compare:
         hdr += f" {'analytic':>12s} {'error':>8s}"
     print(hdr)
@@ -159,12 +178,20 @@ def main(argv=None) -> int:
             r = simulate_plan(spec, plan)
             dt = time.perf_counter() - t
             b = r.breakdown
-            row = {"model": mid, "plan": plan.label(), "params": spec.num_params, "seconds": round(dt, 2),
-                   "peak_allocated": b.peak_allocated, "peak_phase": b.peak_phase,
-                   "layers_simulated": list(r.layers_simulated)}
+            row = {
+                "model": mid,
+                "plan": plan.label(),
+                "params": spec.num_params,
+                "seconds": round(dt, 2),
+                "peak_allocated": b.peak_allocated,
+                "peak_phase": b.peak_phase,
+                "layers_simulated": list(r.layers_simulated),
+            }
             verdict = "PASS" if dt <= GOAL_S else "MISS"
-            line = (f"{mid:52s} {plan.label():58s} {spec.num_params / 1e9:7.2f}B {dt:8.2f} {GOAL_S:7.1f} "
-                    f"{verdict:>7s} {format_bytes(b.peak_allocated):>15s} {b.peak_phase:>14s}")
+            line = (
+                f"{mid:52s} {plan.label():58s} {spec.num_params / 1e9:7.2f}B {dt:8.2f} {GOAL_S:7.1f} "
+                f"{verdict:>7s} {format_bytes(b.peak_allocated):>15s} {b.peak_phase:>14s}"
+            )
             if args.compare:
                 from oomdoctor.engines import estimate
 
@@ -176,11 +203,15 @@ def main(argv=None) -> int:
             rows.append(row)
     if args.compare:
         errs = [abs(r["error"]) for r in rows]
-        print(f"analytic vs simulate |error| on peak allocated: median {statistics.median(errs) * 100:.2f}%, "
-              f"max {max(errs) * 100:.2f}%, within 5%: {sum(e <= 0.05 for e in errs)}/{len(errs)}")
+        print(
+            f"analytic vs simulate |error| on peak allocated: median {statistics.median(errs) * 100:.2f}%, "
+            f"max {max(errs) * 100:.2f}%, within 5%: {sum(e <= 0.05 for e in errs)}/{len(errs)}"
+        )
     secs = [r["seconds"] for r in rows]
-    print(f"simulate time per plan: median {statistics.median(secs):.2f} s, max {max(secs):.2f} s "
-          f"({args.threads} threads)")
+    print(
+        f"simulate time per plan: median {statistics.median(secs):.2f} s, max {max(secs):.2f} s "
+        f"({args.threads} threads)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

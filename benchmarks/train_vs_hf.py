@@ -45,14 +45,25 @@ def _cfg(out: str, steps: int, widen: bool):
     from oomdoctor.train.config import load_train_config
 
     cfg = load_train_config(ROOT / "configs" / "train" / "tiny-cpu.yaml")
-    cfg = replace(cfg, max_steps=steps, save_steps=0, logging_steps=1, output_dir=out, micro_batch_size=MICRO,
-                  gradient_accumulation_steps=ACCUM, warmup_steps=0, optim="adamw_torch", optim_impl="for-loop")
+    cfg = replace(
+        cfg,
+        max_steps=steps,
+        save_steps=0,
+        logging_steps=1,
+        output_dir=out,
+        micro_batch_size=MICRO,
+        gradient_accumulation_steps=ACCUM,
+        warmup_steps=0,
+        optim="adamw_torch",
+        optim_impl="for-loop",
+    )
     if widen:
         import json
 
         c = json.loads(_file(cfg.model.config).read_text())
-        c.update(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                 num_key_value_heads=8)
+        c.update(
+            hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8
+        )
         p = Path(out).parent / "wide-config.json"
         p.write_text(json.dumps(c))
         cfg = replace(cfg, model=replace(cfg.model, config=str(p)))
@@ -99,8 +110,9 @@ def hf(steps: int, warmup: int, widen: bool, threads: int) -> float:
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as d:
         cfg = _cfg(str(Path(d) / "run"), warmup + steps, widen)
-        tok = load_tokenizer(ModelSource(path=None, config=cfg.model.config, init="random",
-                                         tokenizer=cfg.model.tokenizer))
+        tok = load_tokenizer(
+            ModelSource(path=None, config=cfg.model.config, init="random", tokenizer=cfg.model.tokenizer)
+        )
         data = tokenize(cfg.dataset, tok, cfg.seq_len)
         tokens: list[int] = []
 
@@ -116,17 +128,31 @@ def hf(steps: int, warmup: int, widen: bool, threads: int) -> float:
                 marks[state.global_step] = time.perf_counter()
 
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(_file(cfg.model.config)),
-                                                 attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(_file(cfg.model.config)), attn_implementation="sdpa"
+        )
         model.resize_token_embeddings(len(tok))
-        args = TrainingArguments(output_dir=str(Path(d) / "hf"), per_device_train_batch_size=MICRO,
-                                 gradient_accumulation_steps=ACCUM, max_steps=warmup + steps,
-                                 learning_rate=cfg.learning_rate, lr_scheduler_type="cosine", warmup_steps=0,
-                                 logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True,
-                                 dataloader_num_workers=0, optim="adamw_torch", seed=cfg.seed, disable_tqdm=True,
-                                 remove_unused_columns=False)
-        trainer = Trainer(model=model, args=args, train_dataset=data.samples, data_collator=collator,
-                          callbacks=[Marks()])
+        args = TrainingArguments(
+            output_dir=str(Path(d) / "hf"),
+            per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=ACCUM,
+            max_steps=warmup + steps,
+            learning_rate=cfg.learning_rate,
+            lr_scheduler_type="cosine",
+            warmup_steps=0,
+            logging_steps=10**6,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            dataloader_num_workers=0,
+            optim="adamw_torch",
+            seed=cfg.seed,
+            disable_tqdm=True,
+            remove_unused_columns=False,
+        )
+        trainer = Trainer(
+            model=model, args=args, train_dataset=data.samples, data_collator=collator, callbacks=[Marks()]
+        )
         trainer.remove_callback(PrinterCallback)  # its end-of-run metrics line is not this table
         trainer.train()
     torch.set_num_threads(before)
@@ -159,8 +185,10 @@ def main() -> None:
     for name, threads, tps, hps, r in rows:
         verdict = "PASS" if r >= GOAL else "MISS"
         print(f"{name:<16}{threads:>8}{tps:>18,.0f}{hps:>18,.0f}{r:>8.2f}{GOAL:>7.2f}x  {verdict}")
-    print(f"\n{a.steps} timed steps after {a.warmup} warm-up steps, median of {a.repeats} alternating run(s) per side; "
-          f"machine load {os.getloadavg()[0]:.1f} (1-minute average)")
+    print(
+        f"\n{a.steps} timed steps after {a.warmup} warm-up steps, median of {a.repeats} alternating run(s) per side; "
+        f"machine load {os.getloadavg()[0]:.1f} (1-minute average)"
+    )
 
 
 if __name__ == "__main__":

@@ -27,12 +27,31 @@ CARDS_GB = (8, 16, 24, 48, 80)
 #: Seconds one decision may take.
 GOAL_S = 3.0
 MODELS = (
-    "HuggingFaceTB/SmolLM2-360M", "Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B", "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
-    "Qwen/Qwen2.5-1.5B", "HuggingFaceTB/SmolLM2-1.7B", "google/gemma-2-2b", "microsoft/phi-2", "meta-llama/Llama-3.2-3B",
-    "Qwen/Qwen2.5-3B", "microsoft/Phi-3-mini-4k-instruct", "Qwen/Qwen3-4B", "meta-llama/Llama-2-7b-hf",
-    "mistralai/Mistral-7B-v0.3", "Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-8B", "Qwen/Qwen3-8B", "google/gemma-2-9b",
-    "meta-llama/Llama-2-13b-hf", "Qwen/Qwen2.5-14B", "google/gemma-2-27b", "Qwen/Qwen2.5-32B",
-    "mistralai/Mixtral-8x7B-v0.1", "meta-llama/Llama-2-70b-hf", "meta-llama/Llama-3.1-70B",
+    "HuggingFaceTB/SmolLM2-360M",
+    "Qwen/Qwen2.5-0.5B",
+    "meta-llama/Llama-3.2-1B",
+    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+    "Qwen/Qwen2.5-1.5B",
+    "HuggingFaceTB/SmolLM2-1.7B",
+    "google/gemma-2-2b",
+    "microsoft/phi-2",
+    "meta-llama/Llama-3.2-3B",
+    "Qwen/Qwen2.5-3B",
+    "microsoft/Phi-3-mini-4k-instruct",
+    "Qwen/Qwen3-4B",
+    "meta-llama/Llama-2-7b-hf",
+    "mistralai/Mistral-7B-v0.3",
+    "Qwen/Qwen2.5-7B",
+    "meta-llama/Llama-3.1-8B",
+    "Qwen/Qwen3-8B",
+    "google/gemma-2-9b",
+    "meta-llama/Llama-2-13b-hf",
+    "Qwen/Qwen2.5-14B",
+    "google/gemma-2-27b",
+    "Qwen/Qwen2.5-32B",
+    "mistralai/Mixtral-8x7B-v0.1",
+    "meta-llama/Llama-2-70b-hf",
+    "meta-llama/Llama-3.1-70B",
 )
 #: (model, card GB) -> what a public recipe runs there.
 ANCHORS = {
@@ -59,8 +78,10 @@ def main() -> None:
     from oomdoctor.tune.tuner import tune
     from oomdoctor.units import format_bytes
 
-    print(f"{'model':<44}{'card':>5}  {'plan':<52}{'micro x acc':>12}{'peak':>11}{'tok/s':>8}{'s':>6}{'goal':>6}  "
-          f"verdict  anchor")
+    print(
+        f"{'model':<44}{'card':>5}  {'plan':<52}{'micro x acc':>12}{'peak':>11}{'tok/s':>8}{'s':>6}{'goal':>6}  "
+        f"verdict  anchor"
+    )
     times = []
     for model in a.models.split(","):
         for gb in (24,) if a.quick else CARDS_GB:
@@ -75,12 +96,16 @@ def main() -> None:
                 plan, shape, peak, tps = "no plan fits", "-", "-", "-"
             dt = time.perf_counter() - t0
             times.append(dt)
-            print(f"{model:<44}{gb:>4}G  {plan:<52}{shape:>12}{peak:>11}{tps:>8}{dt:>6.2f}{GOAL_S:>6.1f}  "
-                  f"{'PASS' if dt <= GOAL_S else 'MISS':<7}  {ANCHORS.get((model, gb), '')}")
+            print(
+                f"{model:<44}{gb:>4}G  {plan:<52}{shape:>12}{peak:>11}{tps:>8}{dt:>6.2f}{GOAL_S:>6.1f}  "
+                f"{'PASS' if dt <= GOAL_S else 'MISS':<7}  {ANCHORS.get((model, gb), '')}"
+            )
     times.sort()
     med = times[len(times) // 2]
-    print(f"\ndecisions: {len(times)}; median {med:.2f} s, max {times[-1]:.2f} s (goal <= {GOAL_S:g} s): "
-          f"{'PASS' if med <= GOAL_S else 'MISS'}")
+    print(
+        f"\ndecisions: {len(times)}; median {med:.2f} s, max {times[-1]:.2f} s (goal <= {GOAL_S:g} s): "
+        f"{'PASS' if med <= GOAL_S else 'MISS'}"
+    )
 
 
 if __name__ == "__main__":

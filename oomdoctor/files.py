@@ -54,8 +54,9 @@ def _not_writable(d: Path) -> str | None:
     return "permission denied"
 
 
-def check_output_path(path: str | os.PathLike, *, what: str = "--output", overwrite: bool = False,
-                      example: str = "plan.yaml") -> Path:
+def check_output_path(
+    path: str | os.PathLike, *, what: str = "--output", overwrite: bool = False, example: str = "plan.yaml"
+) -> Path:
     """The path ``what`` (the flag that named it) will write, refused with one message (BadInput, exit 2) when a file
     cannot be written there: a directory, an existing file unless ``overwrite``, a parent that is a file, a directory
     that is read-only or not writable. ``example``: a file name for the hint."""
@@ -63,21 +64,32 @@ def check_output_path(path: str | os.PathLike, *, what: str = "--output", overwr
     if out.is_dir():
         raise BadInput(f"{what} {out} is a directory", f"name a file in it, e.g. {what} {out / example}")
     if out.exists() and not overwrite:
-        raise BadInput(f"{what} {out} exists; not overwriting it",
-                       f"pass --force to replace it, or another {what} path")
+        raise BadInput(
+            f"{what} {out} exists; not overwriting it", f"pass --force to replace it, or another {what} path"
+        )
     where = _nearest_existing(out.parent)
     if not where.is_dir():
-        raise BadInput(f"{what} {out}: {where} is a file, not a directory",
-                       f"choose a path in a directory, e.g. {what} {out.name}")
+        raise BadInput(
+            f"{what} {out}: {where} is a file, not a directory", f"choose a path in a directory, e.g. {what} {out.name}"
+        )
     why = _not_writable(where)
     if why:
-        raise BadInput(f"{what} {out}: cannot write in {where} ({why})",
-                       f"choose a writable directory, e.g. {what} {Path.home() / out.name}")
+        raise BadInput(
+            f"{what} {out}: cannot write in {where} ({why})",
+            f"choose a writable directory, e.g. {what} {Path.home() / out.name}",
+        )
     return out
 
 
-def write_file_atomic(path: str | os.PathLike, data: str | bytes, *, what: str = "--output", overwrite: bool = False,
-                      example: str = "plan.yaml", hint: str | None = None) -> Path:
+def write_file_atomic(
+    path: str | os.PathLike,
+    data: str | bytes,
+    *,
+    what: str = "--output",
+    overwrite: bool = False,
+    example: str = "plan.yaml",
+    hint: str | None = None,
+) -> Path:
     """Write ``data`` (text as UTF-8) to ``path`` atomically after :func:`check_output_path`; WriteFailed (exit 74)
     when the write fails, with nothing left behind (``hint``: what to do then; default: free space or choose another
     path). Returns the path written."""
@@ -94,10 +106,13 @@ def write_file_atomic(path: str | os.PathLike, data: str | bytes, *, what: str =
         os.replace(tmp, out)
     except OSError as exc:
         _remove(tmp)
-        raise write_failed(what, out, exc,
-                           "nothing was written" + (", the file already there is unchanged" if existed else ""),
-                           hint or f"free some space or choose another {what} path, and run the command again"
-                           ) from None
+        raise write_failed(
+            what,
+            out,
+            exc,
+            "nothing was written" + (", the file already there is unchanged" if existed else ""),
+            hint or f"free some space or choose another {what} path, and run the command again",
+        ) from None
     except BaseException:
         _remove(tmp)
         raise
@@ -131,8 +146,12 @@ def write_failed(what: str, path: str | os.PathLike, exc: OSError, outcome: str,
     """The one message of a failed write: ``what`` (a flag or a kind of file) ``path`` could not be written because
     of ``exc`` (its errno's text, and the free space there); ``outcome`` says what was kept."""
     free = free_bytes(path)
-    return WriteFailed(f"{what} {path}: writing it failed ({exc.strerror or exc}"
-                       + (f"; {format_bytes(free)} free there" if free is not None else "") + f"); {outcome}", hint)
+    return WriteFailed(
+        f"{what} {path}: writing it failed ({exc.strerror or exc}"
+        + (f"; {format_bytes(free)} free there" if free is not None else "")
+        + f"); {outcome}",
+        hint,
+    )
 
 
 def _remove(tmp: str | None) -> None:
@@ -143,5 +162,12 @@ def _remove(tmp: str | None) -> None:
             pass
 
 
-__all__ = ["check_output_path", "free_bytes", "free_path", "holds_weights", "write_failed", "write_file_atomic",
-           "write_text_atomic"]
+__all__ = [
+    "check_output_path",
+    "free_bytes",
+    "free_path",
+    "holds_weights",
+    "write_failed",
+    "write_file_atomic",
+    "write_text_atomic",
+]

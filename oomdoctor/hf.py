@@ -145,9 +145,14 @@ class OOMGuardState(OOMGuard):
 
 
 def _log_recovery(rec: Recovery) -> None:
-    logger.warning("OOM at step %d (%s) with %d rows: continuing at %d rows per forward/backward, same effective "
-                   "batch%s", rec.step, rec.phase, rec.failed_micro_batch, rec.new_micro_batch,
-                   "; replaying this step's micro-batches (a partial gradient had landed)" if rec.replayed else "")
+    logger.warning(
+        "OOM at step %d (%s) with %d rows: continuing at %d rows per forward/backward, same effective batch%s",
+        rec.step,
+        rec.phase,
+        rec.failed_micro_batch,
+        rec.new_micro_batch,
+        "; replaying this step's micro-batches (a partial gradient had landed)" if rec.replayed else "",
+    )
 
 
 def _advice(exc: OOMAtMicroBatchOne, step: int) -> OOMAtMicroBatchOne:
@@ -157,7 +162,9 @@ def _advice(exc: OOMAtMicroBatchOne, step: int) -> OOMAtMicroBatchOne:
         f"after splitting. Shorten the sequences (max_length), enable gradient_checkpointing, train an "
         f"adapter (LoRA/QLoRA) or use a larger GPU; `oomdoctor diagnose` prices each option.\n"
         f"original error: {exc.message.splitlines()[0] if exc.message else 'out of memory'}",
-        exc.phase, exc.reason)
+        exc.phase,
+        exc.reason,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the mixin
@@ -200,8 +207,9 @@ class OOMGuardMixin:
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
         g = self.oom_guard
         g.touch.in_backward = True  # the forward returned; an OOM from here on is in backward
         if g.weight != 1.0:
@@ -284,8 +292,11 @@ def guarded_class(trainer_cls: type) -> type:
     """``trainer_cls`` with the guard mixed in first (cached: one class per trainer class)."""
     if issubclass(trainer_cls, OOMGuardMixin):
         return trainer_cls
-    return type(f"Guarded{trainer_cls.__name__}", (OOMGuardMixin, trainer_cls),
-                {"__module__": __name__, "__doc__": f"{trainer_cls.__name__} with the oomdoctor OOM guard."})
+    return type(
+        f"Guarded{trainer_cls.__name__}",
+        (OOMGuardMixin, trainer_cls),
+        {"__module__": __name__, "__doc__": f"{trainer_cls.__name__} with the oomdoctor OOM guard."},
+    )
 
 
 def guard_trainer(trainer: Trainer) -> Trainer:
@@ -308,5 +319,14 @@ def __getattr__(name: str) -> type:
 
 
 # GuardedSFTTrainer is left out: `import *` must not need TRL
-__all__ = ["OOMGuardMixin", "OOMGuardState", "GuardedTrainer", "guard_trainer", "guarded_class",
-           "batch_rows", "slice_rows", "target_tokens", "OOMAtMicroBatchOne"]
+__all__ = [
+    "OOMGuardMixin",
+    "OOMGuardState",
+    "GuardedTrainer",
+    "guard_trainer",
+    "guarded_class",
+    "batch_rows",
+    "slice_rows",
+    "target_tokens",
+    "OOMAtMicroBatchOne",
+]

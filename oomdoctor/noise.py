@@ -23,11 +23,18 @@ def quiet_third_party() -> None:
     warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6.*", category=FutureWarning)
     # peft's MoE conversion sets rank/alpha patterns for the fused gate_up_proj (rank 2r) and then warns that they
     # matched no *module*: they match the ParamWrapper parameter and are applied (tests/test_moe.py counts them)
-    warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match any targeted "
-                            r"module and were ignored: \[[^,]*gate_up_proj[^,]*\]", category=RuntimeWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The following (rank|alpha)_pattern keys did not match any targeted "
+        r"module and were ignored: \[[^,]*gate_up_proj[^,]*\]",
+        category=RuntimeWarning,
+    )
     # DeepSpeed ZeRO's all-gather calls the name torch 2.13 deprecates (not the user's code)
-    warnings.filterwarnings("ignore", category=FutureWarning,
-                            message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+    warnings.filterwarnings(
+        "ignore",
+        category=FutureWarning,
+        message=r".*torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    )
 
 
 def _no_deepspeed_accelerator_probe() -> None:
@@ -63,4 +70,3 @@ def quiet_planned_restarts() -> None:
     log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     if not any(isinstance(f, _PlannedRestarts) for f in log.filters):
         log.addFilter(_PlannedRestarts())
-

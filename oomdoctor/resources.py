@@ -73,11 +73,13 @@ def is_bundled(ref: str) -> bool:
 
 def _locate(ref: str) -> Path:
     """Filesystem path a ``bundled:<tree>/<path>`` name stands for (may not exist); BadInput for an unknown tree."""
-    rel = ref[len(PREFIX):].lstrip("/")
+    rel = ref[len(PREFIX) :].lstrip("/")
     tree, _, rest = rel.partition("/")
     if tree not in _TREES:
-        raise BadInput(f"{ref!r}: no bundled tree {tree!r}",
-                       f"bundled names start with {', '.join(PREFIX + t + '/' for t in _TREES)}")
+        raise BadInput(
+            f"{ref!r}: no bundled tree {tree!r}",
+            f"bundled names start with {', '.join(PREFIX + t + '/' for t in _TREES)}",
+        )
     parts = Path(rest).parts
     if ".." in parts:
         raise BadInput(f"{ref!r}: '..' is not allowed in a bundled name")
@@ -90,9 +92,12 @@ def bundled_path(ref: str) -> Path:
     if not path.exists():
         parent = path.parent
         there = sorted(p.name for p in parent.iterdir()) if parent.is_dir() else []
-        raise BadInput(f"{ref!r}: no such bundled file",
-                       f"{PREFIX}{ref[len(PREFIX):].rsplit('/', 1)[0]}/ holds: {', '.join(there)}" if there
-                       else f"bundled names start with {', '.join(PREFIX + t + '/' for t in _TREES)}")
+        raise BadInput(
+            f"{ref!r}: no such bundled file",
+            f"{PREFIX}{ref[len(PREFIX) :].rsplit('/', 1)[0]}/ holds: {', '.join(there)}"
+            if there
+            else f"bundled names start with {', '.join(PREFIX + t + '/' for t in _TREES)}",
+        )
     return path
 
 
@@ -115,7 +120,7 @@ def resolve_path(p: str, base_dirs: list[Path]) -> str | None:
     posix = path.as_posix()
     for layout, tree in _REPO_LAYOUT.items():
         if posix.startswith(layout):
-            cand = _locate(PREFIX + tree + posix[len(layout):])
+            cand = _locate(PREFIX + tree + posix[len(layout) :])
             if cand.exists():
                 return str(cand)
     return None

@@ -42,8 +42,10 @@ def parse_size(text: str | int | float, *, what: str = "size") -> int:
         )
     value = float(m.group(1))
     if not m.group(2):
-        raise BadInput(f"{what}: {text!r} has no unit",
-                       f"write {m.group(1)}GB (10^9 bytes) or {m.group(1)}GiB (2^30 bytes); {m.group(1)}B for bytes")
+        raise BadInput(
+            f"{what}: {text!r} has no unit",
+            f"write {m.group(1)}GB (10^9 bytes) or {m.group(1)}GiB (2^30 bytes); {m.group(1)}B for bytes",
+        )
     unit = m.group(2).upper()
     if unit not in UNITS:
         raise BadInput(

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 
-TYPES = ("cohere2,seed_oss,apertus,exaone4,olmo3,ernie4_5,smollm3,gemma3_text,starcoder2,gpt_neox,glm4,ministral3,"
-         "mamba,mamba2,falcon_h1,lfm2,granitemoehybrid,nemotron_h,jamba,qwen3_next,llama4_text,qwen2_moe,olmoe,"
-         "glm4_moe,deepseek_v2,mllama")
+TYPES = (
+    "cohere2,seed_oss,apertus,exaone4,olmo3,ernie4_5,smollm3,gemma3_text,starcoder2,gpt_neox,glm4,ministral3,"
+    "mamba,mamba2,falcon_h1,lfm2,granitemoehybrid,nemotron_h,jamba,qwen3_next,llama4_text,qwen2_moe,olmoe,"
+    "glm4_moe,deepseek_v2,mllama"
+)
 PLANS = {
     "lora bf16 GC": dict(method="lora", precision="bf16", gradient_checkpointing=True),
     "lora bf16": dict(method="lora", precision="bf16", gradient_checkpointing=False),
@@ -69,8 +71,11 @@ def main() -> None:
             except BadInput as exc:
                 print(f"{t:18} {name:20} {str(exc)[:90]}")
                 continue
-            print(f"{t:18} {name:20} {sim / 2**30:12.2f} {100 * (formulas - sim) / sim:+8.2f}% "
-                  f"{100 * (measured - sim) / sim:+8.2f}% {time.perf_counter() - t0:6.1f}", flush=True)
+            print(
+                f"{t:18} {name:20} {sim / 2**30:12.2f} {100 * (formulas - sim) / sim:+8.2f}% "
+                f"{100 * (measured - sim) / sim:+8.2f}% {time.perf_counter() - t0:6.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

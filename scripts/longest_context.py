@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 
-CASES = (("any method", None, "24GiB"), ("any method", None, "512GB"), ("qlora", "qlora", "24GiB"),
-         ("qlora", "qlora", "512GB"))
+CASES = (
+    ("any method", None, "24GiB"),
+    ("any method", None, "512GB"),
+    ("qlora", "qlora", "24GiB"),
+    ("qlora", "qlora", "512GB"),
+)
 
 
 def main() -> None:
@@ -33,14 +37,25 @@ def main() -> None:
 
     print(f"{'method':11} {'host RAM':>9} {'tokens':>8}  {'predicted':>10} {'replayed':>10} {'host used':>10}  plan")
     for label, method, host in CASES:
-        r = tune(args.model, gpu_mem=parse_size(args.gpu_mem), seq_len="max", method=method, verify_mode=args.verify,
-                 gpu=False, host_mem=parse_size(host), pins=pins)
+        r = tune(
+            args.model,
+            gpu_mem=parse_size(args.gpu_mem),
+            seq_len="max",
+            method=method,
+            verify_mode=args.verify,
+            gpu=False,
+            host_mem=parse_size(host),
+            pins=pins,
+        )
         trial = r.trials[-1] if r.trials else None
         predicted = trial.predicted_peak_bytes if trial else r.memory.resident_device
         replayed = format_bytes(trial.measured_peak_bytes) if trial and trial.measured_peak_bytes else "-"
         used = format_bytes(r.memory.host_per_node) if r.memory.host_per_node else "-"
-        print(f"{label:11} {host:>9} {r.seq_len:>8,}  {format_bytes(predicted):>10} {replayed:>10} {used:>10}  "
-              f"{r.plan.label()}", flush=True)
+        print(
+            f"{label:11} {host:>9} {r.seq_len:>8,}  {format_bytes(predicted):>10} {replayed:>10} {used:>10}  "
+            f"{r.plan.label()}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

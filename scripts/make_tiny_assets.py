@@ -30,8 +30,27 @@ ANIMALS = ["cat", "dog", "fox", "owl", "bear", "wolf", "hare", "crow"]
 PLACES = ["the forest", "the river", "the garden", "the hill", "the market", "the old house"]
 VERBS = ["sees", "follows", "feeds", "finds", "greets", "watches"]
 COLORS = ["red", "blue", "green", "yellow", "white", "black"]
-NUMS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-        "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen"]
+NUMS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+]
 
 
 def text_sample(rng: random.Random) -> str:
@@ -44,7 +63,7 @@ def text_sample(rng: random.Random) -> str:
     parts = [
         f"{n} {v} a {c} {a} near {p}.",
         f"the {a} is {c} and it lives near {p}.",
-        f"{n} counts {' '.join(NUMS[1:k + 1])}.",
+        f"{n} counts {' '.join(NUMS[1 : k + 1])}.",
         f"every morning {n} walks to {p} with the {a}.",
     ]
     rng.shuffle(parts)
@@ -54,8 +73,10 @@ def text_sample(rng: random.Random) -> str:
 def sft_sample(rng: random.Random) -> dict:
     x, y = rng.randint(0, 9), rng.randint(0, 9)
     if rng.random() < 0.5:
-        return {"prompt": f"question: what is {NUMS[x]} plus {NUMS[y]}? answer:",
-                "response": f" {NUMS[x]} plus {NUMS[y]} is {NUMS[x + y]}."}
+        return {
+            "prompt": f"question: what is {NUMS[x]} plus {NUMS[y]}? answer:",
+            "response": f" {NUMS[x]} plus {NUMS[y]} is {NUMS[x + y]}.",
+        }
     a, c = rng.choice(ANIMALS), rng.choice(COLORS)
     return {"prompt": f"question: what color is the {c} {a}? answer:", "response": f" the {a} is {c}."}
 
@@ -94,15 +115,26 @@ def main() -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     corpus = texts + [r["prompt"] + r["response"] for r in sft]
     tok.train_from_iterator(corpus, trainer=trainer)
 
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
-                                   eos_token="</s>", model_max_length=512)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=512,
+    )
     tdir = OUT / "tokenizer"
     fast.save_pretrained(tdir)
     vocab = len(fast)

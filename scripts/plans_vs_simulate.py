@@ -23,31 +23,60 @@ import sys
 from pathlib import Path
 
 GRIDS = {
-    "long-context": [dict(loss="chunked", gradient_checkpointing=True, offload_activations=off, **kw)
-                     for kw in (dict(method="lora", precision="bf16"), dict(method="lora", precision="bf16-mixed"),
-                                dict(method="qlora", precision="bf16-mixed"), dict(method="qlora", precision="bf16"),
-                                dict(method="lora", precision="bf16", adapter_dtype="bf16"),
-                                dict(method="full", precision="bf16"),
-                                dict(method="lora", precision="bf16", lora_dropout=0.05),
-                                dict(method="lora", precision="fp32"))
-                     for off in (False, True)],
-    "offload": [dict(offload_activations=True, gradient_checkpointing=gc, loss=loss, **kw)
-                for gc in (True, False)
-                for kw in (dict(method="lora", precision="bf16"), dict(method="lora", precision="bf16-mixed"),
-                           dict(method="qlora", precision="bf16-mixed"), dict(method="full", precision="bf16"),
-                           dict(method="full", precision="bf16-mixed"))
-                for loss in ("standard", "chunked")],
-    "int8": [dict(method="qlora", quant="int8", precision=precision, gradient_checkpointing=gc, **extra)
-             for precision in ("bf16", "bf16-mixed") for gc in (True, False)
-             for extra in (dict(), dict(loss="chunked"), dict(offload_activations=True),
-                           dict(loss="chunked", offload_activations=True))],
-    "eager": [dict(attn="eager", gradient_checkpointing=gc, **kw)
-              for kw in (dict(method="lora", precision="bf16"), dict(method="qlora", precision="bf16-mixed"),
-                         dict(method="full", precision="bf16"), dict(method="full", precision="fp32"))
-              for gc in (False, True)],
+    "long-context": [
+        dict(loss="chunked", gradient_checkpointing=True, offload_activations=off, **kw)
+        for kw in (
+            dict(method="lora", precision="bf16"),
+            dict(method="lora", precision="bf16-mixed"),
+            dict(method="qlora", precision="bf16-mixed"),
+            dict(method="qlora", precision="bf16"),
+            dict(method="lora", precision="bf16", adapter_dtype="bf16"),
+            dict(method="full", precision="bf16"),
+            dict(method="lora", precision="bf16", lora_dropout=0.05),
+            dict(method="lora", precision="fp32"),
+        )
+        for off in (False, True)
+    ],
+    "offload": [
+        dict(offload_activations=True, gradient_checkpointing=gc, loss=loss, **kw)
+        for gc in (True, False)
+        for kw in (
+            dict(method="lora", precision="bf16"),
+            dict(method="lora", precision="bf16-mixed"),
+            dict(method="qlora", precision="bf16-mixed"),
+            dict(method="full", precision="bf16"),
+            dict(method="full", precision="bf16-mixed"),
+        )
+        for loss in ("standard", "chunked")
+    ],
+    "int8": [
+        dict(method="qlora", quant="int8", precision=precision, gradient_checkpointing=gc, **extra)
+        for precision in ("bf16", "bf16-mixed")
+        for gc in (True, False)
+        for extra in (
+            dict(),
+            dict(loss="chunked"),
+            dict(offload_activations=True),
+            dict(loss="chunked", offload_activations=True),
+        )
+    ],
+    "eager": [
+        dict(attn="eager", gradient_checkpointing=gc, **kw)
+        for kw in (
+            dict(method="lora", precision="bf16"),
+            dict(method="qlora", precision="bf16-mixed"),
+            dict(method="full", precision="bf16"),
+            dict(method="full", precision="fp32"),
+        )
+        for gc in (False, True)
+    ],
 }
-DEFAULTS = {"long-context": ("meta-llama/Llama-3.2-1B@2", 16384), "offload": ("meta-llama/Llama-3.2-1B@4", 4096),
-            "int8": ("meta-llama/Llama-3.2-1B@4", 4096), "eager": ("microsoft/phi-2@2", 4096)}
+DEFAULTS = {
+    "long-context": ("meta-llama/Llama-3.2-1B@2", 16384),
+    "offload": ("meta-llama/Llama-3.2-1B@4", 4096),
+    "int8": ("meta-llama/Llama-3.2-1B@4", 4096),
+    "eager": ("microsoft/phi-2@2", 4096),
+}
 
 
 def _label(kw: dict) -> str:
@@ -79,11 +108,15 @@ def main() -> None:
         plan = validate(Plan(seq_len=seq_len, **kw))
         a = estimate(spec, plan, "analytic")
         s = simulate_plan(spec, plan, layers="full").breakdown
-        row = (f"{_label(kw):96} {a.peak_allocated / 2**30:9.3f} {s.peak_allocated / 2**30:9.3f} "
-               f"{100 * (a.peak_allocated - s.peak_allocated) / s.peak_allocated:+7.2f}%")
+        row = (
+            f"{_label(kw):96} {a.peak_allocated / 2**30:9.3f} {s.peak_allocated / 2**30:9.3f} "
+            f"{100 * (a.peak_allocated - s.peak_allocated) / s.peak_allocated:+7.2f}%"
+        )
         if plan.offload_activations:
-            row += (f" {a.cpu_offloaded / 2**30:8.3f} {s.cpu_offloaded / 2**30:8.3f} "
-                    f"{100 * (a.cpu_offloaded - s.cpu_offloaded) / s.cpu_offloaded:+7.2f}%")
+            row += (
+                f" {a.cpu_offloaded / 2**30:8.3f} {s.cpu_offloaded / 2**30:8.3f} "
+                f"{100 * (a.cpu_offloaded - s.cpu_offloaded) / s.cpu_offloaded:+7.2f}%"
+            )
         print(row, flush=True)
 
 

@@ -94,28 +94,61 @@ class Block:
     """Takes more than a few seconds with an empty measurement cache (the test marks it slow)."""
 
 
-TUNE = ("tune", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB", "--seq-len", "1024", "--global-batch", "32",
-        "--host-mem", "64GB")
+TUNE = (
+    "tune",
+    "meta-llama/Llama-2-7b-hf",
+    "--gpu-mem",
+    "24GB",
+    "--seq-len",
+    "1024",
+    "--global-batch",
+    "32",
+    "--host-mem",
+    "64GB",
+)
 
 BLOCKS: tuple[Block, ...] = (
-    Block("diagnose", (
-        Run(("diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB"),
-            Pick(head=6, match=(r"^\s+(1|25|37|43|45|49)\s", r"plans fit", r"^Most faithful"))),
-    )),
-    Block("tune", (
-        Run(TUNE + ("--verify", "none", "--output", "plan.yaml"),
-            Pick(head=6, match=(r"^ranking", r"^ #  plan", r"^ [1-3]  ", r"^wrote", r"^run:"))),
-        Run(("train", "plan.yaml", "--dry-run"), Pick(match=(r"^meta-llama", r"^fits:"))),
-    ), slow=True),
-    Block("emit", (
-        Run(TUNE + ("--verify", "none", "--emit", "trl", "--output", "plan-trl.yaml"),
-            Pick(head=5, match=(r"^wrote", r"^trl:", r"^run:"))),
-        Grep("plan-trl.yaml", r"^(per_device|gradient_acc|bf16|optim|use_peft|lora_r|lora_target)"),
-    ), slow=True),
-    Block("explain", (
-        Run(("explain", "tests/data/oom/v22-fragmentation-backward.txt"),
-            Pick(head=10, match=(r"^\d\. ", r"^   - PyTorch held", r"^ {10}export ", r"^next:")), in_repo=True),
-    )),
+    Block(
+        "diagnose",
+        (
+            Run(
+                ("diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB"),
+                Pick(head=6, match=(r"^\s+(1|25|37|43|45|49)\s", r"plans fit", r"^Most faithful")),
+            ),
+        ),
+    ),
+    Block(
+        "tune",
+        (
+            Run(
+                TUNE + ("--verify", "none", "--output", "plan.yaml"),
+                Pick(head=6, match=(r"^ranking", r"^ #  plan", r"^ [1-3]  ", r"^wrote", r"^run:")),
+            ),
+            Run(("train", "plan.yaml", "--dry-run"), Pick(match=(r"^meta-llama", r"^fits:"))),
+        ),
+        slow=True,
+    ),
+    Block(
+        "emit",
+        (
+            Run(
+                TUNE + ("--verify", "none", "--emit", "trl", "--output", "plan-trl.yaml"),
+                Pick(head=5, match=(r"^wrote", r"^trl:", r"^run:")),
+            ),
+            Grep("plan-trl.yaml", r"^(per_device|gradient_acc|bf16|optim|use_peft|lora_r|lora_target)"),
+        ),
+        slow=True,
+    ),
+    Block(
+        "explain",
+        (
+            Run(
+                ("explain", "tests/data/oom/v22-fragmentation-backward.txt"),
+                Pick(head=10, match=(r"^\d\. ", r"^   - PyTorch held", r"^ {10}export ", r"^next:")),
+                in_repo=True,
+            ),
+        ),
+    ),
 )
 
 
@@ -127,8 +160,14 @@ def _env() -> dict[str, str]:
 
 
 def _run(step: Run, cwd: Path) -> list[str]:
-    r = subprocess.run([sys.executable, "-m", "oomdoctor", *step.args], cwd=ROOT if step.in_repo else cwd,
-                       env=_env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "oomdoctor", *step.args],
+        cwd=ROOT if step.in_repo else cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode not in (0, 3):
         raise RuntimeError(f"oomdoctor {shlex.join(step.args)} exited {r.returncode}:\n{r.stderr[-2000:]}")
     lines = [s.rstrip() for s in r.stdout.splitlines()]
@@ -199,18 +238,25 @@ def main(argv: list[str] | None = None) -> int:
             was = quoted(b.name, text)
             if was != body:
                 differ.append(b.name)
-                sys.stdout.writelines(difflib.unified_diff(was.splitlines(True), body.splitlines(True),
-                                                           f"README.md ({b.name})", "printed"))
+                sys.stdout.writelines(
+                    difflib.unified_diff(
+                        was.splitlines(True), body.splitlines(True), f"README.md ({b.name})", "printed"
+                    )
+                )
         else:
             print(f"<!-- out:{b.name} -->\n{body}<!-- /out -->")
     if new != text:
         README.write_text(new)
         print(f"rewrote {README.name}: {', '.join(b.name for b in blocks)}")
     if differ:
-        print(f"README.md differs from what the commands print in: {', '.join(differ)} "
-              "(run: python scripts/readme_outputs.py --write)", file=sys.stderr)
+        print(
+            f"README.md differs from what the commands print in: {', '.join(differ)} "
+            "(run: python scripts/readme_outputs.py --write)",
+            file=sys.stderr,
+        )
         return 1
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

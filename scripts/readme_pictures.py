@@ -40,7 +40,9 @@ def diagnose_picture() -> Path:
     ]
     rows = [(p.label(), estimate(spec, p, "analytic")) for p in plans]
     return plot_plans(
-        rows, Budget(24 * 10**9, "--gpu-mem"), OUT / "diagnose-llama2-7b.png",
+        rows,
+        Budget(24 * 10**9, "--gpu-mem"),
+        OUT / "diagnose-llama2-7b.png",
         title="Llama-2-7B, micro-batch 1 x 1024 tokens: peak device memory by component (analytic)",
     )
 
@@ -52,14 +54,26 @@ def timeline_picture() -> Path | None:
     except ImportError:
         return None
     cfg = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 176,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
     }
     spec = spec_from_config(cfg, "tiny-llama")
     result = simulate_plan(spec, Plan(precision="fp32", micro_batch=4, seq_len=128), timeline=True)
-    return plot_timeline(result.timeline, OUT / "timeline-tiny-llama.png",
-                         title="tiny Llama (2 layers, hidden 64), fp32 AdamW, 4 x 128 tokens: live bytes, 2 steps")
+    return plot_timeline(
+        result.timeline,
+        OUT / "timeline-tiny-llama.png",
+        title="tiny Llama (2 layers, hidden 64), fp32 AdamW, 4 x 128 tokens: live bytes, 2 steps",
+    )
 
 
 if __name__ == "__main__":

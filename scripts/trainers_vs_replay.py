@@ -55,8 +55,10 @@ def main() -> None:
     from oomdoctor.plan import Plan
     from oomdoctor.plan.targets import adapt, refusals
 
-    print(f"{'model':34} {'trainer':7} {'plan':20} {'replay GiB':>10} {'analytic':>9} {'error':>8}  phases "
-          f"(replay/analytic) {'s':>5}")
+    print(
+        f"{'model':34} {'trainer':7} {'plan':20} {'replay GiB':>10} {'analytic':>9} {'error':>8}  phases "
+        f"(replay/analytic) {'s':>5}"
+    )
     for model in args.models.split(","):
         spec = cut(load_spec(model), args.layers)
         for trainer in args.trainers.split(","):
@@ -75,8 +77,11 @@ def main() -> None:
                 replay = trainer_run(spec, plan)
                 a = estimate_analytic(spec, plan)
                 err = 100 * (a.peak_allocated - replay.peak) / replay.peak
-                print(f"{model:34} {trainer:7} {name:20} {replay.peak / 2**30:10.3f} {a.peak_allocated / 2**30:9.3f} "
-                      f"{err:+7.2f}%  {replay.peak_phase}/{a.peak_phase} {time.perf_counter() - t0:5.1f}", flush=True)
+                print(
+                    f"{model:34} {trainer:7} {name:20} {replay.peak / 2**30:10.3f} {a.peak_allocated / 2**30:9.3f} "
+                    f"{err:+7.2f}%  {replay.peak_phase}/{a.peak_phase} {time.perf_counter() - t0:5.1f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -51,9 +51,17 @@ MODELS = {
 }
 
 TINY = {
-    "model_type": "llama", "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 352,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
 }
 
 
@@ -67,7 +75,16 @@ def matrix() -> list[tuple[str, dict]]:
             (m, dict(method="full", seq_len=512, micro_batch=1)),
             (m, dict(method="full", seq_len=1024, micro_batch=4, gradient_checkpointing=True)),
             (m, dict(method="full", seq_len=2048, micro_batch=2, optimizer="adamw-8bit")),
-            (m, dict(method="full", seq_len=4096, micro_batch=1, gradient_checkpointing=True, optimizer="paged-adamw-8bit")),
+            (
+                m,
+                dict(
+                    method="full",
+                    seq_len=4096,
+                    micro_batch=1,
+                    gradient_checkpointing=True,
+                    optimizer="paged-adamw-8bit",
+                ),
+            ),
             (m, dict(method="full", seq_len=1024, micro_batch=2, optimizer_impl="fused")),
         ]
     rows += [
@@ -89,10 +106,29 @@ def matrix() -> list[tuple[str, dict]]:
     for m in ("1b", "3b", "7b", "8b"):
         rows += [
             (m, dict(method="qlora", quant="nf4", seq_len=1024, micro_batch=2)),
-            (m, dict(method="qlora", quant="nf4", double_quant=True, seq_len=2048, micro_batch=4,
-                     gradient_checkpointing=True, optimizer="paged-adamw-8bit")),
-            (m, dict(method="qlora", quant="nf4", seq_len=4096, micro_batch=1, gradient_checkpointing=True,
-                     optimizer="paged-adamw")),
+            (
+                m,
+                dict(
+                    method="qlora",
+                    quant="nf4",
+                    double_quant=True,
+                    seq_len=2048,
+                    micro_batch=4,
+                    gradient_checkpointing=True,
+                    optimizer="paged-adamw-8bit",
+                ),
+            ),
+            (
+                m,
+                dict(
+                    method="qlora",
+                    quant="nf4",
+                    seq_len=4096,
+                    micro_batch=1,
+                    gradient_checkpointing=True,
+                    optimizer="paged-adamw",
+                ),
+            ),
         ]
     rows += [
         ("8b", dict(method="qlora", quant="nf4", seq_len=512, micro_batch=8, gradient_checkpointing=True)),
@@ -139,9 +175,15 @@ def child(payload: str) -> int:
             from oomdoctor.engines.simulate import real_cpu_run
 
             r = real_cpu_run(spec, plan, target="cpu")
-            out = {"max_allocated_bytes": r.peak, "max_reserved_bytes": None, "nvml_process_used_bytes": None,
-                   "tracked_peak_bytes": r.peak, "phases": r.phase_peaks, "peak_phase": r.peak_phase,
-                   "gpu": {"name": "cpu-dry-run"}}
+            out = {
+                "max_allocated_bytes": r.peak,
+                "max_reserved_bytes": None,
+                "nvml_process_used_bytes": None,
+                "tracked_peak_bytes": r.peak,
+                "phases": r.phase_peaks,
+                "peak_phase": r.peak_phase,
+                "gpu": {"name": "cpu-dry-run"},
+            }
         else:
             from oomdoctor.engines.measure import measure_plan
 
@@ -169,8 +211,12 @@ def predictions(spec, plan, dry: bool) -> dict:
     if dry:
         a = estimate_analytic(spec, plan, device="cpu")
         s = simulate_run(spec, plan, target="cpu")
-        out["analytic"] = {"peak_allocated": a.peak_allocated, "cublas_workspace": 0, "peak_reserved": None,
-                           "peak_device": None}
+        out["analytic"] = {
+            "peak_allocated": a.peak_allocated,
+            "cublas_workspace": 0,
+            "peak_reserved": None,
+            "peak_device": None,
+        }
         out["simulate"] = {"peak_allocated": s.peak, "cublas_workspace": 0, "peak_reserved": None, "peak_device": None}
         return out
     from oomdoctor.engines import estimate
@@ -180,9 +226,14 @@ def predictions(spec, plan, dry: bool) -> dict:
     st = time.perf_counter() - t
     a = estimate(spec, plan, "analytic")
     for name, b in (("analytic", a), ("simulate", s)):
-        out[name] = {"peak_allocated": b.peak_allocated, "cublas_workspace": b.cublas_workspace,
-                     "peak_reserved": b.peak_reserved, "peak_device": b.peak_device, "peak_phase": b.peak_phase,
-                     "breakdown": b.to_dict()}
+        out[name] = {
+            "peak_allocated": b.peak_allocated,
+            "cublas_workspace": b.cublas_workspace,
+            "peak_reserved": b.peak_reserved,
+            "peak_device": b.peak_device,
+            "peak_phase": b.peak_phase,
+            "breakdown": b.to_dict(),
+        }
     out["simulate"]["seconds"] = round(st, 2)
     return out
 
@@ -220,16 +271,27 @@ def run(args) -> int:
         t = time.perf_counter()
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
         try:
-            cp = subprocess.run([sys.executable, __file__, "--child", payload], capture_output=True, text=True,
-                                timeout=args.timeout, env=env)
+            cp = subprocess.run(
+                [sys.executable, __file__, "--child", payload],
+                capture_output=True,
+                text=True,
+                timeout=args.timeout,
+                env=env,
+            )
             line = next((ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT ")), None)
             meas = json.loads(line[7:]) if line else {"error": True, "message": (cp.stderr or "no output")[-300:]}
         except subprocess.TimeoutExpired:
             meas = {"error": True, "message": f"timed out after {args.timeout} s"}
         wall = time.perf_counter() - t
         pred = predictions(spec, plan, dry)
-        row = {"model": model if not dry else "tiny", "plan": plan.label(), "settings": plan.settings(),
-               "measured": meas, "predicted": pred, "wall_seconds": round(wall, 1)}
+        row = {
+            "model": model if not dry else "tiny",
+            "plan": plan.label(),
+            "settings": plan.settings(),
+            "measured": meas,
+            "predicted": pred,
+            "wall_seconds": round(wall, 1),
+        }
         if "max_allocated_bytes" in meas:
             ma = meas["max_allocated_bytes"]
             for p in pred.values():
@@ -245,8 +307,9 @@ def run(args) -> int:
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-").lower() or "gpu"
     path = out_dir / f"{slug}.json"
     env_info = _env_info()
-    path.write_text(json.dumps({"gpu": gpu_name, "environment": env_info, "summary": summary, "rows": rows},
-                               indent=2, default=str))
+    path.write_text(
+        json.dumps({"gpu": gpu_name, "environment": env_info, "summary": summary, "rows": rows}, indent=2, default=str)
+    )
     print(f"wrote {path}")
     return 0
 
@@ -259,8 +322,10 @@ def _row_line(i, row) -> str:
         return f"{i + 1:3d} {row['model'][:34]:34s} {row['plan'][:60]:60s} {'OOM' if m.get('oom') else 'ERROR'}: {m.get('message', '')[:80]}"
     a, s = row["predicted"]["analytic"], row["predicted"]["simulate"]
     fe = lambda e: "   -   " if e is None else f"{e * 100:+6.1f}%"  # noqa: E731 - a one-line local helper
-    return (f"{i + 1:3d} {row['model'][:34]:34s} {row['plan'][:60]:60s} meas {format_bytes(m['max_allocated_bytes']):>11s}"
-            f"  analytic {fe(a.get('error_allocated'))}  simulate {fe(s.get('error_allocated'))}")
+    return (
+        f"{i + 1:3d} {row['model'][:34]:34s} {row['plan'][:60]:60s} meas {format_bytes(m['max_allocated_bytes']):>11s}"
+        f"  analytic {fe(a.get('error_allocated'))}  simulate {fe(s.get('error_allocated'))}"
+    )
 
 
 def _summary(rows) -> dict:
@@ -269,8 +334,11 @@ def _summary(rows) -> dict:
         out[eng] = {}
         for key in ("error_allocated", "error_reserved", "error_device"):
             errs = [abs(r["predicted"][eng][key]) for r in rows if r["predicted"][eng].get(key) is not None]
-            out[eng][key] = {"n": len(errs), "median": statistics.median(errs) if errs else None,
-                             "max": max(errs) if errs else None}
+            out[eng][key] = {
+                "n": len(errs),
+                "median": statistics.median(errs) if errs else None,
+                "max": max(errs) if errs else None,
+            }
     out["measured_plans"] = sum(1 for r in rows if "max_allocated_bytes" in r["measured"])
     out["oom_plans"] = sum(1 for r in rows if r["measured"].get("oom"))
     out["error_plans"] = sum(1 for r in rows if r["measured"].get("error"))

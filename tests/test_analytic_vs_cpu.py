@@ -126,10 +126,7 @@ def measure_cpu_step(cfg: dict, plan: Plan, steps: int = 2) -> dict:
         model = get_peft_model(
             model,
             LoraConfig(
-                r=plan.lora_r,
-                lora_alpha=plan.lora_alpha,
-                lora_dropout=plan.lora_dropout,
-                target_modules=targets,
+                r=plan.lora_r, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout, target_modules=targets
             ),
         )
         if plan.lora_on_head:
@@ -183,53 +180,176 @@ LLAMA7B_SCALED = llama_config(hidden=256, layers=4, inter=688, heads=2, kv=2, vo
 
 CASES: list[tuple[str, dict, Plan]] = [
     ("full fp32", TINY, Plan(method="full", precision="fp32", seq_len=64, micro_batch=2)),
-    ("full fp32 GC", TINY, Plan(method="full", precision="fp32", gradient_checkpointing=True, seq_len=64, micro_batch=2)),
+    (
+        "full fp32 GC",
+        TINY,
+        Plan(method="full", precision="fp32", gradient_checkpointing=True, seq_len=64, micro_batch=2),
+    ),
     ("full fp32 eager", TINY, Plan(method="full", precision="fp32", attn="eager", seq_len=64, micro_batch=2)),
     ("full fp32 fused", TINY, Plan(method="full", precision="fp32", optimizer_impl="fused", seq_len=64, micro_batch=2)),
     ("full fp32 ga2", TINY, Plan(method="full", precision="fp32", grad_accum=2, seq_len=64, micro_batch=2)),
     ("full bf16", TINY, Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
-    ("full bf16 GC", TINY, Plan(method="full", precision="bf16", gradient_checkpointing=True, seq_len=64, micro_batch=2)),
+    (
+        "full bf16 GC",
+        TINY,
+        Plan(method="full", precision="bf16", gradient_checkpointing=True, seq_len=64, micro_batch=2),
+    ),
     ("full bf16 GQA", GQA, Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
-    ("full bf16 sgd-m", TINY, Plan(method="full", precision="bf16", optimizer="sgd", sgd_momentum=0.9, seq_len=64, micro_batch=2)),
+    (
+        "full bf16 sgd-m",
+        TINY,
+        Plan(method="full", precision="bf16", optimizer="sgd", sgd_momentum=0.9, seq_len=64, micro_batch=2),
+    ),
     ("lora fp32", TINY, Plan(method="lora", precision="fp32", lora_r=8, seq_len=64, micro_batch=2)),
-    ("lora fp32 GC", TINY, Plan(method="lora", precision="fp32", lora_r=8, gradient_checkpointing=True, seq_len=64, micro_batch=2)),
-    ("lora fp32 qv p0", TINY, Plan(method="lora", precision="fp32", lora_r=8, lora_targets=("q_proj", "v_proj"), lora_dropout=0.0, seq_len=64, micro_batch=2)),
+    (
+        "lora fp32 GC",
+        TINY,
+        Plan(method="lora", precision="fp32", lora_r=8, gradient_checkpointing=True, seq_len=64, micro_batch=2),
+    ),
+    (
+        "lora fp32 qv p0",
+        TINY,
+        Plan(
+            method="lora",
+            precision="fp32",
+            lora_r=8,
+            lora_targets=("q_proj", "v_proj"),
+            lora_dropout=0.0,
+            seq_len=64,
+            micro_batch=2,
+        ),
+    ),
     ("lora bf16", TINY, Plan(method="lora", precision="bf16", lora_r=8, seq_len=64, micro_batch=2)),
-    ("lora bf16 GC", TINY, Plan(method="lora", precision="bf16", lora_r=8, gradient_checkpointing=True, seq_len=64, micro_batch=2)),
+    (
+        "lora bf16 GC",
+        TINY,
+        Plan(method="lora", precision="bf16", lora_r=8, gradient_checkpointing=True, seq_len=64, micro_batch=2),
+    ),
     ("lora bf16 eager", TINY, Plan(method="lora", precision="bf16", lora_r=8, attn="eager", seq_len=64, micro_batch=2)),
     ("full bf16-mixed (CPU autocast)", TINY, Plan(method="full", precision="bf16-mixed", seq_len=64, micro_batch=2)),
-    ("lora bf16-mixed (CPU autocast)", TINY, Plan(method="lora", precision="bf16-mixed", lora_r=8, seq_len=64, micro_batch=2)),
+    (
+        "lora bf16-mixed (CPU autocast)",
+        TINY,
+        Plan(method="lora", precision="bf16-mixed", lora_r=8, seq_len=64, micro_batch=2),
+    ),
     ("7B-scaled lora bf16", LLAMA7B_SCALED, Plan(method="lora", precision="bf16", seq_len=256, micro_batch=2)),
-    ("7B-scaled lora bf16 GC", LLAMA7B_SCALED, Plan(method="lora", precision="bf16", gradient_checkpointing=True, seq_len=256, micro_batch=2)),
+    (
+        "7B-scaled lora bf16 GC",
+        LLAMA7B_SCALED,
+        Plan(method="lora", precision="bf16", gradient_checkpointing=True, seq_len=256, micro_batch=2),
+    ),
     ("7B-scaled lora fp32", LLAMA7B_SCALED, Plan(method="lora", precision="fp32", seq_len=256, micro_batch=2)),
 ]
 
 
 _SMALL = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=344, num_attention_heads=4, vocab_size=512)
-_T5 = dict(model_type="t5", d_model=128, d_ff=352, num_heads=4, d_kv=32, num_layers=2, num_decoder_layers=2,
-           vocab_size=512, dropout_rate=0.0, feed_forward_proj="relu", tie_word_embeddings=False,
-           decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, is_encoder_decoder=True)
+_T5 = dict(
+    model_type="t5",
+    d_model=128,
+    d_ff=352,
+    num_heads=4,
+    d_kv=32,
+    num_layers=2,
+    num_decoder_layers=2,
+    vocab_size=512,
+    dropout_rate=0.0,
+    feed_forward_proj="relu",
+    tie_word_embeddings=False,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    eos_token_id=1,
+    is_encoder_decoder=True,
+)
 #: Other architecture families (transformers' own config defaults fill the rest).
 ARCH_CASES: list[tuple[str, dict, Plan]] = [
-    ("qwen2 full bf16", dict(_SMALL, model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False),
-     Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
-    ("qwen3 lora bf16 GC", dict(_SMALL, model_type="qwen3", num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
-     Plan(method="lora", precision="bf16", lora_r=8, gradient_checkpointing=True, seq_len=64, micro_batch=2)),
-    ("gemma2 lora bf16 eager", dict(_SMALL, model_type="gemma2", num_key_value_heads=2, head_dim=32,
-     final_logit_softcapping=30.0, attn_logit_softcapping=50.0, sliding_window=64, query_pre_attn_scalar=32),
-     Plan(method="lora", precision="bf16", lora_r=8, attn="eager", seq_len=64, micro_batch=2)),
-    ("gpt2 lora bf16", dict(model_type="gpt2", n_embd=128, n_layer=2, n_head=4, vocab_size=512, n_positions=256,
-     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, activation_function="gelu_new"),
-     Plan(method="lora", precision="bf16", lora_r=8, seq_len=64, micro_batch=2)),
-    ("phi full bf16", dict(_SMALL, model_type="phi", intermediate_size=512, resid_pdrop=0.0, embd_pdrop=0.0,
-     attention_dropout=0.0, partial_rotary_factor=0.5), Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
-    ("phi3 full bf16", dict(_SMALL, model_type="phi3", num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-     Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
-    ("falcon-7b-style lora bf16", dict(model_type="falcon", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-     vocab_size=512, new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
-     hidden_dropout=0.0, attention_dropout=0.0), Plan(method="lora", precision="bf16", lora_r=8, seq_len=64, micro_batch=2)),
-    ("mixtral full bf16", dict(_SMALL, model_type="mixtral", intermediate_size=256, num_key_value_heads=2,
-     num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False), Plan(method="full", precision="bf16", seq_len=64, micro_batch=2)),
+    (
+        "qwen2 full bf16",
+        dict(_SMALL, model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False),
+        Plan(method="full", precision="bf16", seq_len=64, micro_batch=2),
+    ),
+    (
+        "qwen3 lora bf16 GC",
+        dict(_SMALL, model_type="qwen3", num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+        Plan(method="lora", precision="bf16", lora_r=8, gradient_checkpointing=True, seq_len=64, micro_batch=2),
+    ),
+    (
+        "gemma2 lora bf16 eager",
+        dict(
+            _SMALL,
+            model_type="gemma2",
+            num_key_value_heads=2,
+            head_dim=32,
+            final_logit_softcapping=30.0,
+            attn_logit_softcapping=50.0,
+            sliding_window=64,
+            query_pre_attn_scalar=32,
+        ),
+        Plan(method="lora", precision="bf16", lora_r=8, attn="eager", seq_len=64, micro_batch=2),
+    ),
+    (
+        "gpt2 lora bf16",
+        dict(
+            model_type="gpt2",
+            n_embd=128,
+            n_layer=2,
+            n_head=4,
+            vocab_size=512,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            activation_function="gelu_new",
+        ),
+        Plan(method="lora", precision="bf16", lora_r=8, seq_len=64, micro_batch=2),
+    ),
+    (
+        "phi full bf16",
+        dict(
+            _SMALL,
+            model_type="phi",
+            intermediate_size=512,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+            partial_rotary_factor=0.5,
+        ),
+        Plan(method="full", precision="bf16", seq_len=64, micro_batch=2),
+    ),
+    (
+        "phi3 full bf16",
+        dict(_SMALL, model_type="phi3", num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        Plan(method="full", precision="bf16", seq_len=64, micro_batch=2),
+    ),
+    (
+        "falcon-7b-style lora bf16",
+        dict(
+            model_type="falcon",
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=512,
+            new_decoder_architecture=False,
+            multi_query=True,
+            parallel_attn=True,
+            bias=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ),
+        Plan(method="lora", precision="bf16", lora_r=8, seq_len=64, micro_batch=2),
+    ),
+    (
+        "mixtral full bf16",
+        dict(
+            _SMALL,
+            model_type="mixtral",
+            intermediate_size=256,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        ),
+        Plan(method="full", precision="bf16", seq_len=64, micro_batch=2),
+    ),
     # T5 (encoder-decoder; relative position bias handed to SDPA as a mask; T5LayerNorm keeps its 16-bit input and
     # output): LoRA bf16 was -5.8 % before the norm and bias terms
     ("t5 lora bf16", _T5, Plan(method="lora", precision="bf16", lora_r=8, seq_len=64, micro_batch=2)),
@@ -288,20 +408,30 @@ def measure_bnb_cpu_step(cfg: dict, plan: Plan, weights_dir, steps: int = 2) -> 
     if plan.quant == "int8":
         qc = BitsAndBytesConfig(load_in_8bit=True)
     else:
-        qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=plan.quant,
-                                bnb_4bit_use_double_quant=plan.double_quant, bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(weights_dir, quantization_config=qc, device_map="cpu",
-                                                 dtype=torch.bfloat16, attn_implementation="sdpa")
+        qc = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=plan.quant,
+            bnb_4bit_use_double_quant=plan.double_quant,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        weights_dir, quantization_config=qc, device_map="cpu", dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     model.config.use_cache = False
     if plan.kbit_upcast:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if plan.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
-                                             target_modules="all-linear"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=plan.lora_r, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout, target_modules="all-linear"
+        ),
+    )
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                            foreach=plan.optimizer_impl == "foreach")
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=plan.optimizer_impl == "foreach"
+    )
     consts = []
     for m in model.modules():
         w = getattr(m, "weight", None)
@@ -328,8 +458,12 @@ def measure_bnb_cpu_step(cfg: dict, plan: Plan, weights_dir, steps: int = 2) -> 
 
 
 #: The tiny Llama and Qwen2 (biases on q/k/v, which bitsandbytes leaves unquantized) for the bitsandbytes steps.
-BNB_MODELS = {"llama": TINY, "qwen2": dict(_SMALL, model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False,
-                                           max_position_embeddings=4096)}
+BNB_MODELS = {
+    "llama": TINY,
+    "qwen2": dict(
+        _SMALL, model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=4096
+    ),
+}
 
 
 def save_random_weights(cfg: dict, path) -> None:
@@ -343,8 +477,17 @@ def save_random_weights(cfg: dict, path) -> None:
 
 def bnb_plan(quant: str, gc: bool, upcast: bool) -> Plan:
     """The pure-bf16 QLoRA plans compared on a real bitsandbytes step: micro-batch 2 x 64 tokens."""
-    return validate(Plan(method="qlora", quant=quant, precision="bf16", seq_len=64, micro_batch=2,
-                         gradient_checkpointing=gc, kbit_upcast=upcast))
+    return validate(
+        Plan(
+            method="qlora",
+            quant=quant,
+            precision="bf16",
+            seq_len=64,
+            micro_batch=2,
+            gradient_checkpointing=gc,
+            kbit_upcast=upcast,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -355,8 +498,15 @@ def bnb_weights(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("model,quant,gc", [pytest.param(m, q, gc, id=f"{m}-{q}-{'gc' if gc else 'no-gc'}")
-                                             for m in BNB_MODELS for q in ("nf4", "int8") for gc in (False, True)])
+@pytest.mark.parametrize(
+    "model,quant,gc",
+    [
+        pytest.param(m, q, gc, id=f"{m}-{q}-{'gc' if gc else 'no-gc'}")
+        for m in BNB_MODELS
+        for q in ("nf4", "int8")
+        for gc in (False, True)
+    ],
+)
 def test_qlora_bf16_with_and_without_kbit_upcast_matches_real_cpu_step(bnb_weights, model, quant, gc):
     """Pure-bf16 QLoRA on a real bitsandbytes model: with peft's k-bit upcast (fp32 norms, embeddings, head: an fp32
     step) and without (TRL's recipe: a bf16 step, lighter), each within 5 % of the formulas."""
@@ -379,9 +529,15 @@ def test_qlora_bf16_with_and_without_kbit_upcast_matches_real_cpu_step(bnb_weigh
 #: CPU steps in its own tests). 7B/16-scaled Llama, B2 S256, no allocator rounding.
 SIM_CASES: list[tuple[str, Plan]] = [
     ("qlora nf4 bf16-mixed", Plan(method="qlora", seq_len=256, micro_batch=2)),
-    ("qlora nf4+dq bf16-mixed GC", Plan(method="qlora", double_quant=True, gradient_checkpointing=True, seq_len=256, micro_batch=2)),
+    (
+        "qlora nf4+dq bf16-mixed GC",
+        Plan(method="qlora", double_quant=True, gradient_checkpointing=True, seq_len=256, micro_batch=2),
+    ),
     ("qlora int8 bf16-mixed", Plan(method="qlora", quant="int8", seq_len=256, micro_batch=2)),
-    ("full bf16 paged-adamw-8bit", Plan(method="full", precision="bf16", optimizer="paged-adamw-8bit", seq_len=256, micro_batch=2)),
+    (
+        "full bf16 paged-adamw-8bit",
+        Plan(method="full", precision="bf16", optimizer="paged-adamw-8bit", seq_len=256, micro_batch=2),
+    ),
     ("lora bf16-mixed GC", Plan(method="lora", gradient_checkpointing=True, seq_len=256, micro_batch=2)),
 ]
 
@@ -394,7 +550,9 @@ def test_analytic_matches_simulate_on_cuda_only_plans(name, plan):
     sim = simulate.simulate_plan(spec, plan, layers="full", round_to=1).breakdown
     est = estimate_analytic(spec, plan)
     err = (est.peak_allocated - sim.peak_allocated) / sim.peak_allocated
-    assert abs(err) <= TOLERANCE, f"{name}: analytic {est.peak_allocated:,} vs simulate {sim.peak_allocated:,} ({err:+.2%})"
+    assert abs(err) <= TOLERANCE, (
+        f"{name}: analytic {est.peak_allocated:,} vs simulate {sim.peak_allocated:,} ({err:+.2%})"
+    )
     assert est.paged_optimizer == sim.paged_optimizer
 
 
@@ -403,7 +561,11 @@ if __name__ == "__main__":  # pragma: no cover - prints the table used in docs/m
     print("|---|---|---:|---:|---:|---|")
     for name, cfg, plan in CASES + ARCH_CASES:
         real, est, err, rp, ep = compare(cfg, plan)
-        model = "7B/16 (h256, L4, V2000, hd128)" if cfg is LLAMA7B_SCALED else f"{cfg['model_type']} h{cfg.get('hidden_size', cfg.get('n_embd'))} V{cfg['vocab_size']}"
+        model = (
+            "7B/16 (h256, L4, V2000, hd128)"
+            if cfg is LLAMA7B_SCALED
+            else f"{cfg['model_type']} h{cfg.get('hidden_size', cfg.get('n_embd'))} V{cfg['vocab_size']}"
+        )
         label = f"{name}: {validate(plan).label().replace(' | ', ', ')} B{plan.micro_batch} S{plan.seq_len}"
         print(f"| {label} | {model} | {real:,} | {est:,} | {err:+.2%} | {rp}/{ep} |")
     from oomdoctor.engines.simulate import simulate_plan

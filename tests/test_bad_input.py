@@ -31,17 +31,20 @@ def test_the_position_limit_counts_rope_scaling_and_relative_positions():
     from oomdoctor.model.load import load_spec
 
     assert load_spec("meta-llama/Llama-3.1-8B").position_limit == 131072  # llama3 rope: already extended
-    yarn = replace(load_spec("Qwen/Qwen2.5-7B"), max_position_embeddings=32768,
-                   config={"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                            "original_max_position_embeddings": 32768}})
+    yarn = replace(
+        load_spec("Qwen/Qwen2.5-7B"),
+        max_position_embeddings=32768,
+        config={"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+    )
     assert yarn.position_limit == 131072  # Qwen's YaRN recipe keeps max_position_embeddings at the original
     assert load_spec("google-t5/t5-small").position_limit == 0  # relative buckets: no limit
 
 
 def test_tune_seq_len_max_stops_at_the_models_positions(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_main(["tune", TINY, "--gpu-mem", "80GB", "--seq-len", "max", "--no-tiled-mlp", "--verify",
-                              "none", "--json"], capsys)
+    code, out, err = run_main(
+        ["tune", TINY, "--gpu-mem", "80GB", "--seq-len", "max", "--no-tiled-mlp", "--verify", "none", "--json"], capsys
+    )
     assert code == 0, err
     d = json.loads(out)
     assert d["seq_len"] == 512 and any("up to the model's 512 positions" in n for n in d["notes"])
@@ -50,17 +53,35 @@ def test_tune_seq_len_max_stops_at_the_models_positions(capsys, tmp_path, monkey
 def test_an_absurd_micro_batch_is_priced_in_closed_form(capsys):
     """10^12 sequences: the analytic formulas price it (no loop over the size, no tensor of that size); tune's
     longest-context search answers that no plan fits."""
-    pins = ["--method", "lora", "--precision", "bf16-mixed", "--optimizer", "adamw", "--gradient-checkpointing",
-            "--attn", "sdpa", "--loss", "standard", "--lora-r", "8", "--no-tiled-mlp"]
-    code, out, err = run_main(["diagnose", LLAMA, "--micro-batch", "1000000000000", "--gpu-mem", "24GB", "--json"]
-                             + pins, capsys)
+    pins = [
+        "--method",
+        "lora",
+        "--precision",
+        "bf16-mixed",
+        "--optimizer",
+        "adamw",
+        "--gradient-checkpointing",
+        "--attn",
+        "sdpa",
+        "--loss",
+        "standard",
+        "--lora-r",
+        "8",
+        "--no-tiled-mlp",
+    ]
+    code, out, err = run_main(
+        ["diagnose", LLAMA, "--micro-batch", "1000000000000", "--gpu-mem", "24GB", "--json"] + pins, capsys
+    )
     assert code == 0, err
     (plan,) = json.loads(out)["plans"]
     one = json.loads(run_main(["diagnose", LLAMA, "--micro-batch", "1", "--json"] + pins, capsys)[1])["plans"][0]
     assert plan["fits"] is False
     assert 0.99e12 < plan["memory"]["activations_bytes"] / one["memory"]["activations_bytes"] < 1.01e12
-    code, _, err = run_main(["tune", LLAMA, "--gpu-mem", "24GB", "--seq-len", "max", "--micro-batch",
-                            "1000000000000", "--verify", "none"] + pins[:7], capsys)
+    code, _, err = run_main(
+        ["tune", LLAMA, "--gpu-mem", "24GB", "--seq-len", "max", "--micro-batch", "1000000000000", "--verify", "none"]
+        + pins[:7],
+        capsys,
+    )
     assert code == EXIT_DOES_NOT_FIT and "no plan fits" in err and "Traceback" not in err
 
 
@@ -177,8 +198,11 @@ def test_keys_lists_every_train_key_with_its_meaning(capsys):
     code, out, _ = run_main(["keys", "--json"], capsys)
     assert code == 0
     docs = {d["key"]: d for d in json.loads(out)["keys"]}
-    assert set(docs) == ({k.name for k in TOP_KEYS} | {f"model.{k.name}" for k in MODEL_KEYS}
-                         | {f"dataset.{k.name}" for k in DATASET_KEYS})
+    assert set(docs) == (
+        {k.name for k in TOP_KEYS}
+        | {f"model.{k.name}" for k in MODEL_KEYS}
+        | {f"dataset.{k.name}" for k in DATASET_KEYS}
+    )
     assert all(d["help"] for d in docs.values())
     assert "per_device_train_batch_size" in docs["micro_batch_size"]["aliases"]
     code, out, _ = run_main(["keys", "packing"], capsys)

@@ -16,18 +16,31 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
 
 
 def test_every_benchmark_is_listed():
-    assert {p.stem for p in BENCHMARKS} >= {"first_contact", "latency", "train_vs_hf", "tune_choices",
-                                            "simulate_fsdp", "diagnose_latency", "simulate_latency", "batch_finder"}
+    assert {p.stem for p in BENCHMARKS} >= {
+        "first_contact",
+        "latency",
+        "train_vs_hf",
+        "tune_choices",
+        "simulate_fsdp",
+        "diagnose_latency",
+        "simulate_latency",
+        "batch_finder",
+    }
 
 
 @pytest.mark.slow  # each starts processes that import torch and transformers; minutes in all
 @pytest.mark.every_case  # every benchmark runs in make test: none rots
 @pytest.mark.parametrize("script", BENCHMARKS, ids=[p.stem for p in BENCHMARKS])
 def test_benchmark_runs_quick_and_prints_its_goal(script):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OOMDOCTOR_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=1800)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OOMDOCTOR_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout.lower()
     assert "goal" in out, proc.stdout

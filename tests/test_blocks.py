@@ -14,8 +14,15 @@ from oomdoctor.memory.saves import norm_saved
 from oomdoctor.model.load import spec_from_config
 from oomdoctor.plan import Plan, validate
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            vocab_size=512, max_position_embeddings=512)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=512,
+)
 
 
 def tiny(model_type: str, layers: int = 3, **kw) -> dict:
@@ -132,11 +139,30 @@ def test_measurements_are_cached_on_disk(monkeypatch, tmp_path):
 def test_how_blocks_repeat_is_read_from_transformers_config():
     """Only block 0, what precedes the repetition and one repeating unit are replayed."""
     bf16 = validate(Plan(method="lora", precision="bf16"))
-    jamba = spec_from_config(tiny("jamba", layers=16, attn_layer_period=8, attn_layer_offset=4,
-                                  expert_layer_period=2, expert_layer_offset=1, num_experts=4), name="jamba")
+    jamba = spec_from_config(
+        tiny(
+            "jamba",
+            layers=16,
+            attn_layer_period=8,
+            attn_layer_offset=4,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+        ),
+        name="jamba",
+    )
     assert kinds.replay_depth(jamba, bf16) == (0, 8)
-    deepseek = spec_from_config(tiny("deepseek_v3", layers=8, first_k_dense_replace=3, n_routed_experts=4,
-                                     num_experts_per_tok=2, moe_intermediate_size=32), name="deepseek_v3")
+    deepseek = spec_from_config(
+        tiny(
+            "deepseek_v3",
+            layers=8,
+            first_k_dense_replace=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+        name="deepseek_v3",
+    )
     assert kinds.replay_depth(deepseek, bf16) == (2, 1)  # three dense blocks, then MoE blocks
     cohere = spec_from_config(tiny("cohere2", layers=8, sliding_window_pattern=4), name="cohere2")
     assert kinds.replay_depth(cohere, bf16) == (0, 4)
@@ -170,8 +196,10 @@ def test_mamba_all_linear_leaves_out_what_peft_refuses():
 def test_llama4_all_linear_leaves_out_its_tuple_returning_router():
     """Llama 4's router is an nn.Linear subclass returning a tuple, which peft's LoRA forward cannot add to: the
     executor's all-linear leaves it out (and prices what it runs); its own experts code takes no kernel choice."""
-    spec = spec_from_config(tiny("llama4_text", layers=2, num_local_experts=4, intermediate_size_mlp=128,
-                                 moe_layers=[0, 1]), name="llama4_text")
+    spec = spec_from_config(
+        tiny("llama4_text", layers=2, num_local_experts=4, intermediate_size_mlp=128, moe_layers=[0, 1]),
+        name="llama4_text",
+    )
     plan = validate(Plan(method="lora", precision="bf16", seq_len=64))
     _all_linear_leaves_out(spec, plan, "router")
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
@@ -184,24 +212,35 @@ def test_weight_sized_bytes_do_not_scale_with_the_tokens(micro_batch, seq_len):
     """Measured at micro-batch 1 and 2: peft's merged expert weights W' (and a full fine-tune's block gradients)
     are the same for any batch; the tokens' share scales (OLMoE-shaped LoRA on 32 wide experts: +29 % at
     micro-batch 4 and -14 % at 300 tokens when everything was scaled)."""
-    spec = spec_from_config(tiny("olmoe", layers=4, num_experts=32, num_experts_per_tok=2, intermediate_size=256),
-                            name="olmoe")
+    spec = spec_from_config(
+        tiny("olmoe", layers=4, num_experts=32, num_experts_per_tok=2, intermediate_size=256), name="olmoe"
+    )
     plan = validate(Plan(method="lora", precision="bf16", seq_len=seq_len, micro_batch=micro_batch))
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.003 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, precision, gc", [("lora", "bf16", False), ("lora", "fp32", True),
-                                                   ("qlora", "bf16-mixed", True), ("qlora", "bf16", False)])
+@pytest.mark.parametrize(
+    "method, precision, gc",
+    [("lora", "bf16", False), ("lora", "fp32", True), ("qlora", "bf16-mixed", True), ("qlora", "bf16", False)],
+)
 def test_bf16_adapters_are_priced_from_a_measurement(tiny_config, method, precision, gc):
     """``adapter_dtype: bf16`` (TRL's QLoRA recipe): bf16 adapters, gradients and AdamW states (2 B each), and the
     blocks measured (the formulas follow peft's fp32 adapters and their input copies)."""
     from oomdoctor.memory.context import make_ctx
 
     spec = spec_from_config(dict(tiny_config, num_hidden_layers=4), name="tiny-llama")
-    plan = validate(Plan(method=method, precision=precision, seq_len=256, micro_batch=2, gradient_checkpointing=gc,
-                         adapter_dtype="bf16"))
+    plan = validate(
+        Plan(
+            method=method,
+            precision=precision,
+            seq_len=256,
+            micro_batch=2,
+            gradient_checkpointing=gc,
+            adapter_dtype="bf16",
+        )
+    )
     assert blocks.measures_blocks(spec, plan) and not blocks.measures_blocks(spec, plan.with_(adapter_dtype="fp32"))
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert a.adapters == 2 * make_ctx(spec, plan).lora_numel <= s.adapters  # the replay rounds to 512-byte blocks
@@ -217,8 +256,9 @@ def test_bf16_adapters_replay_equals_the_real_cpu_step(tiny_config):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, precision, gc", [("lora", "fp32", True), ("full", "bf16-mixed", True),
-                                                   ("qlora", "bf16-mixed", False)])
+@pytest.mark.parametrize(
+    "method, precision, gc", [("lora", "fp32", True), ("full", "bf16-mixed", True), ("qlora", "bf16-mixed", False)]
+)
 def test_eager_experts_of_a_measured_type_are_measured(method, precision, gc):
     """OLMoE's eager experts (fp32 weights, autocast, QLoRA) replay under a balanced router (engines/routing)."""
     spec = spec_from_config(tiny("olmoe", layers=4, num_experts=8, num_experts_per_tok=2), name="olmoe")
@@ -254,16 +294,22 @@ def test_int8_inputs_kept_on_the_autograd_context_are_measured(model_type, gc):
     hooks miss it (Seed-OSS int8 QLoRA without GC: -14.9 % before); in post-norm blocks (EXAONE 4, OLMo 2/3) the
     attention's input is the block input, which checkpointing keeps anyway (+7 % before)."""
     spec = spec_from_config(tiny(model_type, layers=4), name=model_type)
-    plan = validate(Plan(method="qlora", quant="int8", precision="bf16-mixed", seq_len=256, micro_batch=2,
-                         gradient_checkpointing=gc))
+    plan = validate(
+        Plan(
+            method="qlora", quant="int8", precision="bf16-mixed", seq_len=256, micro_batch=2, gradient_checkpointing=gc
+        )
+    )
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.01 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
 
 
-@pytest.mark.parametrize("model_type, layers, kw", [
-    ("cohere2", 8, {"layer_types": ["sliding_attention"] * 3 + ["full_attention"], "sliding_window": 64}),
-    ("gemma3_text", 13, {"sliding_window": 64}),
-])
+@pytest.mark.parametrize(
+    "model_type, layers, kw",
+    [
+        ("cohere2", 8, {"layer_types": ["sliding_attention"] * 3 + ["full_attention"], "sliding_window": 64}),
+        ("gemma3_text", 13, {"sliding_window": 64}),
+    ],
+)
 def test_one_block_of_each_kind_measures_what_every_block_measures(model_type, layers, kw):
     """Only block 0 and the first block of each kind run (the others pass their input through): the bytes are
     those of replaying every block, to the byte (cohere2 replays 5 blocks, 3 run; Gemma 3 7, 3 run)."""
@@ -278,8 +324,9 @@ def test_one_block_of_each_kind_measures_what_every_block_measures(model_type, l
 
 
 #: A Jamba cut to its 9 replayed blocks: Mamba mixers (with MoE every other block) and one attention block.
-JAMBA = dict(layers=9, attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1,
-             num_experts=4)
+JAMBA = dict(
+    layers=9, attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1, num_experts=4
+)
 
 
 def test_jambas_block_kinds_are_transformers_layer_types():
@@ -297,13 +344,22 @@ WIDE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=16, nu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type, kw, plan_kw", [
-    ("jamba", dict(JAMBA, mamba_dt_rank=64, **WIDE), dict(method="lora", precision="bf16", seq_len=256)),
-    ("jamba", dict(JAMBA, mamba_dt_rank=64, **WIDE),
-     dict(method="qlora", quant="int8", precision="bf16-mixed", gradient_checkpointing=True, seq_len=256)),
-    ("jamba", dict(JAMBA, mamba_dt_rank=64, **dict(WIDE, layers=2)),
-     dict(method="qlora", quant="nf4", precision="bf16-mixed", seq_len=1024)),
-])
+@pytest.mark.parametrize(
+    "model_type, kw, plan_kw",
+    [
+        ("jamba", dict(JAMBA, mamba_dt_rank=64, **WIDE), dict(method="lora", precision="bf16", seq_len=256)),
+        (
+            "jamba",
+            dict(JAMBA, mamba_dt_rank=64, **WIDE),
+            dict(method="qlora", quant="int8", precision="bf16-mixed", gradient_checkpointing=True, seq_len=256),
+        ),
+        (
+            "jamba",
+            dict(JAMBA, mamba_dt_rank=64, **dict(WIDE, layers=2)),
+            dict(method="qlora", quant="nf4", precision="bf16-mixed", seq_len=1024),
+        ),
+    ],
+)
 def test_blocks_that_loop_over_the_tokens_are_measured_on_short_sequences(model_type, kw, plan_kw):
     """Mamba mixers loop over the tokens in Python: run on the plan's tokens cut into sequences of 8 and 16 tokens
     (and on twice as many sequences of 8), what they hold at the plan's length is what replaying them token by token
@@ -322,10 +378,13 @@ def test_blocks_that_loop_over_the_tokens_are_measured_on_short_sequences(model_
     t2 = time.perf_counter()
     assert blocks._LOOPING[json.dumps([spec.config, spec.num_layers, True], sort_keys=True, default=str)]
     for got, want in zip((fast.one, fast.two), ref):
-        for a, b, tolerance in [(sum(got.per_block), sum(want.per_block), 0.001), (got.final, want.final, 0.001),
-                                (got.forward_transient, want.forward_transient, 0.02),
-                                (got.backward_transient, want.backward_transient, 0.001),
-                                (got.backward_over_gradients, want.backward_over_gradients, 0.001)]:
+        for a, b, tolerance in [
+            (sum(got.per_block), sum(want.per_block), 0.001),
+            (got.final, want.final, 0.001),
+            (got.forward_transient, want.forward_transient, 0.02),
+            (got.backward_transient, want.backward_transient, 0.001),
+            (got.backward_over_gradients, want.backward_over_gradients, 0.001),
+        ]:
             assert abs(a - b) <= tolerance * b, (got, want)
     assert t1 - t0 < (t2 - t1) / 2
 
@@ -342,5 +401,6 @@ def test_a_measurement_reports_its_runs_once():
         estimate(spec, plan)
         estimate(spec, plan.with_(micro_batch=2))
     assert {(p.task, p.message) for p in heard} == {
-        ("blocks", "measuring what seed_oss blocks save under lora bf16 at 64 tokens (once: cached)")}
+        ("blocks", "measuring what seed_oss blocks save under lora bf16 at 64 tokens (once: cached)")
+    }
     assert [(p.step, p.steps) for p in heard] == [(1, 2), (2, 2)]

@@ -17,13 +17,21 @@ GB = 10**9
 
 
 def _gpu(free: int, total: int = 24 * GB, others: int = 0) -> GpuInfo:
-    return GpuInfo(index=0, name="NVIDIA RTX A6000", total_bytes=total, free_bytes=free, used_bytes=total - free,
-                   used_by_others_bytes=others, other_processes=((4242, others),) if others else ())
+    return GpuInfo(
+        index=0,
+        name="NVIDIA RTX A6000",
+        total_bytes=total,
+        free_bytes=free,
+        used_bytes=total - free,
+        used_by_others_bytes=others,
+        other_processes=((4242, others),) if others else (),
+    )
 
 
 def _mem(peak_device: int, paged: int = 0, peak_allocated: int = 0) -> MemoryBreakdown:
-    return MemoryBreakdown(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, paged_optimizer=paged, peak_allocated=peak_allocated,
-                           peak_device=peak_device)
+    return MemoryBreakdown(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, paged_optimizer=paged, peak_allocated=peak_allocated, peak_device=peak_device
+    )
 
 
 # ------------------------------------------------------------------------------------------- sources
@@ -52,8 +60,14 @@ def test_train_run_budget_order(tmp_path):
     from oomdoctor.train.config import config_from_plan
     from oomdoctor.train.sizing import run_budget
 
-    cfg = config_from_plan("bundled:tiny/model/config.json", Plan(seq_len=64), init="random",
-                           tokenizer="bundled:tiny/tokenizer", dataset="bundled:tiny/train.jsonl", gpu_mem=3 * GB)
+    cfg = config_from_plan(
+        "bundled:tiny/model/config.json",
+        Plan(seq_len=64),
+        init="random",
+        tokenizer="bundled:tiny/tokenizer",
+        dataset="bundled:tiny/train.jsonl",
+        gpu_mem=3 * GB,
+    )
     assert run_budget(cfg, 2 * GB, on_cpu=True).source == "--gpu-mem"
     b = run_budget(cfg, None, on_cpu=True)
     assert (b.capacity_bytes, b.source, b.counted) == (3 * GB, "config gpu_mem", "peak_allocated")
@@ -63,11 +77,19 @@ def test_train_run_budget_order(tmp_path):
 # ------------------------------------------------------------------------------------------- margins
 
 
-@pytest.mark.parametrize("text,nbytes,form", [
-    (None, DEFAULT_MARGIN_BYTES, "default"), ("0.1", 2 * GB, "fraction"), (0.05, GB, "fraction"),
-    ("10%", 2 * GB, "percent"), ("2.5%", GB // 2, "percent"), ("0", 0, "fraction"), ("2GB", 2 * GB, "size"),
-    ("512MiB", 512 * 2**20, "size"),
-])
+@pytest.mark.parametrize(
+    "text,nbytes,form",
+    [
+        (None, DEFAULT_MARGIN_BYTES, "default"),
+        ("0.1", 2 * GB, "fraction"),
+        (0.05, GB, "fraction"),
+        ("10%", 2 * GB, "percent"),
+        ("2.5%", GB // 2, "percent"),
+        ("0", 0, "fraction"),
+        ("2GB", 2 * GB, "size"),
+        ("512MiB", 512 * 2**20, "size"),
+    ],
+)
 def test_margin_forms_become_bytes(text, nbytes, form):
     assert parse_margin(text, 20 * GB) == (nbytes, form)
     b = resolve_budget(20 * GB, text, None)
@@ -117,8 +139,18 @@ def test_paged_optimizer_state_is_shown_not_counted():
     assert paged.resident_device == plain.resident_device - paged.paged_optimizer  # ... fewer of them resident
 
 
-QLORA_PAPER = Plan(method="qlora", quant="nf4", double_quant=True, precision="bf16", optimizer="paged-adamw-8bit",
-                   gradient_checkpointing=True, lora_r=64, lora_targets=("all-linear",), micro_batch=1, seq_len=512)
+QLORA_PAPER = Plan(
+    method="qlora",
+    quant="nf4",
+    double_quant=True,
+    precision="bf16",
+    optimizer="paged-adamw-8bit",
+    gradient_checkpointing=True,
+    lora_r=64,
+    lora_targets=("all-linear",),
+    micro_batch=1,
+    seq_len=512,
+)
 
 
 def test_qlora_paper_65b_class_plan_fits_48gb():
@@ -144,14 +176,37 @@ def _verdicts(model: str, plan: Plan, capacity: int, tmp_path) -> tuple[bool, bo
     from oomdoctor.train.dryrun import dry_run
     from oomdoctor.tune.tuner import tune
 
-    pins = {k: getattr(plan, k) for k in ("method", "precision", "optimizer", "attn", "gradient_checkpointing",
-                                          "lora_r", "lora_targets", "quant", "double_quant", "micro_batch",
-                                          "seq_len", "offload_optimizer", "offload_activations", "offload_params")}
+    pins = {
+        k: getattr(plan, k)
+        for k in (
+            "method",
+            "precision",
+            "optimizer",
+            "attn",
+            "gradient_checkpointing",
+            "lora_r",
+            "lora_targets",
+            "quant",
+            "double_quant",
+            "micro_batch",
+            "seq_len",
+            "offload_optimizer",
+            "offload_activations",
+            "offload_params",
+        )
+    }
     rep = diagnose(model, pins, gpu_mem=capacity)
     assert len(rep.results) == 1 and rep.results[0].plan == plan
     try:
-        t = tune(model, gpu_mem=capacity, seq_len=plan.seq_len, global_batch=plan.micro_batch, pins=pins,
-                 verify_mode="none", gpu=None)
+        t = tune(
+            model,
+            gpu_mem=capacity,
+            seq_len=plan.seq_len,
+            global_batch=plan.micro_batch,
+            pins=pins,
+            verify_mode="none",
+            gpu=None,
+        )
         tuned = t.plan == plan
     except DoesNotFit:
         tuned = False
@@ -161,11 +216,22 @@ def _verdicts(model: str, plan: Plan, capacity: int, tmp_path) -> tuple[bool, bo
     return rep.results[0].fits, tuned, d.fits
 
 
-@pytest.mark.parametrize("plan", [
-    Plan(method="lora", precision="bf16-mixed", optimizer="adamw", gradient_checkpointing=True, seq_len=256),
-    Plan(method="qlora", quant="nf4", precision="bf16-mixed", optimizer="paged-adamw-8bit", lora_r=64,
-         gradient_checkpointing=True, seq_len=256),
-], ids=["lora", "qlora-paged"])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(method="lora", precision="bf16-mixed", optimizer="adamw", gradient_checkpointing=True, seq_len=256),
+        Plan(
+            method="qlora",
+            quant="nf4",
+            precision="bf16-mixed",
+            optimizer="paged-adamw-8bit",
+            lora_r=64,
+            gradient_checkpointing=True,
+            seq_len=256,
+        ),
+    ],
+    ids=["lora", "qlora-paged"],
+)
 def test_diagnose_tune_and_dry_run_agree_at_the_boundary(plan, tmp_path):
     model = "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"
     need = estimate(load_spec(model), plan, "analytic").resident_device

@@ -124,7 +124,8 @@ def test_bundled_count_close_to_published(entry):
 def test_registry_listing_is_the_spec(entry):
     """``oomdoctor models`` prints the registry's precomputed listing: it must be what load_spec builds."""
     assert entry["listing"] == listing_of(load_spec(entry["id"])), (
-        f"{entry['id']}: stale listing in registry.json; run python scripts/registry_listing.py")
+        f"{entry['id']}: stale listing in registry.json; run python scripts/registry_listing.py"
+    )
 
 
 def test_registry_is_well_formed():
@@ -144,14 +145,30 @@ def test_registry_is_well_formed():
 
 
 REQUIRED = [
-    "meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-13b-hf", "meta-llama/Llama-2-70b-hf",
-    "openlm-research/open_llama_3b", "openlm-research/open_llama_7b", "openlm-research/open_llama_13b",
-    "tiiuae/falcon-7b", "tiiuae/falcon-40b",
-    "meta-llama/Meta-Llama-3-8B", "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-3B",
-    "mistralai/Mistral-7B-v0.1", "mistralai/Mixtral-8x7B-v0.1", "google/gemma-2b", "google/gemma-2-9b",
-    "microsoft/phi-2", "microsoft/Phi-3-mini-4k-instruct", "Qwen/Qwen2-7B", "Qwen/Qwen2.5-7B",
-    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "openai-community/gpt2",
-    "google-bert/bert-base-uncased", "google-t5/t5-small",
+    "meta-llama/Llama-2-7b-hf",
+    "meta-llama/Llama-2-13b-hf",
+    "meta-llama/Llama-2-70b-hf",
+    "openlm-research/open_llama_3b",
+    "openlm-research/open_llama_7b",
+    "openlm-research/open_llama_13b",
+    "tiiuae/falcon-7b",
+    "tiiuae/falcon-40b",
+    "meta-llama/Meta-Llama-3-8B",
+    "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-3.2-1B",
+    "meta-llama/Llama-3.2-3B",
+    "mistralai/Mistral-7B-v0.1",
+    "mistralai/Mixtral-8x7B-v0.1",
+    "google/gemma-2b",
+    "google/gemma-2-9b",
+    "microsoft/phi-2",
+    "microsoft/Phi-3-mini-4k-instruct",
+    "Qwen/Qwen2-7B",
+    "Qwen/Qwen2.5-7B",
+    "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+    "openai-community/gpt2",
+    "google-bert/bert-base-uncased",
+    "google-t5/t5-small",
 ]
 
 
@@ -176,7 +193,12 @@ def test_required_models_are_bundled():
 def test_structural_fields(model_id, kind, mlp, norm, parallel, experts, head):
     s = load_spec(model_id)
     assert (s.arch_kind, s.mlp_kind, s.norm_kind, s.parallel_attn, s.num_experts, s.head_name) == (
-        kind, mlp, norm, parallel, experts, head
+        kind,
+        mlp,
+        norm,
+        parallel,
+        experts,
+        head,
     )
 
 
@@ -206,50 +228,130 @@ def test_structural_details():
 # ---------------------------------------------------------------------------------------------- config variants
 # Branches of the builders that no bundled config takes, checked the same way on tiny configs.
 
-_TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "vocab_size": 128}
+_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 128,
+}
 
 VARIANTS = {
-    "llama-biases-headdim": {**_TINY, "model_type": "llama", "attention_bias": True, "mlp_bias": True,
-                             "head_dim": 32, "num_key_value_heads": 2},
+    "llama-biases-headdim": {
+        **_TINY,
+        "model_type": "llama",
+        "attention_bias": True,
+        "mlp_bias": True,
+        "head_dim": 32,
+        "num_key_value_heads": 2,
+    },
     "llama-tied": {**_TINY, "model_type": "llama", "tie_word_embeddings": True},
     "mistral-headdim": {**_TINY, "model_type": "mistral", "head_dim": 8, "num_key_value_heads": 2},
     "qwen2-untied": {**_TINY, "model_type": "qwen2", "num_key_value_heads": 2, "tie_word_embeddings": False},
     "qwen3": {**_TINY, "model_type": "qwen3", "head_dim": 16, "num_key_value_heads": 2},
     "olmo2": {**_TINY, "model_type": "olmo2", "num_key_value_heads": 2},
     "granite": {**_TINY, "model_type": "granite"},
-    "gemma-untied": {**_TINY, "model_type": "gemma", "head_dim": 16, "num_key_value_heads": 1,
-                     "tie_word_embeddings": False},
+    "gemma-untied": {
+        **_TINY,
+        "model_type": "gemma",
+        "head_dim": 16,
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": False,
+    },
     "gemma2-default-tie": {**_TINY, "model_type": "gemma2", "head_dim": 16, "num_key_value_heads": 2},
-    "mixtral-4x-top1": {**_TINY, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 1,
-                        "num_key_value_heads": 2},
+    "mixtral-4x-top1": {
+        **_TINY,
+        "model_type": "mixtral",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "num_key_value_heads": 2,
+    },
     "phi-qk-layernorm": {**_TINY, "model_type": "phi", "qk_layernorm": True},
     "phi-tied": {**_TINY, "model_type": "phi", "tie_word_embeddings": True},
     "phi3-gqa": {**_TINY, "model_type": "phi3", "num_key_value_heads": 2, "pad_token_id": 0, "eos_token_id": 1},
-    "falcon-rw-sequential": {"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 4,
-                             "num_hidden_layers": 2, "vocab_size": 128, "parallel_attn": False, "bias": True,
-                             "multi_query": False, "alibi": True, "bos_token_id": 1, "eos_token_id": 2},
-    "falcon-new-one-ln": {"model_type": "falcon", "hidden_size": 64, "num_attention_heads": 8, "num_kv_heads": 2,
-                          "num_hidden_layers": 2, "vocab_size": 128, "new_decoder_architecture": True,
-                          "num_ln_in_parallel_attn": 1, "ffn_hidden_size": 96, "tie_word_embeddings": False,
-                          "bos_token_id": 1, "eos_token_id": 2},
-    "gpt2-n-inner-untied": {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 32,
-                            "n_inner": 96, "vocab_size": 128, "tie_word_embeddings": False,
-                            "bos_token_id": 1, "eos_token_id": 2},
+    "falcon-rw-sequential": {
+        "model_type": "falcon",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 128,
+        "parallel_attn": False,
+        "bias": True,
+        "multi_query": False,
+        "alibi": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "falcon-new-one-ln": {
+        "model_type": "falcon",
+        "hidden_size": 64,
+        "num_attention_heads": 8,
+        "num_kv_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": 128,
+        "new_decoder_architecture": True,
+        "num_ln_in_parallel_attn": 1,
+        "ffn_hidden_size": 96,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "gpt2-n-inner-untied": {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_head": 4,
+        "n_layer": 2,
+        "n_positions": 32,
+        "n_inner": 96,
+        "vocab_size": 128,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "bert-5-labels": {**_TINY, "model_type": "bert", "num_labels": 5, "max_position_embeddings": 40},
     "bert-id2label": {**_TINY, "model_type": "bert", "id2label": {"0": "a", "1": "b", "2": "c"}},
     # Decoders saved as sequence classifiers (reward models): lm_head -> score (hidden -> num_labels, no bias).
-    "llama-seqcls-tied": {**_TINY, "model_type": "llama", "tie_word_embeddings": True, "num_labels": 1,
-                          "architectures": ["LlamaForSequenceClassification"]},
-    "qwen2-seqcls": {**_TINY, "model_type": "qwen2", "num_key_value_heads": 2, "pad_token_id": 0,
-                     "architectures": ["Qwen2ForSequenceClassification"], "id2label": {"0": "bad", "1": "good"}},
-    "gpt2-seqcls": {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 32,
-                    "vocab_size": 128, "num_labels": 3, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-                    "architectures": ["GPT2ForSequenceClassification"]},
+    "llama-seqcls-tied": {
+        **_TINY,
+        "model_type": "llama",
+        "tie_word_embeddings": True,
+        "num_labels": 1,
+        "architectures": ["LlamaForSequenceClassification"],
+    },
+    "qwen2-seqcls": {
+        **_TINY,
+        "model_type": "qwen2",
+        "num_key_value_heads": 2,
+        "pad_token_id": 0,
+        "architectures": ["Qwen2ForSequenceClassification"],
+        "id2label": {"0": "bad", "1": "good"},
+    },
+    "gpt2-seqcls": {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_head": 4,
+        "n_layer": 2,
+        "n_positions": 32,
+        "vocab_size": 128,
+        "num_labels": 3,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "architectures": ["GPT2ForSequenceClassification"],
+    },
     "phi-seqcls": {**_TINY, "model_type": "phi", "architectures": ["PhiForSequenceClassification"]},
-    "t5-gated-untied-asym": {"model_type": "t5", "d_model": 64, "d_ff": 96, "d_kv": 8, "num_heads": 4,
-                             "num_layers": 2, "num_decoder_layers": 3, "vocab_size": 128,
-                             "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
+    "t5-gated-untied-asym": {
+        "model_type": "t5",
+        "d_model": 64,
+        "d_ff": 96,
+        "d_kv": 8,
+        "num_heads": 4,
+        "num_layers": 2,
+        "num_decoder_layers": 3,
+        "vocab_size": 128,
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": False,
+    },
 }
 
 

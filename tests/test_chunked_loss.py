@@ -8,8 +8,16 @@ from train_util import tiny_cfg
 from oomdoctor.memory.logits import chunk_tokens
 from oomdoctor.plan import Plan, validate
 
-BIG_VOCAB = dict(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=688, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+BIG_VOCAB = dict(
+    model_type="llama",
+    hidden_size=256,
+    num_hidden_layers=2,
+    intermediate_size=688,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
 
 
 def test_chunk_size_is_liger_rule():

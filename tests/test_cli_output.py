@@ -61,8 +61,12 @@ def test_torchruns_record_of_a_planned_oom_restart_is_dropped_others_kept():
     quiet_planned_restarts()
     quiet_planned_restarts()  # idempotent
     log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    rec = lambda code: log.makeRecord(log.name, logging.ERROR, __file__, 1,  # noqa: E731 - a one-line local helper
-                                      "failed (exitcode: %s) local_rank: %s", (code, 0), None)
+
+    def rec(code):
+        return log.makeRecord(
+            log.name, logging.ERROR, __file__, 1, "failed (exitcode: %s) local_rank: %s", (code, 0), None
+        )
+
     assert sum(1 for f in log.filters if type(f).__name__ == "_PlannedRestarts") == 1
     assert not log.filter(rec(75)) and log.filter(rec(1))
 
@@ -76,6 +80,8 @@ def test_peft_moe_rank_pattern_warning_is_silenced_others_are_not():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
         quiet_third_party()
-        warnings.warn(head + str([r".*\.gate_up_proj"]) + ".", RuntimeWarning, stacklevel=1)  # peft's MoE conversion (applied)
+        warnings.warn(
+            head + str([r".*\.gate_up_proj"]) + ".", RuntimeWarning, stacklevel=1
+        )  # peft's MoE conversion (applied)
         warnings.warn(head + "['q_proj'].", RuntimeWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == [head + "['q_proj']."]

@@ -55,7 +55,7 @@ def heavy_rows(lines: list[str], first_cell: str, key: int = 0) -> list[list[str
     cell's pieces joined by a space."""
     start = next(i for i, ln in enumerate(lines) if ln.startswith("┃") and ln.strip("┃ ").startswith(first_cell))
     rows: list[list[str]] = []
-    for ln in lines[start + 2:]:
+    for ln in lines[start + 2 :]:
         if not ln.startswith("│"):
             break
         cells = [c.strip() for c in ln.strip().strip("│").split("│")]
@@ -71,7 +71,7 @@ def simple_rows(lines: list[str], header: str) -> list[list[str]]:
     row starts on a line whose first token is set; the text of its other lines is its folded text cells."""
     start = next(i for i, ln in enumerate(lines) if ln.split()[:1] == [header])
     rows: list[list[str]] = []
-    for ln in lines[start + 2:]:
+    for ln in lines[start + 2 :]:
         if not ln.strip():
             break
         if ln[:3].strip():  # the row number / id starts the line
@@ -81,14 +81,15 @@ def simple_rows(lines: list[str], header: str) -> list[list[str]]:
     return rows
 
 
-def plan_rows(lines: list[str], title: str, headers: tuple[str, ...],
-              cells: list[list[str]]) -> list[tuple[str, list[str]]]:
+def plan_rows(
+    lines: list[str], title: str, headers: tuple[str, ...], cells: list[list[str]]
+) -> list[tuple[str, list[str]]]:
     """(plan label, whole cells) of each row of the table titled ``title`` (columns ``headers``, the second the
     folding plan), whichever way it was printed: a rule-less table (a row's first line ends with its whole cells,
     its next lines hold the rest of the label) or one record per row (``header  value`` lines, a folded value
     continued on indented lines, a blank line after each record). ``cells``: the whole cells expected per row."""
     start = next(i for i, ln in enumerate(lines) if ln.startswith(title))
-    body = lines[start + 1:]
+    body = lines[start + 1 :]
     while not body[0].strip().startswith(headers[0] + " "):
         body = body[1:]  # the rest of a wrapped title, wrapped headers
     rows: list[tuple[str, list[str]]] = []
@@ -106,13 +107,13 @@ def plan_rows(lines: list[str], title: str, headers: tuple[str, ...],
                 if not starts:  # the text after the last record
                     break
                 head = max(starts, key=len)
-                fields[head] = ln[len(head):].strip()
+                fields[head] = ln[len(head) :].strip()
             else:
                 fields[head] = f"{fields[head]} {ln.strip()}"
         return rows
     rule = next(i for i, ln in enumerate(body) if ln.strip().startswith("─"))
     expected = iter(cells)
-    for ln in body[rule + 1:]:
+    for ln in body[rule + 1 :]:
         if not ln.strip():
             break
         if ln[:3].strip():
@@ -120,7 +121,7 @@ def plan_rows(lines: list[str], title: str, headers: tuple[str, ...],
             tail = " " + " ".join(whole[1:])
             flat = " ".join(ln.split())
             assert flat.startswith(whole[0] + " ") and flat.endswith(tail), (flat, whole)
-            rows.append((flat[len(whole[0]) + 1:-len(tail)], whole))
+            rows.append((flat[len(whole[0]) + 1 : -len(tail)], whole))
         else:
             rows[-1] = (f"{rows[-1][0]} {ln.strip()}", rows[-1][1])
     return rows
@@ -133,8 +134,10 @@ def test_models_piped_prints_every_row_whole_and_terminals_fold_ids_without_cutt
     from oomdoctor.cli.models import _b
     from oomdoctor.model.load import bundled_models
 
-    expected = {r["id"]: [*_b(r["params"]).split(), str(r["layers"]), str(r["hidden"]), f"{r['vocab']:,}"]
-                for r in bundled_models()}
+    expected = {
+        r["id"]: [*_b(r["params"]).split(), str(r["layers"]), str(r["hidden"]), f"{r['vocab']:,}"]
+        for r in bundled_models()
+    }
     piped = run_cli(["models"], monkeypatch, capsys, None)
     by_id = {ln.split()[0]: ln.split() for ln in piped if ln.split() and ln.split()[0] in expected}
     assert set(by_id) == set(expected)
@@ -143,25 +146,37 @@ def test_models_piped_prints_every_row_whole_and_terminals_fold_ids_without_cutt
         lines = run_cli(["models"], monkeypatch, capsys, width)
         assert_fits(lines, width)
         assert chars(lines) == chars(piped), width  # folded, nothing cut, nothing added
-        table = lines[next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["id", "family"]) + 2:]
-        table = table[:next(i for i, ln in enumerate(table) if not ln.strip())]
+        table = lines[next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["id", "family"]) + 2 :]
+        table = table[: next(i for i, ln in enumerate(table) if not ln.strip())]
         starts = [i for i, ln in enumerate(table) if _MODEL_NUMBERS.search(ln)]
         numbers = Counter(tuple(table[i].split()[-5:]) for i in starts)
         assert numbers == Counter(tuple(n) for n in expected.values()), width
         # the id column, re-joined from its folded pieces, gives back every id
-        ids = ["".join(ln.split()[0] for ln in table[a:b] if ln[1:2].strip())
-               for a, b in zip(starts, starts[1:] + [len(table)])]
+        ids = [
+            "".join(ln.split()[0] for ln in table[a:b] if ln[1:2].strip())
+            for a, b in zip(starts, starts[1:] + [len(table)])
+        ]
         assert sorted(ids) == sorted(expected), width
 
 
 # ---------------------------------------------------------------------------------------------- diagnose
 
 
-@pytest.mark.parametrize("pins", [
-    {"method": "full"},
-    {"method": "full", "precision": "bf16", "optimizer": "paged-adamw-8bit", "gradient_checkpointing": True,
-     "loss": "standard", "offload": "none"},
-], ids=["matrix", "one-plan-paged"])
+@pytest.mark.parametrize(
+    "pins",
+    [
+        {"method": "full"},
+        {
+            "method": "full",
+            "precision": "bf16",
+            "optimizer": "paged-adamw-8bit",
+            "gradient_checkpointing": True,
+            "loss": "standard",
+            "offload": "none",
+        },
+    ],
+    ids=["matrix", "one-plan-paged"],
+)
 def test_diagnose_keeps_every_plan_label_and_number_whole(pins, monkeypatch, capsys):
     from oomdoctor.cli.options import pins_from
     from oomdoctor.diagnose.report import diagnose
@@ -195,8 +210,10 @@ def test_diagnose_keeps_every_plan_label_and_number_whole(pins, monkeypatch, cap
             assert cells[f"peak allocated ({m.peak_phase})"][0] == f"{m.peak_allocated:,}"
             assert cells["peak device (nvidia-smi)"][0] == f"{m.peak_device:,}"
             assert cells["paged optimizer"][0] == f"{m.paged_optimizer:,}"
-            assert cells["resident device (paged state excluded)"] == [f"{m.resident_device:,}",
-                                                                       f"{gib(m.resident_device):.2f}"]
+            assert cells["resident device (paged state excluded)"] == [
+                f"{m.resident_device:,}",
+                f"{gib(m.resident_device):.2f}",
+            ]
 
 
 # ---------------------------------------------------------------------------------------------- tune
@@ -208,10 +225,17 @@ def tuned():
     verified by the simulated engine (a trial table)."""
     from oomdoctor.tune.tuner import tune
 
-    big = tune("meta-llama/Llama-2-7b-hf", gpu_mem=24 * 10**9, seq_len=1024, global_batch=32, gpu=None,
-               verify_mode="none")
-    tiny = tune("bundled:tiny/model/config.json", gpu_mem=2 * 10**9, seq_len=128, global_batch=8, gpu=None,
-                verify_mode="simulate")
+    big = tune(
+        "meta-llama/Llama-2-7b-hf", gpu_mem=24 * 10**9, seq_len=1024, global_batch=32, gpu=None, verify_mode="none"
+    )
+    tiny = tune(
+        "bundled:tiny/model/config.json",
+        gpu_mem=2 * 10**9,
+        seq_len=128,
+        global_batch=8,
+        gpu=None,
+        verify_mode="simulate",
+    )
     return big, tiny
 
 
@@ -235,34 +259,53 @@ def test_tune_ranking_shows_the_counted_peak_against_the_budget_with_paged_state
     assert any(c.memory.paged_optimizer for c in fitting), "the 24 GB plan set should page optimizer state"
     assert all(big.budget.fits(c.memory) for c in fitting)
     headers = ("#", "plan", "max micro", "micro x accum", "resident peak", "paged optim.", "host RAM", "est. tok/s")
-    cells = [[str(c.rank), str(c.batch.max_micro_batch), f"{c.plan.micro_batch} x {c.plan.grad_accum}",
-              format_bytes(big.budget.needed(c.memory)),  # the number the fits rule counts
-              format_bytes(c.memory.paged_optimizer) if c.memory.paged_optimizer else "-",
-              format_bytes(c.memory.cpu_offloaded) if c.memory.cpu_offloaded else "-",
-              f"{c.throughput.tokens_per_s:,.0f}"] for c in fitting]
+    cells = [
+        [
+            str(c.rank),
+            str(c.batch.max_micro_batch),
+            f"{c.plan.micro_batch} x {c.plan.grad_accum}",
+            format_bytes(big.budget.needed(c.memory)),  # the number the fits rule counts
+            format_bytes(c.memory.paged_optimizer) if c.memory.paged_optimizer else "-",
+            format_bytes(c.memory.cpu_offloaded) if c.memory.cpu_offloaded else "-",
+            f"{c.throughput.tokens_per_s:,.0f}",
+        ]
+        for c in fitting
+    ]
     for width in (None,) + WIDTHS:
         lines = _tune_lines(big, monkeypatch, capsys, width)
         if width:
             assert_fits(lines, width)
-        rows = plan_rows(lines, "ranking (fitting plans; resident peak vs the "
-                         f"{format_bytes(big.budget_bytes)}", headers, cells)
+        rows = plan_rows(
+            lines, f"ranking (fitting plans; resident peak vs the {format_bytes(big.budget_bytes)}", headers, cells
+        )
         assert [(" ".join(label.split()), whole) for label, whole in rows] == [
-            (c.plan.label(), row) for c, row in zip(fitting, cells)], width
+            (c.plan.label(), row) for c, row in zip(fitting, cells)
+        ], width
 
 
 def test_tune_trial_table_keeps_labels_and_sizes_whole(tuned, monkeypatch, capsys):
     _, tiny = tuned
     assert tiny.trials
     headers = ("trial", "plan", "micro x accum", "outcome", "predicted", "measured", "time")
-    cells = [[str(i), f"{t.micro_batch} x {t.grad_accum}", t.outcome, format_bytes(t.predicted_peak_bytes),
-              format_bytes(t.measured_peak_bytes), f"{t.seconds:.1f}s"] for i, t in enumerate(tiny.trials, 1)]
+    cells = [
+        [
+            str(i),
+            f"{t.micro_batch} x {t.grad_accum}",
+            t.outcome,
+            format_bytes(t.predicted_peak_bytes),
+            format_bytes(t.measured_peak_bytes),
+            f"{t.seconds:.1f}s",
+        ]
+        for i, t in enumerate(tiny.trials, 1)
+    ]
     for width in (None,) + WIDTHS:
         lines = _tune_lines(tiny, monkeypatch, capsys, width)
         if width:
             assert_fits(lines, width)
         rows = plan_rows(lines, "verification: simulate", headers, cells)
         assert [(" ".join(label.split()), whole) for label, whole in rows] == [
-            (t.plan_label, row) for t, row in zip(tiny.trials, cells)], width
+            (t.plan_label, row) for t, row in zip(tiny.trials, cells)
+        ], width
         assert any(ln.startswith("run:  ") and ln.rstrip().endswith("oomdoctor train plan.yaml") for ln in lines)
 
 
@@ -281,4 +324,5 @@ def test_train_dry_run_wraps_at_the_terminal_and_prints_whole_lines_when_piped(t
         assert_fits(lines, width)
         assert chars(lines) == chars(piped), width
         assert {r[0]: r[1] for r in heavy_rows(lines, "component", key=1)} == {
-            r[0]: r[1] for r in heavy_rows(piped, "component", key=1)}
+            r[0]: r[1] for r in heavy_rows(piped, "component", key=1)
+        }

@@ -20,20 +20,66 @@ PLAN = validate(Plan(method="lora", precision="bf16", seq_len=64))
 
 #: transformers' own configs of the hybrids whose ``time_step_limit`` is (0, inf), at a CPU test size.
 TINY_SSM = {
-    "mamba2": dict(hidden_size=64, num_heads=8, head_dim=16, n_groups=1, state_size=16, chunk_size=64, expand=2,
-                   time_step_rank=8, num_hidden_layers=2, vocab_size=512),
-    "falcon_h1": dict(hidden_size=64, intermediate_size=128, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16,
-                      mamba_d_state=16, mamba_chunk_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, num_hidden_layers=2, vocab_size=512),
-    "nemotron_h": dict(hidden_size=64, intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, n_groups=1,
-                       ssm_state_size=16, chunk_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                       moe_shared_expert_intermediate_size=32, layers_block_type=["mamba", "attention", "moe"],
-                       vocab_size=512),
-    "granitemoehybrid": dict(hidden_size=64, intermediate_size=128, mamba_n_heads=8, mamba_d_head=16,
-                             mamba_d_state=16, mamba_chunk_size=64, num_attention_heads=4, num_key_value_heads=2,
-                             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
-                             layer_types=["mamba", "attention"], num_hidden_layers=2, vocab_size=512),
+    "mamba2": dict(
+        hidden_size=64,
+        num_heads=8,
+        head_dim=16,
+        n_groups=1,
+        state_size=16,
+        chunk_size=64,
+        expand=2,
+        time_step_rank=8,
+        num_hidden_layers=2,
+        vocab_size=512,
+    ),
+    "falcon_h1": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        mamba_d_ssm=128,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_chunk_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        vocab_size=512,
+    ),
+    "nemotron_h": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=16,
+        chunk_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        layers_block_type=["mamba", "attention", "moe"],
+        vocab_size=512,
+    ),
+    "granitemoehybrid": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_chunk_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        layer_types=["mamba", "attention"],
+        num_hidden_layers=2,
+        vocab_size=512,
+    ),
 }
 
 
@@ -85,11 +131,22 @@ def test_a_gemma4_config_with_per_layer_head_dims_is_read_and_its_blocks_measure
 
     from oomdoctor.engines.kinds import layer_kinds
 
-    path = written_by_transformers(tmp_path, "gemma4_text", hidden_size=64, intermediate_size=128,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-                                   num_hidden_layers=3, hidden_size_per_layer_input=16,
-                                   vocab_size_per_layer_input=512, vocab_size=512, sliding_window=32,
-                                   max_position_embeddings=512)
+    path = written_by_transformers(
+        tmp_path,
+        "gemma4_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_hidden_layers=3,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=512,
+        vocab_size=512,
+        sliding_window=32,
+        max_position_embeddings=512,
+    )
     assert json.loads(path.read_text())["per_layer_config"] == {"2": {"head_dim": 32}}
     spec = load_spec(str(path))
     with torch.device("meta"):
@@ -122,14 +179,22 @@ def test_a_missing_optional_package_is_named_with_its_install_command(tmp_path):
     assert load_spec(str(tmp_path / "text.json")).model_type == "gemma3n_text"
 
 
-@pytest.mark.parametrize("cfg, says, hint", [
-    ({"model_type": "no_such_kind_xyz"},
-     "model kind 'no_such_kind_xyz' is not supported: model_type 'no_such_kind_xyz' is not a kind of model transformers",
-     "pip install -U transformers"),
-    ({"model_type": "vit"}, "model kind 'vit' is not supported: oomdoctor prices causal LMs", "oomdoctor models"),
-    ({"model_type": "mamba2", "num_heads": "eight"}, "this 'mamba2' config is not supported: transformers",
-     "fix num_heads in config.json"),
-])
+@pytest.mark.parametrize(
+    "cfg, says, hint",
+    [
+        (
+            {"model_type": "no_such_kind_xyz"},
+            "model kind 'no_such_kind_xyz' is not supported: model_type 'no_such_kind_xyz' is not a kind of model transformers",
+            "pip install -U transformers",
+        ),
+        ({"model_type": "vit"}, "model kind 'vit' is not supported: oomdoctor prices causal LMs", "oomdoctor models"),
+        (
+            {"model_type": "mamba2", "num_heads": "eight"},
+            "this 'mamba2' config is not supported: transformers",
+            "fix num_heads in config.json",
+        ),
+    ],
+)
 def test_what_transformers_refuses_is_one_message_naming_the_kind(tmp_path, cfg, says, hint):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
@@ -142,6 +207,10 @@ def test_what_transformers_refuses_is_one_message_naming_the_kind(tmp_path, cfg,
 def test_the_cli_prints_the_refusal_without_a_traceback(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "no_such_kind_xyz"}))
-    p = subprocess.run([sys.executable, "-m", "oomdoctor", "diagnose", str(path), "--method", "lora"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "oomdoctor", "diagnose", str(path), "--method", "lora"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2 and "is not supported" in p.stderr and "Traceback" not in p.stderr, p.stderr

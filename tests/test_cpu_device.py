@@ -46,8 +46,23 @@ def test_measure_and_unknown_devices_are_refused(tiny_spec):
 
 
 def test_diagnose_device_cpu_prices_live_tensor_bytes_and_says_so(capsys):
-    args = ["diagnose", TINY, "--method", "full", "--precision", "fp32", "--optimizer", "adamw", "--seq-len", "64",
-            "--micro-batch", "4", "--mem", "8MB", "--json"]
+    args = [
+        "diagnose",
+        TINY,
+        "--method",
+        "full",
+        "--precision",
+        "fp32",
+        "--optimizer",
+        "adamw",
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "4",
+        "--mem",
+        "8MB",
+        "--json",
+    ]
     code, out, err = run_main(args + ["--device", "cpu"], capsys)
     assert code == 0, err
     d = json.loads(out)
@@ -91,8 +106,18 @@ def test_tune_for_a_small_cpu_budget_then_train_runs_on_the_cpu_within_it(tmp_pa
     as a CPU plan tune picks one, verified by the simulated step, writes device: cpu, and `oomdoctor train` runs it
     on the CPU under that cap (the live-byte meter raises an OOM past it: none happens)."""
     monkeypatch.chdir(tmp_path)
-    base = ["tune", TINY, "--mem", "48MB", "--seq-len", "64", "--global-batch", "16", "--dataset",
-            "bundled:tiny/train.jsonl"]
+    base = [
+        "tune",
+        TINY,
+        "--mem",
+        "48MB",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "16",
+        "--dataset",
+        "bundled:tiny/train.jsonl",
+    ]
     code, _, err = run_main(base + ["--verify", "none"], capsys)
     assert code == 3 and "no plan fits" in err
     code, out, err = run_main(base + ["--device", "cpu", "--json", "-o", str(tmp_path / "cpu.yaml")], capsys)

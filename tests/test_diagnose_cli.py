@@ -28,8 +28,16 @@ def run_ok(args, capsys):
     return code, out.out, out.err
 
 
-MEMORY_KEYS = {"peak_allocated_bytes", "peak_reserved_bytes", "peak_device_bytes", "parameters_bytes",
-               "gradients_bytes", "optimizer_states_bytes", "activations_bytes", "logits_bytes"}
+MEMORY_KEYS = {
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "peak_device_bytes",
+    "parameters_bytes",
+    "gradients_bytes",
+    "optimizer_states_bytes",
+    "activations_bytes",
+    "logits_bytes",
+}
 
 
 def test_json_contract_full_matrix(capsys):
@@ -54,9 +62,28 @@ def test_json_contract_full_matrix(capsys):
 
 
 def test_all_pinned_gives_exactly_one_plan(capsys):
-    args = ["diagnose", "meta-llama/Llama-2-7b-hf", "--method", "lora", "--precision", "bf16-mixed",
-            "--optimizer", "adamw", "--attn", "sdpa", "--gradient-checkpointing", "--lora-r", "8",
-            "--lora-targets", "q_proj,v_proj", "--micro-batch", "2", "--seq-len", "512", "--json"]
+    args = [
+        "diagnose",
+        "meta-llama/Llama-2-7b-hf",
+        "--method",
+        "lora",
+        "--precision",
+        "bf16-mixed",
+        "--optimizer",
+        "adamw",
+        "--attn",
+        "sdpa",
+        "--gradient-checkpointing",
+        "--lora-r",
+        "8",
+        "--lora-targets",
+        "q_proj,v_proj",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "512",
+        "--json",
+    ]
     code, out, _ = run_ok(args, capsys)
     data = json.loads(out)
     assert len(data["plans"]) == 1
@@ -66,9 +93,24 @@ def test_all_pinned_gives_exactly_one_plan(capsys):
 
 
 def test_non_fitting_plan_gets_changes_that_fit_with_bytes(capsys):
-    args = ["diagnose", "meta-llama/Llama-2-7b-hf", "--method", "lora", "--precision", "bf16-mixed",
-            "--optimizer", "adamw", "--no-gradient-checkpointing", "--micro-batch", "8", "--seq-len", "2048",
-            "--gpu-mem", "24GB", "--json"]
+    args = [
+        "diagnose",
+        "meta-llama/Llama-2-7b-hf",
+        "--method",
+        "lora",
+        "--precision",
+        "bf16-mixed",
+        "--optimizer",
+        "adamw",
+        "--no-gradient-checkpointing",
+        "--micro-batch",
+        "8",
+        "--seq-len",
+        "2048",
+        "--gpu-mem",
+        "24GB",
+        "--json",
+    ]
     code, out, _ = run_ok(args, capsys)
     (plan,) = json.loads(out)["plans"]
     assert plan["fits"] is False
@@ -118,23 +160,28 @@ def test_malformed_config_exits_2(tmp_path, capsys):
 
 def test_help_imports_no_torch():
     """``--help`` stays instant because nothing heavy loads at start-up (its time: benchmarks/latency.py)."""
-    code = ("import sys; from oomdoctor.cli import main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit: pass\n"
-            "assert 'torch' not in sys.modules, 'torch imported at start-up'\n"
-            "assert 'transformers' not in sys.modules\n")
+    code = (
+        "import sys; from oomdoctor.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit: pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported at start-up'\n"
+        "assert 'transformers' not in sys.modules\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
 def test_analytic_diagnose_imports_no_torch():
-    code = ("import sys\nfrom oomdoctor.diagnose.report import diagnose\n"
-            "diagnose('meta-llama/Llama-2-7b-hf', gpu_mem=24*10**9)\n"
-            "assert 'torch' not in sys.modules, 'torch imported by the analytic path'\n")
+    code = (
+        "import sys\nfrom oomdoctor.diagnose.report import diagnose\n"
+        "diagnose('meta-llama/Llama-2-7b-hf', gpu_mem=24*10**9)\n"
+        "assert 'torch' not in sys.modules, 'torch imported by the analytic path'\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
 def test_fits_only_and_top(capsys):
-    code, out, _ = run_ok(["diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB", "--fits-only", "--top", "3",
-                           "--json"], capsys)
+    code, out, _ = run_ok(
+        ["diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB", "--fits-only", "--top", "3", "--json"], capsys
+    )
     d = json.loads(out)
     assert len(d["plans"]) == 3 and all(p["fits"] for p in d["plans"])
     assert d["plans_priced"] > d["plans_fitting"] >= 3
@@ -146,21 +193,38 @@ def test_smaller_model_never_contradicts_the_advice():
 
     for cap in (6 * 10**9, 10**9):
         rep = diagnose("meta-llama/Llama-2-7b-hf", {"seq_len": 512}, gpu_mem=cap)
-        rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single))
-                      for r in rep.results)
+        rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single)) for r in rep.results)
         assert not (rescued and rep.smaller_model)
 
 
 def test_gpus_span_the_strategies_per_rank(capsys):
     """--gpus 8 without --strategy prices each stack under ddp, fsdp, zero2 and zero3, per GPU (issue 13)."""
-    args = ["diagnose", "meta-llama/Llama-2-7b-hf", "--gpus", "8", "--method", "full", "--precision", "bf16-mixed",
-            "--gradient-checkpointing", "--gpu-mem", "24GB", "--json"]
+    args = [
+        "diagnose",
+        "meta-llama/Llama-2-7b-hf",
+        "--gpus",
+        "8",
+        "--method",
+        "full",
+        "--precision",
+        "bf16-mixed",
+        "--gradient-checkpointing",
+        "--gpu-mem",
+        "24GB",
+        "--json",
+    ]
     code, out, _ = run_ok(args, capsys)
     assert code in (0, None)
     plans = [p for p in json.loads(out)["plans"] if p["settings"]["optimizer"] == "adamw"]
     by = {(p["settings"]["strategy"], p["settings"]["offload_optimizer"]): p for p in plans}
-    assert set(by) == {("ddp", False), ("fsdp", False), ("zero2", False), ("zero2", True), ("zero3", False),
-                       ("zero3", True)}
+    assert set(by) == {
+        ("ddp", False),
+        ("fsdp", False),
+        ("zero2", False),
+        ("zero2", True),
+        ("zero3", False),
+        ("zero3", True),
+    }
     assert all(p["settings"]["world_size"] == 8 for p in plans)
     assert by[("ddp", False)]["fits"] is False and by[("fsdp", False)]["fits"] is True
     assert by[("fsdp", False)]["memory"]["comm_buffers_bytes"] > 0
@@ -172,15 +236,45 @@ def test_gpus_span_the_strategies_per_rank(capsys):
 
 
 def test_topology_flags_pin_and_render(capsys):
-    args = ["diagnose", "meta-llama/Llama-2-7b-hf", "--gpus", "8", "--strategy", "fsdp", "--shard-group", "4",
-            "--no-reshard-after-forward", "--method", "full", "--precision", "bf16-mixed", "--optimizer", "adamw",
-            "--gradient-checkpointing", "--gpu-mem", "80GB"]
+    args = [
+        "diagnose",
+        "meta-llama/Llama-2-7b-hf",
+        "--gpus",
+        "8",
+        "--strategy",
+        "fsdp",
+        "--shard-group",
+        "4",
+        "--no-reshard-after-forward",
+        "--method",
+        "full",
+        "--precision",
+        "bf16-mixed",
+        "--optimizer",
+        "adamw",
+        "--gradient-checkpointing",
+        "--gpu-mem",
+        "80GB",
+    ]
     code, out, _ = run_ok(args, capsys)
     assert code in (0, None)
     assert "per GPU of 8" in out and "hsdp 2x4" in out and "keep-gathered" in out
     assert "NCCL buffers" in out
-    code, _, err = run_cli(["diagnose", "meta-llama/Llama-2-7b-hf", "--gpus", "8", "--strategy", "ddp",
-                            "--bucket-size", "0", "--method", "full"], capsys)
+    code, _, err = run_cli(
+        [
+            "diagnose",
+            "meta-llama/Llama-2-7b-hf",
+            "--gpus",
+            "8",
+            "--strategy",
+            "ddp",
+            "--bucket-size",
+            "0",
+            "--method",
+            "full",
+        ],
+        capsys,
+    )
     assert code != 0 and "bucket_size" in err and "Traceback" not in err
 
 
@@ -199,9 +293,27 @@ def test_a_70b_qlora_on_48gb_is_advised_to_skip_the_k_bit_upcast(capsys):
     """Llama-3.3-70B QLoRA in pure bf16 at 2,048 tokens misses 48 GB by a few hundred MB: peft's k-bit upcast (fp32
     embeddings, norms and head, an fp32 residual stream) is what does not fit, and the advice says how to skip it;
     pinned off, the same plan fits (one QLoRA row per stack: the table shows the upcast only when pinned)."""
-    args = ["diagnose", "meta-llama/Llama-3.3-70B-Instruct", "--method", "qlora", "--quant", "nf4", "--double-quant",
-            "--precision", "bf16", "--optimizer", "adamw", "--gradient-checkpointing", "--loss", "chunked",
-            "--seq-len", "2048", "--gpu-mem", "48GB", "--json"]
+    args = [
+        "diagnose",
+        "meta-llama/Llama-3.3-70B-Instruct",
+        "--method",
+        "qlora",
+        "--quant",
+        "nf4",
+        "--double-quant",
+        "--precision",
+        "bf16",
+        "--optimizer",
+        "adamw",
+        "--gradient-checkpointing",
+        "--loss",
+        "chunked",
+        "--seq-len",
+        "2048",
+        "--gpu-mem",
+        "48GB",
+        "--json",
+    ]
     code, out, _ = run_ok(args, capsys)
     (plan,) = json.loads(out)["plans"]
     assert plan["fits"] is False and plan["settings"]["kbit_upcast"] is True

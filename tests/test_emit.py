@@ -32,21 +32,56 @@ TINY_MODEL = str(tiny_dir() / "model")
 
 #: 7B plans covering every knob away from its default at least once.
 PLANS: dict[str, Plan] = {
-    "qlora": Plan(method="qlora", quant="nf4", double_quant=True, precision="bf16", optimizer="paged-adamw-8bit",
-                  gradient_checkpointing=True, lora_r=16, lora_alpha=32, lora_dropout=0.05, micro_batch=4,
-                  grad_accum=8, seq_len=1024),
-    "lora": Plan(method="lora", precision="bf16", attn="flash", lora_targets=("q_proj", "v_proj"), lora_r=32,
-                 optimizer_impl="foreach", gradient_checkpointing=True, offload_activations=True, micro_batch=2,
-                 grad_accum=3, seq_len=512),
+    "qlora": Plan(
+        method="qlora",
+        quant="nf4",
+        double_quant=True,
+        precision="bf16",
+        optimizer="paged-adamw-8bit",
+        gradient_checkpointing=True,
+        lora_r=16,
+        lora_alpha=32,
+        lora_dropout=0.05,
+        micro_batch=4,
+        grad_accum=8,
+        seq_len=1024,
+    ),
+    "lora": Plan(
+        method="lora",
+        precision="bf16",
+        attn="flash",
+        lora_targets=("q_proj", "v_proj"),
+        lora_r=32,
+        optimizer_impl="foreach",
+        gradient_checkpointing=True,
+        offload_activations=True,
+        micro_batch=2,
+        grad_accum=3,
+        seq_len=512,
+    ),
     "full": Plan(method="full", precision="fp32", attn="eager", micro_batch=1, grad_accum=16, seq_len=256),
-    "int8-fp16": Plan(method="qlora", quant="int8", precision="fp16-mixed", optimizer="sgd", sgd_momentum=0.9,
-                      optimizer_impl="foreach", lora_targets=("q_proj",), lora_on_head=True, micro_batch=3,
-                      grad_accum=5, seq_len=128),
+    "int8-fp16": Plan(
+        method="qlora",
+        quant="int8",
+        precision="fp16-mixed",
+        optimizer="sgd",
+        sgd_momentum=0.9,
+        optimizer_impl="foreach",
+        lora_targets=("q_proj",),
+        lora_on_head=True,
+        micro_batch=3,
+        grad_accum=5,
+        seq_len=128,
+    ),
 }
 OPTIM = {"qlora": "paged_adamw_8bit", "lora": "adamw_torch", "full": "adamw_torch_fused", "int8-fp16": "sgd"}
 #: The plans each trainer runs (the others it refuses: test_what_a_trainer_cannot_run_is_never_written).
-RUNS = {"trl": ("qlora", "lora", "full"), "hf": ("qlora", "full", "int8-fp16"), "axolotl": ("qlora", "lora", "full"),
-        "accelerate": ("qlora", "lora", "full", "int8-fp16")}
+RUNS = {
+    "trl": ("qlora", "lora", "full"),
+    "hf": ("qlora", "full", "int8-fp16"),
+    "axolotl": ("qlora", "lora", "full"),
+    "accelerate": ("qlora", "lora", "full", "int8-fp16"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +104,9 @@ def _write(tmp_path, name: str, text: str) -> str:
 
 
 def _request(spec, plan: Plan, trainer: str, dataset: str | None = "data/train.jsonl", **kw) -> DocumentRequest:
-    return DocumentRequest(plan=adapt(plan, trainer), spec=spec, model=LLAMA7B, dataset=dataset,
-                           schedule=schedule(), **kw)
+    return DocumentRequest(
+        plan=adapt(plan, trainer), spec=spec, model=LLAMA7B, dataset=dataset, schedule=schedule(), **kw
+    )
 
 
 def _emit(spec, name: str, trainer: str, **kw):
@@ -127,11 +163,29 @@ def test_trl_fixes_what_sft_trainer_runs_whatever_the_config_says():
 def test_a_pinned_knob_the_trainer_cannot_run_is_one_message(tmp_path, capsys):
     from oomdoctor.cli import main
 
-    for pin, match in ((["--tiled-mlp"], "tiled_mlp on: no tiled MLP"), (["--loss", "standard"], "fused LM head"),
-                       (["--optimizer-in-backward"], "optimizer-in-backward")):
+    for pin, match in (
+        (["--tiled-mlp"], "tiled_mlp on: no tiled MLP"),
+        (["--loss", "standard"], "fused LM head"),
+        (["--optimizer-in-backward"], "optimizer-in-backward"),
+    ):
         with pytest.raises(SystemExit) as e:
-            main(["tune", TINY_MODEL, "--gpu-mem", "1GB", "--seq-len", "64", "--emit", "trl", "--verify", "none",
-                  "--output", str(tmp_path / "x.yaml")] + pin)
+            main(
+                [
+                    "tune",
+                    TINY_MODEL,
+                    "--gpu-mem",
+                    "1GB",
+                    "--seq-len",
+                    "64",
+                    "--emit",
+                    "trl",
+                    "--verify",
+                    "none",
+                    "--output",
+                    str(tmp_path / "x.yaml"),
+                ]
+                + pin
+            )
         err = capsys.readouterr().err
         assert e.value.code == 2 and "trl cannot run what was pinned" in err and match in err, err
         assert "Traceback" not in err and not (tmp_path / "x.yaml").exists()
@@ -170,8 +224,7 @@ def test_trl_config_parses_and_round_trips(name, spec7b, tmp_path, gpu_bf16):
     assert model.load_in_8bit is (plan.quant == "int8")
     assert data.datasets[0].path == "json" and data.datasets[0].data_files == "data/train.jsonl"
     if plan.uses_lora:
-        assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (plan.lora_r, plan.lora_alpha,
-                                                                        plan.lora_dropout)
+        assert (model.lora_r, model.lora_alpha, model.lora_dropout) == (plan.lora_r, plan.lora_alpha, plan.lora_dropout)
     if plan.quant == "nf4":
         assert model.bnb_4bit_quant_type == "nf4" and model.use_bnb_nested_quant is True
 
@@ -273,8 +326,14 @@ def test_accelerate_launch_config_loads(name, spec7b, tmp_path):
 def test_accelerate_lists_the_script_settings(spec7b):
     em = _emit(spec7b, "qlora", "accelerate")
     script = next(n for n in em.notes if n.startswith("the training knobs are train.py's"))
-    for part in ("per_device_train_batch_size 4", "gradient_accumulation_steps 8", "optim paged_adamw_8bit",
-                 "bnb_4bit_use_double_quant=True", "LoRA r 16", "prepare_model_for_kbit_training"):
+    for part in (
+        "per_device_train_batch_size 4",
+        "gradient_accumulation_steps 8",
+        "optim paged_adamw_8bit",
+        "bnb_4bit_use_double_quant=True",
+        "LoRA r 16",
+        "prepare_model_for_kbit_training",
+    ):
         assert part in script
     assert "#   - the training knobs" in em.text
 
@@ -288,15 +347,18 @@ def test_axolotl_config(name, spec7b):
     doc = yaml.safe_load(_emit(spec7b, name, "axolotl").text)
     assert (doc["micro_batch_size"], doc["gradient_accumulation_steps"]) == (plan.micro_batch, plan.grad_accum)
     assert doc["sequence_len"] == plan.seq_len and doc["optimizer"] == OPTIM[name]
-    assert doc.get("adapter") == {"full": None, "lora": "lora"}.get(plan.method, "qlora" if plan.quant != "int8"
-                                                                   else "lora")
-    assert doc["datasets"] == [{"path": "data/train.jsonl", "split": "train", "type": "completion",
-                                "ds_type": "json"}]
+    assert doc.get("adapter") == {"full": None, "lora": "lora"}.get(
+        plan.method, "qlora" if plan.quant != "int8" else "lora"
+    )
+    assert doc["datasets"] == [{"path": "data/train.jsonl", "split": "train", "type": "completion", "ds_type": "json"}]
     if plan.lora_targets == (ALL_LINEAR,) and plan.uses_lora:
         assert doc["lora_target_linear"] is True
     if plan.quant == "nf4":
-        assert doc["bnb_config_kwargs"] == {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                                            "bnb_4bit_compute_dtype": "bfloat16"}
+        assert doc["bnb_config_kwargs"] == {
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": "bfloat16",
+        }
     config = pytest.importorskip("axolotl.utils.config")  # axolotl's own validation (runs without a GPU)
     from axolotl.utils.dict import DictDefault
 
@@ -314,7 +376,15 @@ def test_axolotl_config(name, spec7b):
 def test_lora_targets(spec7b):
     assert lora_targets(Plan(method="lora"), spec7b) == ALL_LINEAR
     assert lora_targets(Plan(method="lora", lora_on_head=True), spec7b) == [
-        "down_proj", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj", "v_proj"]
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "lm_head",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
     assert lora_targets(Plan(method="lora", lora_targets=("v_proj", "q_proj")), spec7b) == ["q_proj", "v_proj"]
 
 
@@ -341,8 +411,9 @@ def test_write_text_is_atomic_and_refuses_to_overwrite(tmp_path):
 def test_tune_result_on_the_bundled_tiny_model(tmp_path, gpu_bf16):
     from oomdoctor.tune.tuner import tune
 
-    r = tune(TINY_MODEL, gpu_mem=10**9, seq_len=64, global_batch=8, gpu=None, verify_mode="none",
-             pins={"trainer": "trl"})
+    r = tune(
+        TINY_MODEL, gpu_mem=10**9, seq_len=64, global_batch=8, gpu=None, verify_mode="none", pins={"trainer": "trl"}
+    )
     assert r.plan.trainer == "trl" and not refusals(r.plan)
     req = request_from_result(r, TINY_MODEL, "bundled:tiny/train.jsonl")
     assert req.model == TINY_MODEL and not req.model_has_weights and req.plan == r.plan
@@ -358,8 +429,23 @@ def test_cli_tune_emit_trl(tmp_path, monkeypatch, capsys, gpu_bf16):
     from oomdoctor.cli import main
 
     monkeypatch.chdir(tmp_path)
-    args = ["tune", TINY_MODEL, "--gpu-mem", "1GB", "--seq-len", "64", "--global-batch", "8", "--emit", "trl",
-            "--verify", "none", "--output", "x.yaml", "--json"]
+    args = [
+        "tune",
+        TINY_MODEL,
+        "--gpu-mem",
+        "1GB",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "8",
+        "--emit",
+        "trl",
+        "--verify",
+        "none",
+        "--output",
+        "x.yaml",
+        "--json",
+    ]
     try:
         main(args)
     except SystemExit as e:
@@ -381,11 +467,18 @@ def test_cli_tune_emit_trl(tmp_path, monkeypatch, capsys, gpu_bf16):
 MULTI: dict[str, Plan] = {
     "ddp": Plan(method="lora", precision="bf16", world_size=2, strategy="ddp", micro_batch=2, seq_len=1024),
     "fsdp": Plan(method="full", precision="bf16-mixed", gradient_checkpointing=True, world_size=8, strategy="fsdp"),
-    "hsdp": Plan(method="full", precision="bf16-mixed", world_size=16, strategy="fsdp", shard_group=8,
-                 reshard_after_forward=False),
+    "hsdp": Plan(
+        method="full",
+        precision="bf16-mixed",
+        world_size=16,
+        strategy="fsdp",
+        shard_group=8,
+        reshard_after_forward=False,
+    ),
     "fsdp-offload": Plan(method="full", precision="bf16-mixed", world_size=4, strategy="fsdp", offload_params=True),
-    "zero3-offload": Plan(method="full", precision="bf16-mixed", world_size=8, strategy="zero3",
-                          offload_optimizer=True),
+    "zero3-offload": Plan(
+        method="full", precision="bf16-mixed", world_size=8, strategy="zero3", offload_optimizer=True
+    ),
     "zero2": Plan(method="full", precision="bf16-mixed", world_size=8, strategy="zero2"),
 }
 
@@ -396,8 +489,9 @@ def test_accelerate_launch_config_for_each_strategy(name, spec7b, tmp_path):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     plan = adapt(MULTI[name], "accelerate")
-    req = DocumentRequest(plan=plan, model=LLAMA7B, spec=spec7b, dataset="d.jsonl",
-                          gpus_per_node=8 if plan.world_size > 8 else None)
+    req = DocumentRequest(
+        plan=plan, model=LLAMA7B, spec=spec7b, dataset="d.jsonl", gpus_per_node=8 if plan.world_size > 8 else None
+    )
     path = _write(tmp_path, "acc.yaml", emit(req).text)
     cfg = load_config_from_file(path)
     assert cfg.num_processes == plan.world_size and cfg.num_machines == plan.world_size // min(plan.world_size, 8)
@@ -412,8 +506,10 @@ def test_accelerate_launch_config_for_each_strategy(name, spec7b, tmp_path):
         assert str(args.fsdp_reshard_after_forward).lower() == str(plan.reshard_after_forward).lower()
         assert str(args.fsdp_offload_params).lower() == str(plan.offload_params).lower()
         if plan.shard_group:
-            assert cfg.parallelism_config == {"parallelism_config_dp_replicate_size": 2,
-                                              "parallelism_config_dp_shard_size": 8}
+            assert cfg.parallelism_config == {
+                "parallelism_config_dp_replicate_size": 2,
+                "parallelism_config_dp_shard_size": 8,
+            }
     else:
         assert args.use_deepspeed and args.zero_stage == (3 if plan.strategy == "zero3" else 2)
         assert args.offload_optimizer_device == ("cpu" if plan.offload_optimizer else "none")
@@ -433,8 +529,9 @@ def test_hf_and_trl_set_fsdp_or_deepspeed(name, spec7b, tmp_path, gpu_bf16):
         pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
     plan = adapt(MULTI[name], "hf")
     em = emit(_request(spec7b, plan, "hf"))
-    (args,) = HfArgumentParser(TrainingArguments).parse_json_file(_write(tmp_path, "hf.json", em.text),
-                                                                  allow_extra_keys=True)
+    (args,) = HfArgumentParser(TrainingArguments).parse_json_file(
+        _write(tmp_path, "hf.json", em.text), allow_extra_keys=True
+    )
     assert any("torchrun --nproc-per-node" in n for n in em.notes)
     if plan.strategy == "fsdp":
         assert args.fsdp_config["version"] == 2
@@ -443,7 +540,7 @@ def test_hf_and_trl_set_fsdp_or_deepspeed(name, spec7b, tmp_path, gpu_bf16):
     else:
         zero = args.deepspeed["zero_optimization"]
         assert zero["stage"] == (3 if plan.strategy == "zero3" else 2)
-        assert zero["reduce_bucket_size"] == (plan.bucket_size or 4096 ** 2)
+        assert zero["reduce_bucket_size"] == (plan.bucket_size or 4096**2)
         assert ("offload_optimizer" in zero) is plan.offload_optimizer
     trl = emit(_request(spec7b, plan, "trl"))
     _, sft, _, _ = _trl_parse(_write(tmp_path, "trl.yaml", trl.text))

@@ -39,9 +39,32 @@ def _run(args: list[str], cwd, timeout: float = 600) -> subprocess.CompletedProc
 
 def _tune(weights_dir, tmp_path, target: str, *pins: str) -> dict:
     out = tmp_path / f"plan-{target}"
-    r = _run([sys.executable, "-m", "oomdoctor", "tune", str(weights_dir), "--gpu-mem", "1GB", "--seq-len", "64",
-              "--global-batch", "4", "--emit", target, "--dataset", str(bundled_path(TINY_DATASET)), "--verify",
-              "none", "--output", str(out), "--json", *pins], tmp_path)
+    r = _run(
+        [
+            sys.executable,
+            "-m",
+            "oomdoctor",
+            "tune",
+            str(weights_dir),
+            "--gpu-mem",
+            "1GB",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "4",
+            "--emit",
+            target,
+            "--dataset",
+            str(bundled_path(TINY_DATASET)),
+            "--verify",
+            "none",
+            "--output",
+            str(out),
+            "--json",
+            *pins,
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -52,21 +75,47 @@ def test_trl_sft_trains_the_emitted_file(weights_dir, tmp_path, pins):
         pytest.skip("the trl command is not installed")
     d = _tune(weights_dir, tmp_path, "trl", *pins)
     assert d["plan"]["trainer"] == "trl"
-    r = _run(["trl", "sft", "--config", d["config_path"], "--use_cpu", "true", "--max_steps", "2", "--output_dir",
-              str(tmp_path / "out")], tmp_path)
+    r = _run(
+        [
+            "trl",
+            "sft",
+            "--config",
+            d["config_path"],
+            "--use_cpu",
+            "true",
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "'loss'" in r.stdout + r.stderr
     doc = yaml.safe_load(open(d["config_path"]))
     assert doc["per_device_train_batch_size"] * doc["gradient_accumulation_steps"] == 4
 
 
-@pytest.mark.parametrize("pins", [(), ("--method", "qlora", "--quant", "int8", "--no-kbit-upcast")],
-                         ids=["best", "int8-no-upcast"])
+@pytest.mark.parametrize(
+    "pins", [(), ("--method", "qlora", "--quant", "int8", "--no-kbit-upcast")], ids=["best", "int8-no-upcast"]
+)
 def test_the_hf_script_trains_the_emitted_file(weights_dir, tmp_path, pins):
     d = _tune(weights_dir, tmp_path, "hf", *pins)
     assert d["plan"]["trainer"] == "hf"
-    r = _run([sys.executable, "-m", "oomdoctor.execute.trainers.hf", d["config_path"], "--use_cpu", "--max_steps",
-              "2", "--output_dir", str(tmp_path / "out")], tmp_path)
+    r = _run(
+        [
+            sys.executable,
+            "-m",
+            "oomdoctor.execute.trainers.hf",
+            d["config_path"],
+            "--use_cpu",
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RuntimeWarning" not in r.stderr  # the module runs as a script without being imported twice
     assert (tmp_path / "out" / "checkpoint-2").is_dir()

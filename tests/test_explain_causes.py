@@ -19,8 +19,9 @@ MiB = 2**20
 
 def report(**numbers) -> OomReport:
     """A torch >= 2.2 caching-allocator report on a 24 GiB card with the given numbers."""
-    base = dict(kind="cuda-allocator", format="torch>=2.2", device="cuda:0", message="CUDA out of memory.",
-                total_bytes=24 * GiB)
+    base = dict(
+        kind="cuda-allocator", format="torch>=2.2", device="cuda:0", message="CUDA out of memory.", total_bytes=24 * GiB
+    )
     return OomReport(**(base | numbers))
 
 
@@ -56,8 +57,15 @@ def test_fragmentation_when_cached_blocks_exceed_the_request():
 
 def test_fragmentation_first_over_every_other_cause():
     """U >= R outranks the strongest other readings: a huge request that fits the card, other processes."""
-    r = report(requested_bytes=8 * GiB, reserved_unallocated_bytes=9 * GiB, free_bytes=0, allocated_bytes=14 * GiB,
-               phase="loss", failing_frame="x.py:1 in f: logits = logits.float()", other_processes_bytes=0)
+    r = report(
+        requested_bytes=8 * GiB,
+        reserved_unallocated_bytes=9 * GiB,
+        free_bytes=0,
+        allocated_bytes=14 * GiB,
+        phase="loss",
+        failing_frame="x.py:1 in f: logits = logits.float()",
+        other_processes_bytes=0,
+    )
     frag = causes.fragmentation(r, 0)
     huge = causes.huge_allocation(r, 0, LogitsShape())
     assert huge.score == causes.HUGE_MOST < frag.score
@@ -75,8 +83,12 @@ def test_fragmentation_cached_plus_free_and_weak_share():
 
 
 def test_other_processes_listed_and_unlisted():
-    r = report(requested_bytes=2 * GiB, free_bytes=1 * GiB, other_processes_bytes=6 * GiB,
-               processes=(ProcessUse(4242, 6 * GiB), ProcessUse(None, 17 * GiB, is_self=True)))
+    r = report(
+        requested_bytes=2 * GiB,
+        free_bytes=1 * GiB,
+        other_processes_bytes=6 * GiB,
+        processes=(ProcessUse(4242, 6 * GiB), ProcessUse(None, 17 * GiB, is_self=True)),
+    )
     c = causes.other_processes(r)
     assert c.score == 0.8 and "PID 4242" in c.evidence[0] and "would have fit" in c.evidence[0]
     assert "kill 4242" in c.fixes[0].how
@@ -89,10 +101,15 @@ def test_other_processes_listed_and_unlisted():
 def test_huge_allocation_adds_logits_line_and_phase():
     vocab, tokens = 32000, 8192
     shape = LogitsShape((vocab,))
-    r = report(requested_bytes=tokens * vocab * 4, failing_frame="x.py:1 in forward: logits = self.lm_head(h)",
-               phase="loss")
-    terms = [causes.request_size_term(r), causes.logits_term(r, shape), causes.failing_line_term(r),
-             causes.logits_phase_term(r)]
+    r = report(
+        requested_bytes=tokens * vocab * 4, failing_frame="x.py:1 in forward: logits = self.lm_head(h)", phase="loss"
+    )
+    terms = [
+        causes.request_size_term(r),
+        causes.logits_term(r, shape),
+        causes.failing_line_term(r),
+        causes.logits_phase_term(r),
+    ]
     assert terms[0] is None  # 0.98 GiB is 4% of the card: not big by itself
     assert terms[1].bonus == 0.15 and "vocab 32000" in terms[1].evidence
     assert terms[2].bonus == 0.1 and terms[3].bonus == 0.1

@@ -19,7 +19,12 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OOMDOCTOR_OFFLINE": "1", "COLUMNS":
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "oomdoctor", "explain", *args],
-        input=stdin, capture_output=True, text=True, cwd=REPO, env=ENV, timeout=120,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=ENV,
+        timeout=120,
     )
 
 
@@ -73,8 +78,20 @@ def test_missing_file_exits_2():
 
 
 def test_model_ranks_fixes_by_bytes_saved():
-    p = run(str(DATA / "v22-forward-llama-trainer.txt"), "--json", "--model", "meta-llama/Llama-2-7b-hf",
-            "--method", "lora", "--micro-batch", "4", "--seq-len", "1024", "--gpu-mem", "24GB")
+    p = run(
+        str(DATA / "v22-forward-llama-trainer.txt"),
+        "--json",
+        "--model",
+        "meta-llama/Llama-2-7b-hf",
+        "--method",
+        "lora",
+        "--micro-batch",
+        "4",
+        "--seq-len",
+        "1024",
+        "--gpu-mem",
+        "24GB",
+    )
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["plan"]["label"].startswith("lora")

@@ -54,11 +54,15 @@ def test_tune_refuses_an_output_it_cannot_write_before_searching(tmp_path, small
     (tmp_path / "afile").write_text("x")
     (tmp_path / "adir").mkdir()
     ro = small_fs(1 << 20, read_only=True)
-    for out, why in ((tmp_path / "adir", "is a directory"), (tmp_path / "afile" / "plan.yaml", "is a file"),
-                     (ro / "plan.yaml", "read-only filesystem")):
+    for out, why in (
+        (tmp_path / "adir", "is a directory"),
+        (tmp_path / "afile" / "plan.yaml", "is a file"),
+        (ro / "plan.yaml", "read-only filesystem"),
+    ):
         for emit in ("oomdoctor", "trl"):
-            code, stdout, err = run_main(["tune", TINY, "--gpu-mem", "1GB", "--verify", "none", "--emit", emit,
-                                         "-o", str(out)], capsys)
+            code, stdout, err = run_main(
+                ["tune", TINY, "--gpu-mem", "1GB", "--verify", "none", "--emit", emit, "-o", str(out)], capsys
+            )
             assert code == EXIT_BAD_INPUT, err
             assert why in err and "Traceback" not in err and "searching plans" not in err
             assert err.count("error:") == 1 and not stdout
@@ -68,8 +72,11 @@ def test_diagnose_refuses_a_plot_it_cannot_write_before_pricing(tmp_path, small_
     (tmp_path / "afile").write_text("x")
     (tmp_path / "d.png").mkdir()
     ro = small_fs(1 << 20, read_only=True)
-    for out, why in ((tmp_path / "d.png", "is a directory"), (tmp_path / "afile" / "m.png", "is a file"),
-                     (ro / "m.html", "read-only filesystem")):
+    for out, why in (
+        (tmp_path / "d.png", "is a directory"),
+        (tmp_path / "afile" / "m.png", "is a file"),
+        (ro / "m.html", "read-only filesystem"),
+    ):
         code, stdout, err = run_main(["diagnose", TINY, "--plot", str(out)], capsys)
         assert code == EXIT_BAD_INPUT and why in err and "Traceback" not in err, err
         assert not stdout  # refused before the table was priced and printed
@@ -78,7 +85,20 @@ def test_diagnose_refuses_a_plot_it_cannot_write_before_pricing(tmp_path, small_
 def test_a_plot_on_a_full_disk_says_so(small_fs, capsys):
     pytest.importorskip("matplotlib")
     disk = small_fs(16 * 1024)
-    code, _, err = run_main(["diagnose", TINY, "--method", "lora", "--precision", "bf16-mixed", "--optimizer",
-                            "adamw", "--plot", str(disk / "m.png")], capsys)
+    code, _, err = run_main(
+        [
+            "diagnose",
+            TINY,
+            "--method",
+            "lora",
+            "--precision",
+            "bf16-mixed",
+            "--optimizer",
+            "adamw",
+            "--plot",
+            str(disk / "m.png"),
+        ],
+        capsys,
+    )
     assert code == EXIT_WRITE_FAILED and "No space left on device" in err and "Traceback" not in err, err
     assert os.listdir(disk) == []

@@ -52,9 +52,20 @@ def _texts(n: int) -> list[str]:
 
 
 def _common(mb: int, **over) -> dict:
-    args = dict(per_device_train_batch_size=mb, gradient_accumulation_steps=GA * MB // mb, max_steps=STEPS,
-                learning_rate=1e-3, warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    args = dict(
+        per_device_train_batch_size=mb,
+        gradient_accumulation_steps=GA * MB // mb,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     return {**args, **over}
 
 
@@ -63,8 +74,12 @@ def hf_trainer(tmp, init_state, tok, *, guarded: bool, mb: int = MB):
 
     data = [tok(t, truncation=True, max_length=48) for t in _texts(MB * GA * STEPS)]
     cls = GuardedTrainer if guarded else Trainer
-    return cls(model=_model(init_state), args=TrainingArguments(output_dir=str(tmp), **_common(mb)),
-               train_dataset=data, data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+    return cls(
+        model=_model(init_state),
+        args=TrainingArguments(output_dir=str(tmp), **_common(mb)),
+        train_dataset=data,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+    )
 
 
 def _run(trainer, cap: int | None = None) -> LiveBytes:
@@ -216,8 +231,12 @@ def sft_trainer(tmp, init_state, tok, *, guarded: bool, mb: int = MB):
     # fp32 like the Trainer runs (SFTConfig defaults to bf16 autocast, whose rounding differs between a batch of 8
     # and two of 4 by ~1e-4 on the gradient, with or without the guard)
     args = trl.SFTConfig(output_dir=str(tmp), max_length=48, packing=False, bf16=False, **_common(mb))
-    return cls(model=_model(init_state), args=args, processing_class=tok,
-               train_dataset=Dataset.from_list([{"text": t} for t in _texts(MB * GA * STEPS)]))
+    return cls(
+        model=_model(init_state),
+        args=args,
+        processing_class=tok,
+        train_dataset=Dataset.from_list([{"text": t} for t in _texts(MB * GA * STEPS)]),
+    )
 
 
 @pytest.mark.slow

@@ -15,8 +15,17 @@ from oomdoctor.plan import Plan, validate
 PLAN = validate(Plan(method="lora", precision="bf16", gradient_checkpointing=True, seq_len=2048))
 
 
-@pytest.mark.parametrize("model_id", ["meta-llama/Llama-2-7b-hf", "google/gemma-2-9b", "mistralai/Mixtral-8x7B-v0.1",
-                                      "microsoft/Phi-3-mini-4k-instruct", "openai-community/gpt2", "tiiuae/falcon-7b"])
+@pytest.mark.parametrize(
+    "model_id",
+    [
+        "meta-llama/Llama-2-7b-hf",
+        "google/gemma-2-9b",
+        "mistralai/Mixtral-8x7B-v0.1",
+        "microsoft/Phi-3-mini-4k-instruct",
+        "openai-community/gpt2",
+        "tiiuae/falcon-7b",
+    ],
+)
 def test_the_meta_inventory_equals_the_hand_written_builders(model_id):
     """Where a family has a hand-written builder, reading transformers' own model gives the same parameters (to
     the element) and the same price (Mixtral within 0.2 %: its router is classified by shape)."""
@@ -77,8 +86,25 @@ def test_a_replay_a_meta_kernel_refuses_prints_no_torch_traceback(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(dict(DEEPSEEK_V3, moe_intermediate_size=33)))
-    p = subprocess.run([sys.executable, "-m", "oomdoctor", "diagnose", str(path), "--method", "lora", "--precision",
-                        "bf16", "--seq-len", "64", "--json"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oomdoctor",
+            "diagnose",
+            str(path),
+            "--method",
+            "lora",
+            "--precision",
+            "bf16",
+            "--seq-len",
+            "64",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert "failed while attempting to run meta" not in p.stderr and "Traceback" not in p.stderr, p.stderr
 
@@ -90,8 +116,18 @@ def test_llama_like_new_types_full_fine_tune_within_2_percent_of_the_simulation(
     from oomdoctor.engines import simulate
     from oomdoctor.memory.analytic import estimate_analytic
 
-    spec = build_spec(dict(model_type=model_type, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=344, vocab_size=512), model_type)
+    spec = build_spec(
+        dict(
+            model_type=model_type,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=344,
+            vocab_size=512,
+        ),
+        model_type,
+    )
     plan = validate(Plan(method="full", precision="bf16", seq_len=64, micro_batch=2))
     sim = simulate.simulate_plan(spec, plan, layers="full", round_to=1).breakdown.peak_allocated
     est = estimate_analytic(spec, plan).peak_allocated

@@ -14,7 +14,14 @@ PKG = Path(__file__).resolve().parent.parent / "oomdoctor"
 
 #: Rank of each top-level unit of the package; an import must go to a rank <= its own.
 RANK: dict[str, int] = {
-    "errors": 0, "units": 0, "noise": 0, "gpu": 0, "resources": 0, "files": 0, "progress": 0, "imports": 0,
+    "errors": 0,
+    "units": 0,
+    "noise": 0,
+    "gpu": 0,
+    "resources": 0,
+    "files": 0,
+    "progress": 0,
+    "imports": 0,
     "plan": 1,
     "model": 2,
     "memory": 3,
@@ -25,7 +32,9 @@ RANK: dict[str, int] = {
     "train": 7,
     "tune": 8,
     "explain": 8,
-    "cli": 9, "__main__": 9, "__init__": 9,
+    "cli": 9,
+    "__main__": 9,
+    "__init__": 9,
 }
 
 
@@ -60,11 +69,7 @@ def test_every_unit_has_a_rank():
 
 
 def test_no_upward_imports():
-    upward = [
-        f"{m}:{line} imports {t}"
-        for m, t, line in _imports()
-        if RANK[_unit(t)] > RANK[_unit(m)]
-    ]
+    upward = [f"{m}:{line} imports {t}" for m, t, line in _imports() if RANK[_unit(t)] > RANK[_unit(m)]]
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
@@ -121,13 +126,32 @@ def test_no_typer_or_rich_below_the_cli():
 
 
 #: ``train``'s library: the modules the recipe (``train.loop``) calls, each one job. None of them imports the recipe.
-TRAIN_LIBRARY = ("run", "sizing", "resume", "signals", "oom", "outputs", "setup", "checkpoint", "rundir", "restart",
-                 "data", "evaluate", "report", "preflight", "dryrun", "config")
+TRAIN_LIBRARY = (
+    "run",
+    "sizing",
+    "resume",
+    "signals",
+    "oom",
+    "outputs",
+    "setup",
+    "checkpoint",
+    "rundir",
+    "restart",
+    "data",
+    "evaluate",
+    "report",
+    "preflight",
+    "dryrun",
+    "config",
+)
 
 
 def test_train_library_does_not_import_the_recipe():
     on_disk = {p.stem for p in (PKG / "train").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
     assert on_disk - {"__init__", "loop"} == set(TRAIN_LIBRARY), "name each train module's role in TRAIN_LIBRARY"
-    upward = [f"{m}:{line} imports {t}" for m, t, line in _imports()
-              if m.split(".")[2:3] and m.split(".")[2] in TRAIN_LIBRARY and t == "oomdoctor.train.loop"]
+    upward = [
+        f"{m}:{line} imports {t}"
+        for m, t, line in _imports()
+        if m.split(".")[2:3] and m.split(".")[2] in TRAIN_LIBRARY and t == "oomdoctor.train.loop"
+    ]
     assert not upward, "train's library imports its recipe:\n" + "\n".join(upward)

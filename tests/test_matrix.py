@@ -20,12 +20,26 @@ def test_unpinned_matrix_spans_methods_precisions_gc_optimizers_offload():
 
 
 def test_every_technique_pinned_gives_one_plan():
-    pins = dict(method="lora", precision="bf16-mixed", optimizer="adamw", attn="sdpa",
-                gradient_checkpointing=True, lora_r=8, lora_targets=("q_proj", "v_proj"))
+    pins = dict(
+        method="lora",
+        precision="bf16-mixed",
+        optimizer="adamw",
+        attn="sdpa",
+        gradient_checkpointing=True,
+        lora_r=8,
+        lora_targets=("q_proj", "v_proj"),
+    )
     (plan,) = enumerate_plans(pins)
     assert plan.lora_r == 8 and plan.lora_targets == ("q_proj", "v_proj") and plan.gradient_checkpointing
-    pins = dict(method="qlora", precision="bf16-mixed", optimizer="paged-adamw-8bit", attn="sdpa",
-                gradient_checkpointing=False, quant="nf4", double_quant=True)
+    pins = dict(
+        method="qlora",
+        precision="bf16-mixed",
+        optimizer="paged-adamw-8bit",
+        attn="sdpa",
+        gradient_checkpointing=False,
+        quant="nf4",
+        double_quant=True,
+    )
     assert len(enumerate_plans(pins)) == 1
     pins = dict(method="full", precision="fp32", optimizer="sgd", attn="eager", gradient_checkpointing=False)
     assert len(enumerate_plans(pins)) == 1

@@ -25,8 +25,14 @@ from oomdoctor.plan import Plan, validate
 
 H, L, I, NH, HD, V = 64, 2, 128, 4, 16, 256
 TINY_CFG = dict(
-    model_type="llama", hidden_size=H, num_hidden_layers=L, intermediate_size=I, num_attention_heads=NH,
-    num_key_value_heads=NH, vocab_size=V, tie_word_embeddings=False,
+    model_type="llama",
+    hidden_size=H,
+    num_hidden_layers=L,
+    intermediate_size=I,
+    num_attention_heads=NH,
+    num_key_value_heads=NH,
+    vocab_size=V,
+    tie_word_embeddings=False,
 )
 #: numel: embed 16384 + per layer (4*4096 + 3*8192 + 2*64) * 2 + final norm 64 + head 16384
 LINEAR_PER_LAYER = 4 * 4096 + 3 * 8192
@@ -161,8 +167,9 @@ def test_paged_optimizer_goes_to_peak_device_not_peak_allocated():
 
 
 def test_offload_optimizer_moves_states_to_cpu(spec):
-    e = estimate_analytic(spec, validate(Plan(method="full", precision="bf16", offload_optimizer=True,
-                                                  optimizer_impl="foreach")))
+    e = estimate_analytic(
+        spec, validate(Plan(method="full", precision="bf16", offload_optimizer=True, optimizer_impl="foreach"))
+    )
     assert e.optimizer_states == 0 and e.cpu_offloaded == 2 * 2 * NUMEL
 
 
@@ -181,7 +188,9 @@ def test_per_layer_activations_full_bf16_sdpa_by_hand(spec):
 def test_eager_adds_seq_squared_probabilities(spec):
     for S in (32, 64):
         sd = act.layer_activations(ctx(spec, method="full", precision="bf16", micro_batch=2, seq_len=S)).saved
-        ea = act.layer_activations(ctx(spec, method="full", precision="bf16", attn="eager", micro_batch=2, seq_len=S)).saved
+        ea = act.layer_activations(
+            ctx(spec, method="full", precision="bf16", attn="eager", micro_batch=2, seq_len=S)
+        ).saved
         # fp32 softmax + bf16 cast of B x heads x S x S, minus SDPA's logsumexp
         assert ea - sd == (4 + 2) * 2 * NH * S * S - 4 * 2 * NH * S
     e = lambda S, a: estimate_analytic(spec, validate(Plan(precision="bf16", attn=a, seq_len=S))).activations  # noqa: E731 - a one-line local helper
@@ -215,7 +224,9 @@ def test_lora_dropout_costs_a_mask_and_a_copy_per_module(spec):
 def test_moe_activations_scale_with_experts_per_token():
     cfg = dict(TINY_CFG, model_type="mixtral", num_local_experts=4, num_experts_per_tok=1)
     a1 = estimate_analytic(build_spec(cfg, "moe1"), validate(Plan(precision="bf16", seq_len=256))).activations
-    a2 = estimate_analytic(build_spec(dict(cfg, num_experts_per_tok=2), "moe2"), validate(Plan(precision="bf16", seq_len=256))).activations
+    a2 = estimate_analytic(
+        build_spec(dict(cfg, num_experts_per_tok=2), "moe2"), validate(Plan(precision="bf16", seq_len=256))
+    ).activations
     assert a2 > a1
 
 
@@ -243,8 +254,12 @@ def test_allocator_rounding():
 
 def test_components_sum_to_peak_and_peaks_are_ordered(spec):
     for plan in (
-        Plan(), Plan(method="lora"), Plan(method="qlora", gradient_checkpointing=True), Plan(precision="bf16", attn="eager"),
-        Plan(method="full", optimizer="paged-adamw", grad_accum=4), Plan(method="lora", offload_activations=True),
+        Plan(),
+        Plan(method="lora"),
+        Plan(method="qlora", gradient_checkpointing=True),
+        Plan(precision="bf16", attn="eager"),
+        Plan(method="full", optimizer="paged-adamw", grad_accum=4),
+        Plan(method="lora", offload_activations=True),
     ):
         e = estimate_analytic(spec, validate(plan))
         assert sum(getattr(e, k) for k in TENSOR_COMPONENTS) == e.peak_allocated

@@ -11,17 +11,55 @@ from oomdoctor.errors import BadInput
 from oomdoctor.model.load import spec_from_config
 from oomdoctor.plan import Plan, validate
 
-QWEN3_MOE = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=128, intermediate_size=256,
-                 moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=32, num_experts=8, num_experts_per_tok=2, vocab_size=512, max_position_embeddings=512,
-                 tie_word_embeddings=False)
-MIXTRAL = dict(model_type="mixtral", hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=512,
-               max_position_embeddings=512)
-DEEPSEEK_V3 = dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-                   n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
-                   qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1, vocab_size=256)
+QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    architectures=["Qwen3MoeForCausalLM"],
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+MIXTRAL = dict(
+    model_type="mixtral",
+    hidden_size=128,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+)
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    qk_nope_head_dim=16,
+    n_group=1,
+    topk_group=1,
+    vocab_size=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +67,17 @@ def moe_spec():
     return spec_from_config(dict(QWEN3_MOE), name="tiny-qwen3-moe")
 
 
-@pytest.mark.parametrize("method, precision, upcast, kernel", [
-    ("lora", "bf16", True, "grouped_mm"), ("lora", "fp32", True, "eager"), ("lora", "bf16-mixed", True, "eager"),
-    # peft's k-bit upcast makes a quantized base's experts fp32; without it they stay bf16
-    ("qlora", "bf16", True, "eager"), ("qlora", "bf16", False, "grouped_mm")])
+@pytest.mark.parametrize(
+    "method, precision, upcast, kernel",
+    [
+        ("lora", "bf16", True, "grouped_mm"),
+        ("lora", "fp32", True, "eager"),
+        ("lora", "bf16-mixed", True, "eager"),
+        # peft's k-bit upcast makes a quantized base's experts fp32; without it they stay bf16
+        ("qlora", "bf16", True, "eager"),
+        ("qlora", "bf16", False, "grouped_mm"),
+    ],
+)
 def test_the_executor_picks_the_experts_kernel_that_runs(moe_spec, method, precision, upcast, kernel):
     import torch
 
@@ -77,8 +122,10 @@ def balanced_router(experts: int, top_k: int):
 
 
 @pytest.mark.parametrize("cfg", [QWEN3_MOE, MIXTRAL], ids=["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("method, precision, gc", [("lora", "fp32", False), ("lora", "bf16-mixed", True),
-                                                   ("qlora", "bf16-mixed", False), ("full", "fp32", True)])
+@pytest.mark.parametrize(
+    "method, precision, gc",
+    [("lora", "fp32", False), ("lora", "bf16-mixed", True), ("qlora", "bf16-mixed", False), ("full", "fp32", True)],
+)
 def test_eager_experts_replay_equals_the_real_cpu_step_under_a_balanced_router(cfg, method, precision, gc):
     """The eager experts' data-dependent token picks are sized as a balanced router sends them: the replay then
     equals a real CPU step whose router is balanced, to the byte."""
@@ -86,8 +133,9 @@ def test_eager_experts_replay_equals_the_real_cpu_step_under_a_balanced_router(c
     from oomdoctor.execute.build import runs_eager_experts
 
     spec = spec_from_config(dict(cfg), name="tiny-moe")
-    plan = validate(Plan(method=method, precision=precision, seq_len=64, micro_batch=2, gradient_checkpointing=gc,
-                         lora_dropout=0.0))
+    plan = validate(
+        Plan(method=method, precision=precision, seq_len=64, micro_batch=2, gradient_checkpointing=gc, lora_dropout=0.0)
+    )
     assert runs_eager_experts(spec, plan)
     replayed = simulate_run(spec, plan, round_to=1).peak
     with balanced_router(spec.num_experts, spec.experts_per_token):
@@ -157,8 +205,14 @@ def test_analytic_within_2_percent_of_simulate_for_moe_lora(cfg, gc, wide):
     from oomdoctor.engines import estimate
 
     if wide:
-        cfg = dict(cfg, **({"moe_intermediate_size": 256, "num_experts": 32} if "num_experts" in cfg
-                           else {"intermediate_size": 256, "num_local_experts": 32}))
+        cfg = dict(
+            cfg,
+            **(
+                {"moe_intermediate_size": 256, "num_experts": 32}
+                if "num_experts" in cfg
+                else {"intermediate_size": 256, "num_local_experts": 32}
+            ),
+        )
     spec = spec_from_config(dict(cfg), name=cfg["model_type"])
     plan = validate(Plan(method="lora", precision="bf16", seq_len=512 if wide else 1024, gradient_checkpointing=gc))
     sim = estimate(spec, plan, "simulate").peak_allocated
@@ -168,19 +222,26 @@ def test_analytic_within_2_percent_of_simulate_for_moe_lora(cfg, gc, wide):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", [QWEN3_MOE_LORA, MIXTRAL], ids=lambda c: c["model_type"])
-@pytest.mark.parametrize("method, precision, gc", [("lora", "fp32", True), ("qlora", "bf16-mixed", False),
-                                                   ("full", "bf16-mixed", True), ("full", "fp32", False)])
+@pytest.mark.parametrize(
+    "method, precision, gc",
+    [("lora", "fp32", True), ("qlora", "bf16-mixed", False), ("full", "bf16-mixed", True), ("full", "fp32", False)],
+)
 def test_analytic_within_1_percent_of_simulate_for_wide_eager_experts(cfg, method, precision, gc):
     """Plans that run the eager experts (fp32 weights, autocast, QLoRA), with weight-dominated experts as released
     MoE models have them (32 experts of 256 here): the per-expert loop's index-backward gradient sums, per-slice
     autocast casts and ``index_add_`` source are priced by the formulas."""
     from oomdoctor.engines import estimate
 
-    cfg = dict(cfg, **({"moe_intermediate_size": 256, "num_experts": 32} if "num_experts" in cfg
-                       else {"intermediate_size": 256, "num_local_experts": 32}))
+    cfg = dict(
+        cfg,
+        **(
+            {"moe_intermediate_size": 256, "num_experts": 32}
+            if "num_experts" in cfg
+            else {"intermediate_size": 256, "num_local_experts": 32}
+        ),
+    )
     spec = spec_from_config(dict(cfg), name=cfg["model_type"])
-    plan = validate(Plan(method=method, precision=precision, seq_len=512, lora_dropout=0.0,
-                         gradient_checkpointing=gc))
+    plan = validate(Plan(method=method, precision=precision, seq_len=512, lora_dropout=0.0, gradient_checkpointing=gc))
     sim = estimate(spec, plan, "simulate").peak_allocated
     ana = estimate(spec, plan, "analytic").peak_allocated
     assert abs(ana - sim) / sim <= 0.01, (ana, sim)  # README: within 1 % with wide experts

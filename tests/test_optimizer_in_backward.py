@@ -32,7 +32,7 @@ def test_same_weights_as_stepping_after_backward_and_no_gradient_left(tmp_path):
         sched = make_scheduler("cosine", opt, warmup_steps=1, total_steps=4)
         step = TrainStep(loaded.model, opt, plan, "cpu", max_grad_norm=None)
         for k in range(3):
-            step.forward_backward(collate(data.samples[4 * k:4 * k + 4], data.pad_id), num_items_in_batch=200)
+            step.forward_backward(collate(data.samples[4 * k : 4 * k + 4], data.pad_id), num_items_in_batch=200)
             if oib:  # the gradients were used and freed inside backward
                 assert all(p.grad is None for p in loaded.trainable)
             step.optimizer_step()
@@ -52,8 +52,18 @@ def test_formulas_and_simulation_agree_and_gradients_vanish():
     from oomdoctor.memory.analytic import estimate_analytic
     from oomdoctor.model.architectures import build_spec
 
-    spec = build_spec(dict(model_type="llama", hidden_size=256, num_hidden_layers=4, intermediate_size=688,
-                           num_attention_heads=4, num_key_value_heads=4, vocab_size=2000), "small")
+    spec = build_spec(
+        dict(
+            model_type="llama",
+            hidden_size=256,
+            num_hidden_layers=4,
+            intermediate_size=688,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=2000,
+        ),
+        "small",
+    )
     for precision in ("bf16", "fp32"):  # short sequences: the model states, not the activations, make the peak
         base = validate(Plan(precision=precision, seq_len=32, micro_batch=1, gradient_checkpointing=True))
         oib = base.with_(optimizer_in_backward=True)
@@ -72,8 +82,9 @@ def test_train_runs_it_and_the_yaml_demands_no_clipping(tmp_path):
     from oomdoctor.train.config.render import render_yaml
     from oomdoctor.train.loop import train
 
-    cfg = tiny_cfg(tmp_path / "out", max_steps=2, gradient_accumulation_steps=1, micro_batch_size=8,
-                   optimizer_in_backward=True)
+    cfg = tiny_cfg(
+        tmp_path / "out", max_steps=2, gradient_accumulation_steps=1, micro_batch_size=8, optimizer_in_backward=True
+    )
     with pytest.raises(BadInput, match="max_grad_norm"):
         parse_train_config(yaml.safe_load(render_yaml(cfg)), check_paths=False)
     from dataclasses import replace

@@ -34,9 +34,19 @@ def _png_size(data: bytes) -> tuple[int, int]:
 def _breakdown(params, grads, opt, act, logits) -> MemoryBreakdown:
     alloc = params + grads + opt + act + logits + GiB // 4
     return MemoryBreakdown(
-        parameters=params, adapters=0, master_weights=0, gradients=grads, optimizer_states=opt, activations=act,
-        logits=logits, temporaries=GiB // 4, allocator_slack=GiB // 2, cuda_context=GiB // 2,
-        cublas_workspace=GiB // 32, peak_allocated=alloc, peak_reserved=alloc + GiB // 2,
+        parameters=params,
+        adapters=0,
+        master_weights=0,
+        gradients=grads,
+        optimizer_states=opt,
+        activations=act,
+        logits=logits,
+        temporaries=GiB // 4,
+        allocator_slack=GiB // 2,
+        cuda_context=GiB // 2,
+        cublas_workspace=GiB // 32,
+        peak_allocated=alloc,
+        peak_reserved=alloc + GiB // 2,
         peak_device=alloc + GiB + GiB // 32,
     )
 
@@ -58,13 +68,32 @@ def synthetic_timeline() -> list[tuple[int, str, dict[str, int]]]:
             out.append((ev, "forward", {"parameters": 2 * GiB, "optimizer_states": opt, "activations": i * GiB // 8}))
             ev += 1
         for i in range(30):
-            out.append((ev, "backward", {"parameters": 2 * GiB, "optimizer_states": opt,
-                                         "activations": (30 - i) * GiB // 8, "gradients": i * GiB // 15}))
+            out.append(
+                (
+                    ev,
+                    "backward",
+                    {
+                        "parameters": 2 * GiB,
+                        "optimizer_states": opt,
+                        "activations": (30 - i) * GiB // 8,
+                        "gradients": i * GiB // 15,
+                    },
+                )
+            )
             ev += 1
         for i in range(8):
-            out.append((ev, "optimizer-step", {"parameters": 2 * GiB, "gradients": 2 * GiB,
-                                               "optimizer_states": 4 * GiB if (step or i > 2) else i * GiB,
-                                               "temporaries": GiB // 2}))
+            out.append(
+                (
+                    ev,
+                    "optimizer-step",
+                    {
+                        "parameters": 2 * GiB,
+                        "gradients": 2 * GiB,
+                        "optimizer_states": 4 * GiB if (step or i > 2) else i * GiB,
+                        "temporaries": GiB // 2,
+                    },
+                )
+            )
             ev += 1
     return out
 
@@ -95,8 +124,10 @@ def _drawn_verdicts(monkeypatch, tmp_path, rows, budget) -> tuple[list[str], str
     write = plot._write
 
     def keep(fig, *a, **kw):
-        texts = sorted((t for t in fig.axes[0].texts if t.get_text().startswith(" ") and "card" not in t.get_text()),
-                       key=lambda t: -t.get_position()[1])
+        texts = sorted(
+            (t for t in fig.axes[0].texts if t.get_text().startswith(" ") and "card" not in t.get_text()),
+            key=lambda t: -t.get_position()[1],
+        )
         drawn.extend(t.get_text().split("  ", 1)[1] if "  " in t.get_text() else "" for t in texts)
         return write(fig, *a, **kw)
 
@@ -176,9 +207,24 @@ def test_diagnose_cli_writes_plot(tmp_path):
     out = tmp_path / "d.png"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OOMDOCTOR_OFFLINE": "1"}
     p = subprocess.run(
-        [sys.executable, "-m", "oomdoctor", "diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB",
-         "--seq-len", "1024", "--plot", str(out)],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "oomdoctor",
+            "diagnose",
+            "meta-llama/Llama-2-7b-hf",
+            "--gpu-mem",
+            "24GB",
+            "--seq-len",
+            "1024",
+            "--plot",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
     )
     assert p.returncode in (0, 3), p.stderr
     data = out.read_bytes()
@@ -198,10 +244,35 @@ def test_diagnose_simulate_writes_timeline_html(tmp_path):
     out = tmp_path / "timeline.html"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OOMDOCTOR_OFFLINE": "1"}
     p = subprocess.run(
-        [sys.executable, "-m", "oomdoctor", "diagnose", str(cfg), "--engine", "simulate", "--method", "full",
-         "--precision", "fp32", "--optimizer", "adamw", "--no-gradient-checkpointing", "--attn", "sdpa",
-         "--micro-batch", "2", "--seq-len", "64", "--plot", str(out)],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "oomdoctor",
+            "diagnose",
+            str(cfg),
+            "--engine",
+            "simulate",
+            "--method",
+            "full",
+            "--precision",
+            "fp32",
+            "--optimizer",
+            "adamw",
+            "--no-gradient-checkpointing",
+            "--attn",
+            "sdpa",
+            "--micro-batch",
+            "2",
+            "--seq-len",
+            "64",
+            "--plot",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
     )
     assert p.returncode == 0, p.stderr
     text = out.read_text()

@@ -33,9 +33,31 @@ def test_a_simulated_diagnose_shows_its_progress_on_stderr_and_keeps_stdout_json
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr("oomdoctor.cli.console.PLAIN_AFTER_S", 0.0)  # every stage's line, however short
     try:
-        main(["diagnose", "bundled:tiny/model/config.json", "--engine", "simulate", "--method", "full",
-              "--precision", "fp32", "--optimizer", "adamw", "--optimizer-impl", "foreach", "--attn", "sdpa",
-              "--loss", "standard", "--offload", "none", "--seq-len", "64", "--json"])
+        main(
+            [
+                "diagnose",
+                "bundled:tiny/model/config.json",
+                "--engine",
+                "simulate",
+                "--method",
+                "full",
+                "--precision",
+                "fp32",
+                "--optimizer",
+                "adamw",
+                "--optimizer-impl",
+                "foreach",
+                "--attn",
+                "sdpa",
+                "--loss",
+                "standard",
+                "--offload",
+                "none",
+                "--seq-len",
+                "64",
+                "--json",
+            ]
+        )
     except SystemExit as exc:
         assert exc.code in (0, None)
     out, err = capsys.readouterr()
@@ -52,8 +74,14 @@ def test_tune_reports_its_search_and_its_verification(monkeypatch):
 
     seen: list[Progress] = []
     with listening(seen.append):
-        tune("bundled:tiny/model/config.json", gpu_mem=2 * 10**9, seq_len=64, global_batch=8, gpu=None,
-             verify_mode="simulate")
+        tune(
+            "bundled:tiny/model/config.json",
+            gpu_mem=2 * 10**9,
+            seq_len=64,
+            global_batch=8,
+            gpu=None,
+            verify_mode="simulate",
+        )
     tasks = [p.task for p in seen]
     assert tasks[0] == "tune" and "searching" in seen[0].message
     assert "verify" in tasks and tasks.index("verify") < tasks.index("simulate")
@@ -61,13 +89,15 @@ def test_tune_reports_its_search_and_its_verification(monkeypatch):
 
 @pytest.mark.slow  # a fresh interpreter importing torch, transformers and peft
 def test_bitsandbytes_imports_without_torchinductor_and_its_kernels_still_compile_when_called():
-    code = ("import sys\n"
-            "from oomdoctor.imports import cheap_imports\n"
-            "cheap_imports()\n"
-            "import importlib.util\n"
-            "assert importlib.util.find_spec('bitsandbytes') is not None  # an availability check is no import\n"
-            "import peft, bitsandbytes\n"  # peft imports bitsandbytes too
-            "print('torch._inductor.compile_fx' in sys.modules)\n")
+    code = (
+        "import sys\n"
+        "from oomdoctor.imports import cheap_imports\n"
+        "cheap_imports()\n"
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('bitsandbytes') is not None  # an availability check is no import\n"
+        "import peft, bitsandbytes\n"  # peft imports bitsandbytes too
+        "print('torch._inductor.compile_fx' in sys.modules)\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split()[-1] == "False"

@@ -22,8 +22,11 @@ from oomdoctor.plan import Plan, validate
 
 #: Blocks kept per config: enough for DeepSeek-V3's first MoE block (``first_k_dense_replace`` 3).
 LAYERS = 4
-QUANTS = {"nf4 dq": dict(quant="nf4", double_quant=True), "nf4": dict(quant="nf4", double_quant=False),
-          "int8": dict(quant="int8", double_quant=False)}
+QUANTS = {
+    "nf4 dq": dict(quant="nf4", double_quant=True),
+    "nf4": dict(quant="nf4", double_quant=False),
+    "int8": dict(quant="int8", double_quant=False),
+}
 
 
 def cut_spec(model_id: str):
@@ -41,7 +44,8 @@ def transformers_model(spec):
 
     config = hf_config(spec, validate(Plan()))
     auto = {"encoder": AutoModelForSequenceClassification, "encoder-decoder": AutoModelForSeq2SeqLM}.get(
-        spec.arch_kind) or auto_model_class(config)
+        spec.arch_kind
+    ) or auto_model_class(config)
     with torch.device("meta"):
         return auto.from_config(config, dtype=torch.float32)
 

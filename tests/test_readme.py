@@ -43,13 +43,15 @@ def _gpu_present() -> bool:
     return detect_gpu() is not None
 
 
-@pytest.mark.parametrize("block", [pytest.param(b, id=b.name, marks=[pytest.mark.slow] if b.slow else [])
-                                   for b in OUTPUTS.BLOCKS])
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, id=b.name, marks=[pytest.mark.slow] if b.slow else []) for b in OUTPUTS.BLOCKS]
+)
 def test_readme_quotes_what_the_commands_print(block):
     if _gpu_present():
         pytest.skip("the README quotes the outputs of a machine without a GPU")
     assert OUTPUTS.quoted(block.name) == OUTPUTS.render(block), (
-        f"README block {block.name!r} differs from what its commands print: python scripts/readme_outputs.py --write")
+        f"README block {block.name!r} differs from what its commands print: python scripts/readme_outputs.py --write"
+    )
 
 
 def test_pick_marks_each_gap_once():

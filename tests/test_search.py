@@ -263,7 +263,8 @@ def test_the_search_drops_peft_s_k_bit_upcast_only_when_that_is_what_fits():
     up = Plan(method="qlora", quant="nf4", precision="bf16", offload_activations=True)
     assert fidelity_key(up) < fidelity_key(Plan(method="qlora", quant="nf4", precision="bf16", kbit_upcast=False))
     assert fidelity_key(up.with_(precision="bf16-mixed", kbit_upcast=False)) == fidelity_key(
-        up.with_(precision="bf16-mixed"))  # an fp32-loaded base: nothing to upcast
+        up.with_(precision="bf16-mixed")
+    )  # an fp32-loaded base: nothing to upcast
     spec = load_spec("meta-llama/Llama-3.3-70B-Instruct")
     no_host = search(spec, plans, card(48 * 10**9), estimator=analytic, host_ram=2**30)
     assert not no_host.best.plan.kbit_upcast and not no_host.best.plan.offload_activations
@@ -285,8 +286,13 @@ def test_every_single_pin_selects_plans_the_unpinned_search_considers():
 
     base = Plan(seq_len=8192)
     every = set(enumerate_candidates({}, base, tiled_mlp=True))
-    pins = ([("optimizer", o) for o in ADAMW_FAMILY] + [("kbit_upcast", False), ("offload_activations", True),
-            ("optimizer_in_backward", True), ("gradient_checkpointing", False), ("loss", "chunked")])
+    pins = [("optimizer", o) for o in ADAMW_FAMILY] + [
+        ("kbit_upcast", False),
+        ("offload_activations", True),
+        ("optimizer_in_backward", True),
+        ("gradient_checkpointing", False),
+        ("loss", "chunked"),
+    ]
     for k, v in pins:
         assert {same_bytes(p) for p in enumerate_candidates({k: v}, base, tiled_mlp=True)} <= every, (k, v)
     tiled = enumerate_candidates({"tiled_mlp": True}, base)

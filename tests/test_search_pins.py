@@ -25,17 +25,39 @@ from oomdoctor.tune.throughput import REFERENCE_PROFILE
 from oomdoctor.tune.tuner import tune
 from oomdoctor.units import parse_size
 
-SMALL = dict(model_type="llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=1024, max_position_embeddings=1 << 17, tie_word_embeddings=False)
+SMALL = dict(
+    model_type="llama",
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=1 << 17,
+    tie_word_embeddings=False,
+)
 #: Every value of every knob the search spans on one GPU.
-PINS = ([("method", v) for v in ("full", "lora", "qlora")]
-        + [("precision", v) for v in ("fp32", "bf16-mixed", "bf16")]
-        + [("optimizer", v) for v in ADAMW_FAMILY]
-        + [("optimizer_impl", v) for v in ("fused", "foreach", "for-loop")]
-        + [("loss", v) for v in ("standard", "chunked")]
-        + [("quant", v) for v in ("nf4", "int8", "fp4")]
-        + [(k, v) for k in ("gradient_checkpointing", "tiled_mlp", "double_quant", "kbit_upcast", "optimizer_in_backward",
-                            "offload_optimizer", "offload_activations") for v in (False, True)])
+PINS = (
+    [("method", v) for v in ("full", "lora", "qlora")]
+    + [("precision", v) for v in ("fp32", "bf16-mixed", "bf16")]
+    + [("optimizer", v) for v in ADAMW_FAMILY]
+    + [("optimizer_impl", v) for v in ("fused", "foreach", "for-loop")]
+    + [("loss", v) for v in ("standard", "chunked")]
+    + [("quant", v) for v in ("nf4", "int8", "fp4")]
+    + [
+        (k, v)
+        for k in (
+            "gradient_checkpointing",
+            "tiled_mlp",
+            "double_quant",
+            "kbit_upcast",
+            "optimizer_in_backward",
+            "offload_optimizer",
+            "offload_activations",
+        )
+        for v in (False, True)
+    ]
+)
 HOST = 64 * 10**9
 
 
@@ -52,8 +74,15 @@ def _longest(spec, pins: dict, card: str) -> int:
     from oomdoctor.errors import DoesNotFit
 
     try:
-        return longest_context(spec, pins, resolve_budget(parse_size(card), None, None), analytic_estimator,
-                               REFERENCE_PROFILE, "quality", HOST)[1]
+        return longest_context(
+            spec,
+            pins,
+            resolve_budget(parse_size(card), None, None),
+            analytic_estimator,
+            REFERENCE_PROFILE,
+            "quality",
+            HOST,
+        )[1]
     except DoesNotFit:
         return 0
 
@@ -70,8 +99,9 @@ def test_seq_len_max_tries_tiles_on_every_stack_that_could_use_them(spec, unpinn
     hidden rule of thumb (4,096 tokens here)."""
     from oomdoctor.plan.budget import resolve_budget as rb
 
-    plan, seq = longest_context(spec, {}, rb(parse_size("700MB"), None, None), analytic_estimator,
-                                REFERENCE_PROFILE, "quality", HOST)
+    plan, seq = longest_context(
+        spec, {}, rb(parse_size("700MB"), None, None), analytic_estimator, REFERENCE_PROFILE, "quality", HOST
+    )
     assert seq == unpinned_max
     assert plan.tiled_mlp and seq > _longest(spec, {"tiled_mlp": False}, "700MB")
 
@@ -86,8 +116,9 @@ def _best(spec, pins: dict, card: str, seq_len: int):
     from oomdoctor.errors import BadInput, DoesNotFit
 
     try:
-        r = tune(spec, gpu_mem=parse_size(card), seq_len=seq_len, pins=pins, verify_mode="none", gpu=False,
-                 host_mem=HOST)
+        r = tune(
+            spec, gpu_mem=parse_size(card), seq_len=seq_len, pins=pins, verify_mode="none", gpu=False, host_mem=HOST
+        )
     except (DoesNotFit, BadInput):
         return None
     return r.search.best
@@ -106,6 +137,7 @@ def test_no_pinned_knob_finds_a_better_plan(spec, card, seq_len):
     for k, v in PINS:
         pinned = _best(spec, {k: v}, card, seq_len)
         if pinned is not None and rank_key(pinned) < rank_key(best):
-            beaten.append(f"{k}={v}: {pinned.plan.label()} {rank_key(pinned)} over {best.plan.label()} "
-                          f"{rank_key(best)}")
+            beaten.append(
+                f"{k}={v}: {pinned.plan.label()} {rank_key(pinned)} over {best.plan.label()} {rank_key(best)}"
+            )
     assert not beaten, "\n".join(beaten)

@@ -23,8 +23,15 @@ def llama7b():
 
 
 def _ds(spec, strategy, **kw):
-    plan = Plan(method="full", precision="bf16-mixed", optimizer="adamw", optimizer_impl="foreach", world_size=8,
-                strategy=strategy, **kw)
+    plan = Plan(
+        method="full",
+        precision="bf16-mixed",
+        optimizer="adamw",
+        optimizer_impl="foreach",
+        world_size=8,
+        strategy=strategy,
+        **kw,
+    )
     return deepspeed_view(make_ctx(spec, plan), gpus_per_node=8)
 
 
@@ -60,8 +67,14 @@ def test_deepspeed_estimator_figures_llama2_7b(llama7b, strategy, kw, per_gpu, p
     (6,738,415,616): equal to DeepSpeed's formulas to the byte, and to the printed GiB within that rounding."""
     assert llama7b.num_params == 6_738_415_616
     view = _ds(llama7b, strategy, **kw)
-    ref = _deepspeed_reference(strategy, llama7b.num_params, 32000 * 4096, 8, kw.get("offload_optimizer", False),
-                               kw.get("offload_params", False))
+    ref = _deepspeed_reference(
+        strategy,
+        llama7b.num_params,
+        32000 * 4096,
+        8,
+        kw.get("offload_optimizer", False),
+        kw.get("offload_params", False),
+    )
     assert (view.per_gpu, view.per_cpu) == ref
     assert view.per_gpu / GiB == pytest.approx(per_gpu, abs=0.01)
     assert view.per_cpu / GiB == pytest.approx(per_cpu, rel=3e-4)
@@ -69,9 +82,20 @@ def test_deepspeed_estimator_figures_llama2_7b(llama7b, strategy, kw, per_gpu, p
 
 def _tiny_spec(tmp_path, **over):
     """The research model of multi-gpu.md §1: tiny Llama whose embedding and head are 97 % of the parameters."""
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=256,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=32000,
-               max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-5, hidden_act="silu")
+    cfg = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+    )
     cfg.update(over)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
@@ -90,8 +114,9 @@ def test_tiny_model_matches_research_param_count(tmp_path):
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_fsdp_states_are_12psi_over_n_fp32_adamw(tmp_path, n):
     spec = _tiny_spec(tmp_path)
-    plan = Plan(method="full", precision="fp32", optimizer="adamw", optimizer_impl="foreach", world_size=n,
-                strategy="fsdp")
+    plan = Plan(
+        method="full", precision="fp32", optimizer="adamw", optimizer_impl="foreach", world_size=n, strategy="fsdp"
+    )
     assert _states(spec, plan) == pytest.approx(12 * spec.num_params / n, abs=n)
 
 
@@ -100,16 +125,21 @@ def test_hsdp_divides_by_the_shard_group(tmp_path):
     hsdp = Plan(method="full", precision="fp32", world_size=4, strategy="fsdp", shard_group=2)
     fsdp2 = Plan(method="full", precision="fp32", world_size=2, strategy="fsdp")
     assert _states(spec, hsdp) == _states(spec, fsdp2)
-    assert estimate_analytic(spec, hsdp, device="cpu").peak_allocated == \
-        estimate_analytic(spec, fsdp2, device="cpu").peak_allocated
+    assert (
+        estimate_analytic(spec, hsdp, device="cpu").peak_allocated
+        == estimate_analytic(spec, fsdp2, device="cpu").peak_allocated
+    )
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_ddp_is_single_plus_one_gradient_bucket(tmp_path, n):
     spec = _tiny_spec(tmp_path)
     single = estimate_analytic(spec, Plan(method="full", precision="fp32", optimizer_impl="foreach"), device="cpu")
-    ddp = estimate_analytic(spec, Plan(method="full", precision="fp32", optimizer_impl="foreach", world_size=n,
-                                       strategy="ddp"), device="cpu")
+    ddp = estimate_analytic(
+        spec,
+        Plan(method="full", precision="fp32", optimizer_impl="foreach", world_size=n, strategy="ddp"),
+        device="cpu",
+    )
     assert ddp.peak_allocated - single.peak_allocated == 4 * spec.num_params  # §1: +16.91 MB = 4Ψ
     assert ddp.comm_buffers == 4 * spec.num_params
 
@@ -121,10 +151,12 @@ def test_lora_under_fsdp_costs_more_than_ddp_at_two_ranks(tmp_path):
     ddp = estimate_analytic(spec, Plan(strategy="ddp", **base), device="cpu")
     fsdp = estimate_analytic(spec, Plan(strategy="fsdp", **base), device="cpu")
     assert fsdp.peak_allocated > ddp.peak_allocated
-    full_ddp = estimate_analytic(spec, Plan(method="full", precision="fp32", world_size=2, strategy="ddp"),
-                                 device="cpu")
-    full_fsdp = estimate_analytic(spec, Plan(method="full", precision="fp32", world_size=2, strategy="fsdp"),
-                                  device="cpu")
+    full_ddp = estimate_analytic(
+        spec, Plan(method="full", precision="fp32", world_size=2, strategy="ddp"), device="cpu"
+    )
+    full_fsdp = estimate_analytic(
+        spec, Plan(method="full", precision="fp32", world_size=2, strategy="fsdp"), device="cpu"
+    )
     assert full_fsdp.peak_allocated < full_ddp.peak_allocated  # full fine-tuning: sharding pays
 
 
@@ -147,8 +179,9 @@ def test_keeping_units_gathered_costs_more(tmp_path):
 def test_llama7b_full_ft_on_8_gpus_fsdp_vs_ddp(llama7b):
     """§4: the fake-PG simulation of FSDP2 N=8, bf16-mixed, GC, micro 1 x 2048, foreach AdamW peaks at 16.977 GB in
     the optimizer step (20Ψ/N); DDP needs the single-GPU 16Ψ of states and more."""
-    base = dict(method="full", precision="bf16-mixed", gradient_checkpointing=True, optimizer_impl="foreach",
-                world_size=8)
+    base = dict(
+        method="full", precision="bf16-mixed", gradient_checkpointing=True, optimizer_impl="foreach", world_size=8
+    )
     fsdp = estimate_analytic(llama7b, Plan(strategy="fsdp", **base))
     assert fsdp.peak_phase == "optimizer-step"
     assert fsdp.peak_allocated == pytest.approx(16.977e9, rel=0.02)
@@ -177,20 +210,38 @@ def test_single_gpu_has_no_rank_terms(llama7b):
 
 
 # ---------------------------------------------------------------------------------------------- analytic vs replay
-SMALL = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=688,
-             num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, vocab_size=8192,
-             max_position_embeddings=2048, tie_word_embeddings=False)
+SMALL = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=8192,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(method="full", precision="fp32", gradient_checkpointing=False, world_size=4),
-    dict(method="full", precision="bf16-mixed", gradient_checkpointing=True, world_size=8),
-    dict(method="full", precision="bf16-mixed", gradient_checkpointing=True, world_size=8,
-         reshard_after_forward=False),
-    dict(method="lora", precision="bf16-mixed", gradient_checkpointing=True, world_size=2),
-    dict(method="full", precision="bf16", gradient_checkpointing=False, world_size=8, shard_group=4),
-    dict(method="lora", precision="bf16-mixed", gradient_checkpointing=False, world_size=2, lora_dropout=0.1),
-], ids=["fp32-n4", "bf16mixed-gc-n8", "keep-gathered", "lora-n2", "hsdp", "lora-dropout-no-gc"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(method="full", precision="fp32", gradient_checkpointing=False, world_size=4),
+        dict(method="full", precision="bf16-mixed", gradient_checkpointing=True, world_size=8),
+        dict(
+            method="full",
+            precision="bf16-mixed",
+            gradient_checkpointing=True,
+            world_size=8,
+            reshard_after_forward=False,
+        ),
+        dict(method="lora", precision="bf16-mixed", gradient_checkpointing=True, world_size=2),
+        dict(method="full", precision="bf16", gradient_checkpointing=False, world_size=8, shard_group=4),
+        dict(method="lora", precision="bf16-mixed", gradient_checkpointing=False, world_size=2, lora_dropout=0.1),
+    ],
+    ids=["fp32-n4", "bf16mixed-gc-n8", "keep-gathered", "lora-n2", "hsdp", "lora-dropout-no-gc"],
+)
 def test_fsdp_analytic_follows_the_fake_process_group_replay(kw):
     """The per-rank formulas (moments: the loss with root + one layer gathered, the layers with root + two, every
     layer until its backward with reshard_after_forward=False; bf16 gathered weights make the step compute like a
@@ -203,7 +254,10 @@ def test_fsdp_analytic_follows_the_fake_process_group_replay(kw):
     plan = validate(Plan(strategy="fsdp", seq_len=512, micro_batch=1, optimizer="adamw", **kw))
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.01 * s.peak_allocated, (
-        plan.label(), a.peak_allocated, s.peak_allocated)
+        plan.label(),
+        a.peak_allocated,
+        s.peak_allocated,
+    )
 
 
 def test_one_host_ram_rule_for_tune_and_train(monkeypatch):

@@ -35,22 +35,29 @@ def _same(spec, plan, **kw):
     "plan",
     [
         Plan(method="full", seq_len=SEQ, micro_batch=2),
-        pytest.param(Plan(method="full", seq_len=SEQ, gradient_checkpointing=True, attn="eager"), marks=pytest.mark.slow),
+        pytest.param(
+            Plan(method="full", seq_len=SEQ, gradient_checkpointing=True, attn="eager"), marks=pytest.mark.slow
+        ),
         Plan(method="lora", seq_len=SEQ, micro_batch=2),
-        pytest.param(Plan(method="lora", seq_len=SEQ, gradient_checkpointing=True, precision="fp16-mixed"),
-                     marks=pytest.mark.slow),
+        pytest.param(
+            Plan(method="lora", seq_len=SEQ, gradient_checkpointing=True, precision="fp16-mixed"),
+            marks=pytest.mark.slow,
+        ),
         Plan(method="qlora", quant="nf4", double_quant=True, seq_len=SEQ, gradient_checkpointing=True),
         pytest.param(Plan(method="qlora", quant="int8", seq_len=SEQ), marks=pytest.mark.slow),
-        pytest.param(Plan(method="full", precision="bf16", optimizer="adamw-8bit", seq_len=SEQ), marks=pytest.mark.slow),
-        pytest.param(Plan(method="full", precision="fp32", optimizer="adafactor", seq_len=SEQ),
-                     marks=pytest.mark.slow),
-        pytest.param(Plan(method="full", seq_len=SEQ, offload_optimizer=True, offload_activations=True),
-                     marks=pytest.mark.slow),
+        pytest.param(
+            Plan(method="full", precision="bf16", optimizer="adamw-8bit", seq_len=SEQ), marks=pytest.mark.slow
+        ),
+        pytest.param(Plan(method="full", precision="fp32", optimizer="adafactor", seq_len=SEQ), marks=pytest.mark.slow),
+        pytest.param(
+            Plan(method="full", seq_len=SEQ, offload_optimizer=True, offload_activations=True), marks=pytest.mark.slow
+        ),
         pytest.param(Plan(method="full", precision="fp32", seq_len=SEQ, grad_accum=2), marks=pytest.mark.slow),
-        pytest.param(Plan(method="lora", seq_len=SEQ, grad_accum=4, offload_activations=True),
-                     marks=pytest.mark.slow),
+        pytest.param(Plan(method="lora", seq_len=SEQ, grad_accum=4, offload_activations=True), marks=pytest.mark.slow),
     ],
-    ids=lambda p: (p.label() + (f" | accum {p.grad_accum}" if p.grad_accum > 1 else "")) if hasattr(p, "label") else str(p),
+    ids=lambda p: (
+        (p.label() + (f" | accum {p.grad_accum}" if p.grad_accum > 1 else "")) if hasattr(p, "label") else str(p)
+    ),
 )
 def test_fake_replay_equals_real_cpu_step(tiny_config, plan):
     """(a) the simulated step counts exactly the bytes the same step allocates on real CPU tensors."""
@@ -84,8 +91,11 @@ def test_qlora_real_bitsandbytes_model_step_matches_standin(tiny_config, tmp_pat
     q = AutoModelForCausalLM.from_pretrained(
         tmp_path,
         quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.uint8,
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_quant_storage=torch.uint8,
         ),
         device_map="cpu",
         dtype=torch.float32,
@@ -138,8 +148,16 @@ def test_decomposed_4bit_counts_the_cuda_dequantize_temporary():
     L4, _ = standin_classes()
     peaks = {}
     for decompose in (True, False):
-        lin = L4(1024, 512, False, compute_dtype=torch.bfloat16, quant_type="nf4", double_quant=False,
-                 quant_dtype=torch.bfloat16, decompose=decompose)
+        lin = L4(
+            1024,
+            512,
+            False,
+            compute_dtype=torch.bfloat16,
+            quant_type="nf4",
+            double_quant=False,
+            quant_dtype=torch.bfloat16,
+            decompose=decompose,
+        )
         with FakeTensorMode(allow_non_fake_inputs=True):
             lin.to_empty(device="cpu")
             x = torch.empty(1600, 1024, dtype=torch.bfloat16, requires_grad=True)
@@ -175,8 +193,18 @@ def test_extrapolation_finds_the_tied_gradient_sum_at_the_end_of_backward(tiny_c
     embedding's backward on, is a moment of its own in the extrapolation (Llama-3.2-1B full bf16 + GC was -1.8 %)."""
     from oomdoctor.engines.simulate import simulate_plan
 
-    spec = _spec(dict(tiny_config, hidden_size=512, intermediate_size=2048, num_attention_heads=8,
-                      num_key_value_heads=4, vocab_size=8192, tie_word_embeddings=True), layers=8)
+    spec = _spec(
+        dict(
+            tiny_config,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=8192,
+            tie_word_embeddings=True,
+        ),
+        layers=8,
+    )
     plan = Plan(method="full", precision="bf16", seq_len=512, gradient_checkpointing=True)
     ex, full = simulate_plan(spec, plan), simulate_plan(spec, plan, layers="full")
     assert ex.extrapolated
@@ -210,7 +238,8 @@ def test_optimizer_state_bytes(tiny_spec):
         r = simulate_plan(tiny_spec, base.with_(optimizer=opt))
         got[opt] = r.phase_categories["optimizer-step"]["optimizer_states"]
     got["sgd-momentum"] = simulate_plan(tiny_spec, base.with_(optimizer="sgd", sgd_momentum=0.9)).phase_categories[
-        "optimizer-step"]["optimizer_states"]
+        "optimizer-step"
+    ]["optimizer_states"]
     assert got["sgd"] == 0
     assert got["adamw"] == 2 * got["sgd-momentum"] == 2 * got["lion"]
     assert 0 < got["adafactor"] < got["lion"]
@@ -256,9 +285,17 @@ def test_periodic_blocks_extrapolate_by_period():
     from oomdoctor.engines.simulate import simulate_plan
 
     cfg = {
-        "model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 10,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
-        "max_position_embeddings": 256, "sliding_window": 16, "query_pre_attn_scalar": 16,
+        "model_type": "gemma2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 10,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 256,
+        "max_position_embeddings": 256,
+        "sliding_window": 16,
+        "query_pre_attn_scalar": 16,
     }
     spec = spec_from_config(cfg, name="tiny-gemma2")
     plan = validate(Plan(method="lora", seq_len=SEQ))

@@ -37,8 +37,12 @@ def test_standin_bytes_equal_real_bitsandbytes(saved_tiny, quant, dq):
     if quant == "int8":
         qc = BitsAndBytesConfig(load_in_8bit=True)
     else:
-        qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=dq,
-                                bnb_4bit_compute_dtype=torch.bfloat16)
+        qc = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant,
+            bnb_4bit_use_double_quant=dq,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
     real = AutoModelForCausalLM.from_pretrained(path, quantization_config=qc, device_map="cpu", dtype=torch.float32)
     plan = validate(Plan(method="qlora", quant=quant, double_quant=dq))
     stand = build_model(spec, plan, device="meta").model.get_base_model()
@@ -51,8 +55,11 @@ def test_standin_bytes_equal_real_bitsandbytes(saved_tiny, quant, dq):
     assert quantized_storage_bytes(stand, 512) == quantized_storage_bytes(real, 512)
     # the documented per-layer formula
     q = spec.group("q_proj")
-    per = quant_bytes_int8(q.out_features, q.in_features) if quant == "int8" else quant_bytes_4bit(
-        q.out_features, q.in_features, dq)
+    per = (
+        quant_bytes_int8(q.out_features, q.in_features)
+        if quant == "int8"
+        else quant_bytes_4bit(q.out_features, q.in_features, dq)
+    )
     real_q = real.model.layers[0].self_attn.q_proj
     one = quantized_storage_bytes(torch.nn.ModuleList([real_q]))
     assert one == sum(per.values())

@@ -183,11 +183,15 @@ def test_gathered_units_are_weights_and_mixed_precision_gathers_are_amp_copies(t
     assert mixed.phase_categories["forward"]["parameters"] < fp32.phase_categories["forward"]["parameters"]
 
 
-@pytest.mark.parametrize("kw", [
-    dict(loss="chunked"),
-    dict(method="lora", precision="bf16-mixed", gradient_checkpointing=True),
-    dict(precision="bf16-mixed", reshard_after_forward=False),
-], ids=["chunked-loss", "lora-gc-bf16", "no-reshard"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(loss="chunked"),
+        dict(method="lora", precision="bf16-mixed", gradient_checkpointing=True),
+        dict(precision="bf16-mixed", reshard_after_forward=False),
+    ],
+    ids=["chunked-loss", "lora-gc-bf16", "no-reshard"],
+)
 def test_real_world_1_fsdp2_step_equals_the_fake_pg_prediction(tiny_config, tmp_path, kw):
     """A real single-process gloo FSDP2 job (real tensors, the same executor) allocates what the fake-PG replay
     predicts, to the byte here (the issue allows 1 KB)."""
@@ -201,11 +205,15 @@ def test_real_world_1_fsdp2_step_equals_the_fake_pg_prediction(tiny_config, tmp_
     assert real.phase_peaks == fake.phase_peaks
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),
-    dict(precision="bf16-mixed", gradient_checkpointing=True),
-    dict(world_size=4, shard_group=2, reshard_after_forward=False),
-], ids=["fp32", "bf16-gc", "hsdp-no-reshard"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(precision="bf16-mixed", gradient_checkpointing=True),
+        dict(world_size=4, shard_group=2, reshard_after_forward=False),
+    ],
+    ids=["fp32", "bf16-gc", "hsdp-no-reshard"],
+)
 def test_sharded_extrapolation_from_3_and_4_blocks_equals_the_full_depth_run(tiny_config, kw):
     """Sharded plans extrapolate from 3 and 4 blocks (multi-gpu.md §4); per phase it equals simulating all 8."""
     from oomdoctor.engines.simulate import simulate_plan
@@ -254,7 +262,9 @@ def test_ddp_is_the_single_gpu_step_plus_one_gradient_bucket(tiny_config):
     assert max(sum(c.values()) for _, _, c in plot.timeline) == b.peak_allocated
 
 
-@pytest.mark.parametrize("kw", [dict(strategy="zero2"), dict(strategy="zero3"), dict(strategy="fsdp", offload_params=True)])
+@pytest.mark.parametrize(
+    "kw", [dict(strategy="zero2"), dict(strategy="zero3"), dict(strategy="fsdp", offload_params=True)]
+)
 def test_zero_and_param_offload_fall_back_to_the_analytic_engine_with_a_note(tiny_config, kw):
     from oomdoctor.engines import estimate
     from oomdoctor.engines.simulate import simulate_plan
@@ -291,9 +301,25 @@ def test_two_process_gloo_fsdp2_ranks_peak_where_the_simulation_says(tiny_config
     kw = dict(FP32, world_size=2, strategy="fsdp", precision="bf16-mixed", gradient_checkpointing=True)
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        str(Path(__file__).with_name("fsdp_rank_peak.py")), json.dumps(tiny_config), json.dumps(kw), str(tmp_path)],
-                       capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(Path(__file__).with_name("fsdp_rank_peak.py")),
+            json.dumps(tiny_config),
+            json.dumps(kw),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     ranks = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(r["rank"] for r in ranks) == [0, 1]

@@ -22,8 +22,15 @@ def test_measure_without_gpu_says_so_and_exits_2(tiny_spec, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [Plan(seq_len=256), Plan(method="lora", seq_len=256, gradient_checkpointing=True),
-                                  Plan(method="qlora", seq_len=256)], ids=lambda p: p.label())
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(seq_len=256),
+        Plan(method="lora", seq_len=256, gradient_checkpointing=True),
+        Plan(method="qlora", seq_len=256),
+    ],
+    ids=lambda p: p.label(),
+)
 def test_measured_tensor_peak_close_to_simulation(tiny_spec, plan):
     from oomdoctor.engines.measure import measure_plan
     from oomdoctor.engines.simulate import simulate_plan
@@ -49,9 +56,14 @@ def test_measure_refuses_several_ranks_with_a_hint(tiny_spec, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [Plan(seq_len=256, strategy="fsdp"),
-                                  Plan(seq_len=256, strategy="fsdp", precision="bf16-mixed",
-                                       gradient_checkpointing=True)], ids=lambda p: p.label())
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(seq_len=256, strategy="fsdp"),
+        Plan(seq_len=256, strategy="fsdp", precision="bf16-mixed", gradient_checkpointing=True),
+    ],
+    ids=lambda p: p.label(),
+)
 def test_world_1_fsdp2_on_the_gpu_allocates_what_the_fake_pg_replay_says(tiny_spec, plan):
     """Issue 13: a one-rank FSDP2 step on CUDA (NCCL group of one) against the fake-process-group simulation."""
     from oomdoctor.engines.measure import measure_plan

@@ -57,8 +57,13 @@ def test_real_bnb_layers_from_random_weights_train(tiny_spec):
 
 @pytest.mark.slow
 def test_dry_run_writes_json_and_table(tmp_path):
-    cp = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--limit", "1", "--out", str(tmp_path)],
-                        capture_output=True, text=True, timeout=600, cwd=REPO)
+    cp = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--limit", "1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert cp.returncode == 0, cp.stderr[-2000:]
     assert "median |err|" in cp.stdout and "simulate" in cp.stdout
     data = json.loads((tmp_path / "cpu-dry-run.json").read_text())

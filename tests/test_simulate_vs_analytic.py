@@ -17,16 +17,39 @@ TOL = 0.05
 
 #: A small Llama-shaped model (2 blocks; GQA; realistic vocab/hidden ratio) and a wider one.
 MINI = {
-    "model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 2,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 8192, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 8192,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
 }
-WIDE = dict(MINI, hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16,
-            vocab_size=32000, tie_word_embeddings=True)
+WIDE = dict(
+    MINI,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    vocab_size=32000,
+    tie_word_embeddings=True,
+)
 #: Phi-3 shapes (fused qkv_proj and gate_up_proj, I/h as Phi-3-mini) with a small vocab, so the blocks' LoRA
 #: transients, not the logits, set the peak.
-PHI3 = dict(MINI, model_type="phi3", intermediate_size=1376, num_key_value_heads=8, vocab_size=512,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+PHI3 = dict(
+    MINI,
+    model_type="phi3",
+    intermediate_size=1376,
+    num_key_value_heads=8,
+    vocab_size=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 MODELS = {"mini": MINI, "wide": WIDE, "phi3": PHI3}
 
 GRID = [
@@ -40,7 +63,10 @@ GRID = [
     ("mini", Plan(method="full", seq_len=512, precision="fp32")),
     ("mini", Plan(method="lora", seq_len=512)),
     ("mini", Plan(method="lora", seq_len=2048, gradient_checkpointing=True)),
-    ("mini", Plan(method="lora", seq_len=512, micro_batch=4, precision="fp16-mixed", lora_targets=("q_proj", "v_proj"))),
+    (
+        "mini",
+        Plan(method="lora", seq_len=512, micro_batch=4, precision="fp16-mixed", lora_targets=("q_proj", "v_proj")),
+    ),
     ("mini", Plan(method="lora", seq_len=1024, attn="eager", lora_r=64)),
     ("mini", Plan(method="qlora", seq_len=1024, gradient_checkpointing=True, optimizer="paged-adamw-8bit")),
     ("mini", Plan(method="qlora", seq_len=512)),
@@ -82,8 +108,18 @@ def test_analytic_within_5_percent_of_simulate(model, plan):
     sim = estimate(spec, plan, "simulate")
     ana = estimate(spec, plan, "analytic")
     err = (ana.peak_allocated - sim.peak_allocated) / sim.peak_allocated
-    comps = {c: ana.__dict__[c] - sim.__dict__[c] for c in ("parameters", "master_weights", "gradients",
-                                                            "optimizer_states", "activations", "logits", "temporaries")}
+    comps = {
+        c: ana.__dict__[c] - sim.__dict__[c]
+        for c in (
+            "parameters",
+            "master_weights",
+            "gradients",
+            "optimizer_states",
+            "activations",
+            "logits",
+            "temporaries",
+        )
+    }
     assert abs(err) <= TOL, f"analytic {err:+.2%} vs simulate; component deltas (analytic - simulate): {comps}"
     # model states are exact in both engines: parameters and optimizer state must agree closely at any peak
     assert abs(ana.parameters - sim.parameters) <= max(0.01 * sim.parameters, 64 * 1024)
@@ -102,10 +138,21 @@ def _unquantized_numel(spec) -> int:
     return sum(g.bias_numel * g.count if is_quantized(g) else g.total_numel for g in spec.groups)
 
 
-@pytest.mark.parametrize("model,quant,gc", [
-    pytest.param(m, q, gc, id=f"{m}-{q}-{'gc' if gc else 'no-gc'}",
-                 marks=[] if (m, q, gc) in _KBIT_FAST else [pytest.mark.slow])
-    for m in KBIT_MODELS for q in ("nf4", "int8") for gc in (False, True)])
+@pytest.mark.parametrize(
+    "model,quant,gc",
+    [
+        pytest.param(
+            m,
+            q,
+            gc,
+            id=f"{m}-{q}-{'gc' if gc else 'no-gc'}",
+            marks=[] if (m, q, gc) in _KBIT_FAST else [pytest.mark.slow],
+        )
+        for m in KBIT_MODELS
+        for q in ("nf4", "int8")
+        for gc in (False, True)
+    ],
+)
 def test_kbit_upcast_on_and_off_within_5_percent_of_simulate(model, quant, gc):
     """The executor skips peft's cast with ``kbit_upcast: false`` and the formulas price the bf16 step it runs: both
     plans within 5 % of the replay, the saving the replay measures priced within 10 %, and the weights exactly 2
@@ -115,8 +162,9 @@ def test_kbit_upcast_on_and_off_within_5_percent_of_simulate(model, quant, gc):
     spec = spec_from_config(KBIT_MODELS[model], name=model)
     sim, ana = {}, {}
     for up in (True, False):
-        plan = validate(Plan(method="qlora", quant=quant, precision="bf16", seq_len=512, gradient_checkpointing=gc,
-                             kbit_upcast=up))
+        plan = validate(
+            Plan(method="qlora", quant=quant, precision="bf16", seq_len=512, gradient_checkpointing=gc, kbit_upcast=up)
+        )
         sim[up], ana[up] = estimate(spec, plan, "simulate"), estimate(spec, plan, "analytic")
         err = (ana[up].peak_allocated - sim[up].peak_allocated) / sim[up].peak_allocated
         assert abs(err) <= TOL, f"{plan.label()}: analytic {err:+.2%} vs simulate"
@@ -129,25 +177,59 @@ def test_kbit_upcast_on_and_off_within_5_percent_of_simulate(model, quant, gc):
 
 #: Shapes where one mechanism sets the peak: the B·heads·S² scores of eager attention (small hidden, long sequence),
 #: a head tied to a large embedding (full fine-tuning), sliding-window SDPA (window well below the sequence).
-EAGER = dict(MINI, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=256)
-TIED = dict(MINI, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=8,
-            vocab_size=32000, tie_word_embeddings=True)
+EAGER = dict(
+    MINI,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
+TIED = dict(
+    MINI,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    tie_word_embeddings=True,
+)
 SLIDING = dict(EAGER, model_type="mistral", num_hidden_layers=4, sliding_window=64)
-GELU_NEW = dict(EAGER, model_type="phi", hidden_size=256, intermediate_size=1024, num_key_value_heads=8,
-                vocab_size=1024, hidden_act="gelu_new",
-                partial_rotary_factor=0.5, resid_pdrop=0.1)
+GELU_NEW = dict(
+    EAGER,
+    model_type="phi",
+    hidden_size=256,
+    intermediate_size=1024,
+    num_key_value_heads=8,
+    vocab_size=1024,
+    hidden_act="gelu_new",
+    partial_rotary_factor=0.5,
+    resid_pdrop=0.1,
+)
 MECHANISMS = [
-    ("eager + GC, LoRA bf16", EAGER, Plan(method="lora", precision="bf16", attn="eager", seq_len=1024,
-                                          gradient_checkpointing=True)),
-    ("eager + GC, full bf16", EAGER, Plan(method="full", precision="bf16", attn="eager", seq_len=1024,
-                                          gradient_checkpointing=True)),
-    ("eager + GC, LoRA fp32", EAGER, Plan(method="lora", precision="fp32", attn="eager", seq_len=1024,
-                                          gradient_checkpointing=True)),
+    (
+        "eager + GC, LoRA bf16",
+        EAGER,
+        Plan(method="lora", precision="bf16", attn="eager", seq_len=1024, gradient_checkpointing=True),
+    ),
+    (
+        "eager + GC, full bf16",
+        EAGER,
+        Plan(method="full", precision="bf16", attn="eager", seq_len=1024, gradient_checkpointing=True),
+    ),
+    (
+        "eager + GC, LoRA fp32",
+        EAGER,
+        Plan(method="lora", precision="fp32", attn="eager", seq_len=1024, gradient_checkpointing=True),
+    ),
     ("tied, full bf16 GC", TIED, Plan(method="full", precision="bf16", seq_len=16, gradient_checkpointing=True)),
     ("tied, accumulation", TIED, Plan(method="full", precision="bf16", seq_len=16, grad_accum=2)),
-    ("tied, optimizer in backward", TIED, Plan(method="full", precision="bf16", seq_len=16, optimizer="adamw",
-                                               optimizer_in_backward=True)),
+    (
+        "tied, optimizer in backward",
+        TIED,
+        Plan(method="full", precision="bf16", seq_len=16, optimizer="adamw", optimizer_in_backward=True),
+    ),
     ("sliding window, LoRA bf16", SLIDING, Plan(method="lora", precision="bf16", seq_len=256, micro_batch=2)),
     ("sliding window, full fp32", SLIDING, Plan(method="full", precision="fp32", seq_len=256, micro_batch=2)),
     ("gelu_new under autocast", GELU_NEW, Plan(method="full", precision="bf16-mixed", seq_len=512)),
@@ -169,12 +251,16 @@ def test_peak_setting_mechanisms_within_1_percent_of_simulate(cfg, plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [
-    dict(method="lora", precision="bf16"),
-    dict(method="qlora", precision="bf16-mixed"),
-    dict(method="qlora", precision="bf16-mixed", offload_activations=True),
-    dict(method="qlora", precision="bf16-mixed", tiled_mlp=True),
-], ids=["lora-bf16", "qlora", "qlora-offload", "qlora-tiled"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(method="lora", precision="bf16"),
+        dict(method="qlora", precision="bf16-mixed"),
+        dict(method="qlora", precision="bf16-mixed", offload_activations=True),
+        dict(method="qlora", precision="bf16-mixed", tiled_mlp=True),
+    ],
+    ids=["lora-bf16", "qlora", "qlora-offload", "qlora-tiled"],
+)
 def test_long_contexts_where_the_blocks_set_the_peak(kw):
     """Llama-3.1-8B at 32k tokens with the chunked loss and checkpointing (peft's defaults, no dropout): the blocks'
     backward sets the peak, and the formulas (the tiled MLP: its measured blocks) stay within 2 % of the replay."""
@@ -264,8 +350,11 @@ def test_int8_inputs_held_by_the_matmuls_ctx(kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [dict(method="lora", precision="bf16"),
-                                dict(method="qlora", quant="int8", precision="bf16")], ids=["lora-bf16", "int8"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(method="lora", precision="bf16"), dict(method="qlora", quant="int8", precision="bf16")],
+    ids=["lora-bf16", "int8"],
+)
 def test_offloading_without_checkpointing_device_and_host(kw):
     """save_on_cpu without checkpointing: every save goes to the host, but the running MLP still references its
     inputs and outputs (the up adapter's fp32 outputs, the activation's output, peft's fp32 input copy); the host
@@ -285,8 +374,11 @@ def test_offloading_without_checkpointing_device_and_host(kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [dict(method="qlora", quant="int8", precision="bf16"),
-                                dict(method="lora", precision="bf16-mixed")], ids=["int8", "lora-mixed"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(method="qlora", quant="int8", precision="bf16"), dict(method="lora", precision="bf16-mixed")],
+    ids=["int8", "lora-mixed"],
+)
 def test_offloaded_activations_device_and_host_bytes(kw):
     """save_on_cpu under checkpointing: LLM.int8()'s inputs, held as ctx attributes, never reach the hooks and stay
     on the device (device -10.5 % before); the standard loss's log-probabilities (packed twice) and the head's saved
@@ -309,13 +401,19 @@ TINY_CONFIG_MOMENTS = {
     # eager attention: its saves were priced again as forward transients (+13.5 %), its mask at the loss (+2 %)
     "llama full fp32 eager": ("llama", {}, dict(method="full", precision="fp32", attn="eager")),
     # ... and in a checkpointed backward the values, the output copy and a keys' gradient kept (+3.7 %)
-    "llama full fp32 eager GC": ("llama", {}, dict(method="full", precision="fp32", attn="eager",
-                                               gradient_checkpointing=True)),
+    "llama full fp32 eager GC": (
+        "llama",
+        {},
+        dict(method="full", precision="fp32", attn="eager", gradient_checkpointing=True),
+    ),
     # Gemma 2 runs eager (soft-capping): two masks (full and sliding), three norms after the attention (+4.4 %)
     "gemma2 full bf16 GC": ("gemma2", {}, dict(method="full", precision="bf16", gradient_checkpointing=True)),
     # a parallel block (Phi): the MLP's backward runs first here too (+14.7 %)
-    "phi lora mixed eager GC": ("phi", {}, dict(method="lora", precision="bf16-mixed", attn="eager",
-                                            gradient_checkpointing=True)),
+    "phi lora mixed eager GC": (
+        "phi",
+        {},
+        dict(method="lora", precision="bf16-mixed", attn="eager", gradient_checkpointing=True),
+    ),
     # Gemma's norm keeps its fp32 product for a trainable weight (-6.2 %)
     "gemma full bf16": ("gemma", {}, dict(method="full", precision="bf16")),
     # OLMo 2's q_norm over all heads (= hidden here) was priced as a hidden norm and again as a q/k norm (+3.6 %)
@@ -323,8 +421,11 @@ TINY_CONFIG_MOMENTS = {
     # ... and with it alone fixed, its full fine-tune's fp32 norm products were missing (-8.7 %)
     "olmo2 full bf16": ("olmo2", {}, dict(method="full", precision="bf16")),
     # ... and its post-MLP norm back-propagates first, every save alive: five fp32 temporaries (-3.3 %)
-    "olmo2 lora chunked GC": ("olmo2", {}, dict(method="lora", precision="bf16", loss="chunked",
-                                               gradient_checkpointing=True)),
+    "olmo2 lora chunked GC": (
+        "olmo2",
+        {},
+        dict(method="lora", precision="bf16", loss="chunked", gradient_checkpointing=True),
+    ),
     # Phi's partial rotary concatenates q: flash lays its output out like q, and the output projection's input is a
     # copy (-3.6 %); with it, LoRA fp32 (adapters reading their input) counted the shared norm output twice (+3.9 %)
     "phi full bf16": ("phi", {}, dict(method="full", precision="bf16")),
@@ -333,15 +434,24 @@ TINY_CONFIG_MOMENTS = {
     "granite qlora GC": ("granite", {}, dict(method="qlora", precision="bf16-mixed", gradient_checkpointing=True)),
     # eager and offloaded without checkpointing: the device holds the unpacked softmax output, not the block's
     # saves (-44 %); in fp32 the host keeps the probabilities twice, saved by the softmax and the PV matmul (-27 %)
-    "llama lora bf16 eager offloaded": ("llama", {}, dict(method="lora", precision="bf16", attn="eager",
-                                                         offload_activations=True)),
-    "llama full fp32 eager offloaded": ("llama", {}, dict(method="full", precision="fp32", attn="eager",
-                                                         offload_activations=True)),
+    "llama lora bf16 eager offloaded": (
+        "llama",
+        {},
+        dict(method="lora", precision="bf16", attn="eager", offload_activations=True),
+    ),
+    "llama full fp32 eager offloaded": (
+        "llama",
+        {},
+        dict(method="full", precision="fp32", attn="eager", offload_activations=True),
+    ),
     # offloaded, the final norm's saves are on the host when the loss back-propagates (+2.9 %)
     "llama lora bf16 offloaded": ("llama", {}, dict(method="lora", precision="bf16", offload_activations=True)),
     # an MLP as wide as the hidden size: its projections were classified as attention inputs by shape (+8.6 %)
-    "llama I = h lora q_proj": ("llama", dict(intermediate_size=64, num_attention_heads=8, head_dim=32),
-                                dict(method="lora", precision="bf16", lora_targets=("q_proj",))),
+    "llama I = h lora q_proj": (
+        "llama",
+        dict(intermediate_size=64, num_attention_heads=8, head_dim=32),
+        dict(method="lora", precision="bf16", lora_targets=("q_proj",)),
+    ),
 }
 
 

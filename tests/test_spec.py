@@ -151,16 +151,28 @@ def test_spec_does_not_import_torch(tiny_config_path):
         "heavy = [m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ""
 
 
 # ---------------------------------------------------------------------------------------------- hub (local fake)
 
-_TINY_CFG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "vocab_size": 100}
+_TINY_CFG = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 100,
+}
 
 
 class _FakeHub(http.server.BaseHTTPRequestHandler):
@@ -218,13 +230,18 @@ def test_hub_fetches_only_config_json(tmp_path):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     _FakeHub.requests = []
-    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}", "HF_HUB_CACHE": str(tmp_path),
-           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_port}",
+        "HF_HUB_CACHE": str(tmp_path),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("OOMDOCTOR_OFFLINE", None)
     try:
-        out = subprocess.run([sys.executable, "-c", _HUB_CLIENT], capture_output=True, text=True, cwd=REPO,
-                             env=env, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", _HUB_CLIENT], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+        )
     finally:
         server.shutdown()
     assert out.returncode == 0, out.stderr

@@ -10,8 +10,16 @@ from oomdoctor.errors import BadInput
 from oomdoctor.model.execution import num_tiles
 from oomdoctor.plan import Plan, validate
 
-TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)
+TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=176,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    tie_word_embeddings=False,
+)
 
 
 def test_tiles_are_deepspeeds_rule():
@@ -45,8 +53,10 @@ def _loss_and_grads(spec, plan, seed=0):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, tokens
 
 
-@pytest.mark.parametrize("method,precision,gc", [("full", "fp32", False), ("full", "fp32", True),
-                                                 ("lora", "fp32", True), ("lora", "bf16-mixed", False)])
+@pytest.mark.parametrize(
+    "method,precision,gc",
+    [("full", "fp32", False), ("full", "fp32", True), ("lora", "fp32", True), ("lora", "bf16-mixed", False)],
+)
 def test_tiled_mlp_gives_the_same_loss_and_gradients(method, precision, gc):
     """Real CPU steps of a tiny Llama, 400 tokens over 64-wide tiles (7 tiles): same loss, same gradients (fp32
     to float summation order; bf16 autocast to bf16 rounding)."""
@@ -149,8 +159,9 @@ def test_tiled_mlp_cuts_the_long_context_peak_and_the_analytic_engine_follows():
     from oomdoctor.model.load import load_spec
 
     spec = build_spec(shrink(dict(load_spec("meta-llama/Llama-3.2-1B").config), 2), "llama-2-blocks")
-    plan = validate(Plan(method="qlora", precision="bf16-mixed", gradient_checkpointing=True, loss="chunked",
-                         seq_len=16384))
+    plan = validate(
+        Plan(method="qlora", precision="bf16-mixed", gradient_checkpointing=True, loss="chunked", seq_len=16384)
+    )
     tiled = plan.with_(tiled_mlp=True)
     assert measures_blocks(spec, tiled) and not measures_blocks(spec, plan)
     s_plain = simulate_plan(spec, plan, layers="full", round_to=512).breakdown.peak_allocated
@@ -168,8 +179,11 @@ def test_a_replay_runs_two_tiles_and_peaks_exactly_as_the_full_loop(monkeypatch)
     from oomdoctor.model.architectures import build_spec
 
     spec = build_spec({**TINY, "hidden_size": 128, "intermediate_size": 344}, "tiny")
-    for kw in (dict(method="qlora", precision="bf16-mixed", gradient_checkpointing=True),
-               dict(method="full", precision="bf16"), dict(method="lora", precision="fp32", lora_dropout=0.1)):
+    for kw in (
+        dict(method="qlora", precision="bf16-mixed", gradient_checkpointing=True),
+        dict(method="full", precision="bf16"),
+        dict(method="lora", precision="fp32", lora_dropout=0.1),
+    ):
         plan = validate(Plan(seq_len=1024, micro_batch=2, tiled_mlp=True, **kw))
         two = simulate_run(spec, plan, round_to=1)
         monkeypatch.setattr(tiled, "REPLAYED_TILES", 10**9)

@@ -50,14 +50,30 @@ def test_bundled_tiny_run_json_summary(tmp_path):
     measured peak is close to the memory model's prediction."""
     from train_util import write_yaml
 
-    cfg_path = write_yaml(tmp_path / "tiny.yaml", tiny_cfg(tmp_path / "out", max_steps=12, micro_batch_size=8,
-                                                           gradient_accumulation_steps=2, warmup_steps=2,
-                                                           save_steps=6))
+    cfg_path = write_yaml(
+        tmp_path / "tiny.yaml",
+        tiny_cfg(
+            tmp_path / "out",
+            max_steps=12,
+            micro_batch_size=8,
+            gradient_accumulation_steps=2,
+            warmup_steps=2,
+            save_steps=6,
+        ),
+    )
     p = cli("train", cfg_path, "--json", "--max-steps", "10")
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
-    for key in ("optimizer_steps", "effective_batch_size", "micro_batch_size", "oom_recoveries",
-                "measured_peak_bytes", "memory", "final_loss", "checkpoint"):
+    for key in (
+        "optimizer_steps",
+        "effective_batch_size",
+        "micro_batch_size",
+        "oom_recoveries",
+        "measured_peak_bytes",
+        "memory",
+        "final_loss",
+        "checkpoint",
+    ):
         assert key in d, key
     assert d["optimizer_steps"] == 10  # --max-steps overrides the config
     assert (d["effective_batch_size"], d["micro_batch_size"], d["oom_recoveries"]) == (16, 8, 0)
@@ -77,8 +93,10 @@ def test_micro_batch_auto_uses_the_tune_search(tmp_path):
     from oomdoctor.train.sizing import auto_micro_batch
 
     cfg = tiny_cfg(tmp_path, micro_batch_size="auto", global_batch_size=16)
-    picks = [auto_micro_batch(cfg, resolve_budget(cap, None, None, on_cpu=True))
-             for cap in (6_000_000, 8_000_000, 12_000_000, 10**9)]
+    picks = [
+        auto_micro_batch(cfg, resolve_budget(cap, None, None, on_cpu=True))
+        for cap in (6_000_000, 8_000_000, 12_000_000, 10**9)
+    ]
     assert picks == sorted(picks) and picks[-1] == 16 and all(16 % m == 0 for m in picks)
     res = train(cfg, gpu_mem=8_000_000)
     assert res.micro_batch_size == picks[1] and res.effective_batch_size == 16

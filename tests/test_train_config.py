@@ -12,13 +12,7 @@ import yaml
 
 from oomdoctor.errors import ConfigErrors
 from oomdoctor.plan import Plan, validate
-from oomdoctor.train.config import (
-    TrainConfig,
-    config_from_plan,
-    load_train_config,
-    parse_train_config,
-    render_yaml,
-)
+from oomdoctor.train.config import TrainConfig, config_from_plan, load_train_config, parse_train_config, render_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "train" / "tiny-cpu.yaml"
@@ -116,23 +110,55 @@ def test_random_init_needs_config_and_tokenizer():
 @pytest.mark.parametrize(
     "plan",
     [
-        Plan(method="qlora", precision="bf16-mixed", optimizer="paged-adamw-8bit", gradient_checkpointing=True,
-             micro_batch=4, grad_accum=8, seq_len=1024, double_quant=True),
-        Plan(method="full", precision="bf16", optimizer="adamw", optimizer_impl="fused", micro_batch=2,
-             grad_accum=3, offload_optimizer=True, offload_activations=True, attn="eager"),
-        Plan(method="lora", precision="fp16-mixed", optimizer="sgd", sgd_momentum=0.9,
-             lora_targets=("q_proj", "v_proj"), lora_on_head=True, quant="int8"),
+        Plan(
+            method="qlora",
+            precision="bf16-mixed",
+            optimizer="paged-adamw-8bit",
+            gradient_checkpointing=True,
+            micro_batch=4,
+            grad_accum=8,
+            seq_len=1024,
+            double_quant=True,
+        ),
+        Plan(
+            method="full",
+            precision="bf16",
+            optimizer="adamw",
+            optimizer_impl="fused",
+            micro_batch=2,
+            grad_accum=3,
+            offload_optimizer=True,
+            offload_activations=True,
+            attn="eager",
+        ),
+        Plan(
+            method="lora",
+            precision="fp16-mixed",
+            optimizer="sgd",
+            sgd_momentum=0.9,
+            lora_targets=("q_proj", "v_proj"),
+            lora_on_head=True,
+            quant="int8",
+        ),
         Plan(method="lora", precision="fp32", optimizer="adafactor", lora_r=8, lora_dropout=0.0),
         Plan(method="full", precision="bf16", world_size=8, strategy="zero3", bucket_size=10**7),
     ],
 )
 def test_plan_yaml_round_trip(plan):
-    cfg = config_from_plan("meta-llama/Llama-2-7b-hf", plan, max_steps=200, dataset="data/x.jsonl",
-                           gpu_mem="24GB")
+    cfg = config_from_plan("meta-llama/Llama-2-7b-hf", plan, max_steps=200, dataset="data/x.jsonl", gpu_mem="24GB")
     text = render_yaml(cfg, header="test header")
     # every memory knob is commented with its effect
-    for key in ("micro_batch_size", "gradient_checkpointing", "optim", "offload_optimizer", "load_in_4bit",
-                "r", "seq_len", "precision", "method"):
+    for key in (
+        "micro_batch_size",
+        "gradient_checkpointing",
+        "optim",
+        "offload_optimizer",
+        "load_in_4bit",
+        "r",
+        "seq_len",
+        "precision",
+        "method",
+    ):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"{key}:"))
         assert "#" in line and len(line.split("#", 1)[1].strip()) > 10, line
     back = parse_train_config(yaml.safe_load(text), check_paths=False)
@@ -144,16 +170,28 @@ def test_cli_config_errors_exit_2(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {pathh: x}\ndataset: {path: nope.jsonl}\nlearning_rat: 1\nwarmup_steps: -1\n")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "oomdoctor", "train", str(bad)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "oomdoctor", "train", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     for needle in ("learning_rat", "model.pathh", "nope.jsonl", "warmup_steps: must be >= 0"):
         assert needle in p.stderr, p.stderr
     yaml_err = tmp_path / "broken.yaml"
     yaml_err.write_text("model: [unclosed\n")
-    p = subprocess.run([sys.executable, "-m", "oomdoctor", "train", str(yaml_err)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "oomdoctor", "train", str(yaml_err)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 2 and "not valid YAML" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -163,7 +201,7 @@ def test_defaults_are_documented():
 
     src = inspect.getsource(TrainConfig)
     for f in fields(TrainConfig):
-        assert f'    {f.name}:' in src
+        assert f"    {f.name}:" in src
         # a docstring follows every field (litgpt style)
         after = src.split(f"\n    {f.name}:", 1)[1].split("\n", 2)[1]
         assert after.strip().startswith('"""'), f.name
@@ -171,7 +209,9 @@ def test_defaults_are_documented():
 
 def test_cli_import_stays_light():
     """`oomdoctor --help` stays instant: the train command and its config module import no torch stack."""
-    code = ("import sys, oomdoctor.cli, oomdoctor.train.config, oomdoctor.train.dryrun; "
-            "print([m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules])")
+    code = (
+        "import sys, oomdoctor.cli, oomdoctor.train.config, oomdoctor.train.dryrun; "
+        "print([m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules])"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr

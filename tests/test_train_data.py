@@ -40,9 +40,11 @@ def test_formats_agree(tmp_path, tok):
 
     pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet")
     ref = tokenize(DatasetConfig(path=str(tiny_dir() / "train.jsonl"), max_samples=20), tok, 64).samples
-    for ds in (DatasetConfig(path=str(tmp_path / "a.txt")),
-               DatasetConfig(path=str(tmp_path / "a.json"), text_field="body"),
-               DatasetConfig(path=str(tmp_path / "a.parquet"))):
+    for ds in (
+        DatasetConfig(path=str(tmp_path / "a.txt")),
+        DatasetConfig(path=str(tmp_path / "a.json"), text_field="body"),
+        DatasetConfig(path=str(tmp_path / "a.parquet")),
+    ):
         assert tokenize(ds, tok, 64).samples == ref, ds
     with pytest.raises(BadInput, match="text_field"):
         tokenize(DatasetConfig(path=str(tmp_path / "a.json")), tok, 64)
@@ -82,8 +84,10 @@ def test_bos_and_eos_as_the_tokenizer_defines_them(tmp_path, tok, bos_tok):
     for s in with_bos:
         assert s.input_ids[0] == bos_tok.bos_token_id and s.input_ids.count(bos_tok.bos_token_id) == 1
         assert s.input_ids[-1] == bos_tok.eos_token_id and s.input_ids.count(bos_tok.eos_token_id) == 1
-    assert tokenize(DatasetConfig(path=str(tmp_path / "t.jsonl"), add_eos=False), tok, 64).samples[0].input_ids[-1] \
+    assert (
+        tokenize(DatasetConfig(path=str(tmp_path / "t.jsonl"), add_eos=False), tok, 64).samples[0].input_ids[-1]
         != tok.eos_token_id
+    )
     # conversations: the default template starts with BOS exactly when the tokenizer adds one; no EOS appended
     chat = tokenize(DatasetConfig(path=CHAT, max_samples=3), bos_tok, 512).samples
     assert all(s.input_ids[0] == bos_tok.bos_token_id and s.input_ids.count(bos_tok.bos_token_id) == 1 for s in chat)
@@ -110,8 +114,10 @@ def test_prompt_completion(tmp_path, tok, bos_tok):
     from oomdoctor.train.config import load_train_config
 
     y = tmp_path / "c.yaml"
-    y.write_text(f"model: {{config: {tiny_dir()}/model/config.json, tokenizer: {tiny_dir()}/tokenizer}}\n"
-                 f"dataset: {{path: {tmp_path}/qa.jsonl, type: prompt_response, prompt_field: q, response_field: a}}\n")
+    y.write_text(
+        f"model: {{config: {tiny_dir()}/model/config.json, tokenizer: {tiny_dir()}/tokenizer}}\n"
+        f"dataset: {{path: {tmp_path}/qa.jsonl, type: prompt_response, prompt_field: q, response_field: a}}\n"
+    )
     dcfg = load_train_config(y).dataset
     assert dcfg.completion_field == "a"
     assert tokenize(dcfg, tok, 64).samples[0] == s
@@ -126,13 +132,16 @@ def test_messages_and_assistant_only_loss(tmp_path, tok):
     assert every.kind == "messages" and "default ChatML" in every.notes[0]
     assert all(s.labels == s.input_ids for s in every.samples)  # assistant_only_loss off: every token
     assert tok.decode(every.samples[0].input_ids) == tok.apply_chat_template(
-        recs[0]["messages"], chat_template=CHATML, tokenize=False, add_bos=False)
+        recs[0]["messages"], chat_template=CHATML, tokenize=False, add_bos=False
+    )
     only = tokenize(DatasetConfig(path=CHAT, assistant_only_loss=True), tok, 512)
     for r, s in zip(recs, only.samples):
         replies = [m["content"] + "<|im_end|>" for m in r["messages"] if m["role"] == "assistant"]
         assert _targets(tok, s) == "".join(replies)  # the replies and their end-of-turn, nothing else
     # the chat template: a string, a file, or the bundled chatml; the tokenizer's own when it has one
-    plain = "{% for m in messages %}{{ m['role'] }}: {% generation %}{{ m['content'] }}{% endgeneration %}\n{% endfor %}"
+    plain = (
+        "{% for m in messages %}{{ m['role'] }}: {% generation %}{{ m['content'] }}{% endgeneration %}\n{% endfor %}"
+    )
     (tmp_path / "t.jinja").write_text(plain)
     for t in (plain, str(tmp_path / "t.jinja")):
         d = tokenize(DatasetConfig(path=CHAT, max_samples=2, chat_template=t), tok, 512)
@@ -143,8 +152,12 @@ def test_messages_and_assistant_only_loss(tmp_path, tok):
         assert not own.notes and "<|im_start|>" not in tok.decode(own.samples[0].input_ids)
         with pytest.raises(BadInput, match="generation"):  # no {% generation %}: the assistant cannot be told apart
             tokenize(DatasetConfig(path=CHAT, assistant_only_loss=True), tok, 512)
-        assert tokenize(DatasetConfig(path=CHAT, max_samples=2, assistant_only_loss=True, chat_template="chatml"),
-                        tok, 512).samples == only.samples[:2]
+        assert (
+            tokenize(
+                DatasetConfig(path=CHAT, max_samples=2, assistant_only_loss=True, chat_template="chatml"), tok, 512
+            ).samples
+            == only.samples[:2]
+        )
     finally:
         tok.chat_template = None
     with pytest.raises(BadInput, match="not conversational"):
@@ -161,11 +174,18 @@ def test_dataset_keys_in_yaml(tmp_path):
     (tmp_path / "t.jinja").write_text(CHATML)
     head = f"model: {{config: {tiny_dir()}/model/config.json, tokenizer: {tiny_dir()}/tokenizer}}\n"
     y = tmp_path / "c.yaml"
-    y.write_text(head + f"dataset: {{path: {CHAT}, dataset_text_field: body, chat_template: t.jinja, "
-                        "assistant_only_loss: true, completion_only_loss: false, packing: true}\n")
+    y.write_text(
+        head + f"dataset: {{path: {CHAT}, dataset_text_field: body, chat_template: t.jinja, "
+        "assistant_only_loss: true, completion_only_loss: false, packing: true}\n"
+    )
     d = load_train_config(y).dataset
     assert (d.text_field, d.chat_template, d.assistant_only_loss, d.completion_only_loss, d.packing_strategy) == (
-        "body", str(tmp_path / "t.jinja"), True, False, "bfd")
+        "body",
+        str(tmp_path / "t.jinja"),
+        True,
+        False,
+        "bfd",
+    )
     y.write_text(head + f"dataset: {{path: {CHAT}, chat_template: nope.jinja, packing_strategy: bdf, type: chat}}\n")
     with pytest.raises(ConfigErrors) as err:
         load_train_config(y)
@@ -174,8 +194,10 @@ def test_dataset_keys_in_yaml(tmp_path):
 
 
 def test_conversational_prompt_completion(tmp_path, tok):
-    rec = {"prompt": [{"role": "user", "content": "what color is the red fox?"}],
-           "completion": [{"role": "assistant", "content": "the fox is red."}]}
+    rec = {
+        "prompt": [{"role": "user", "content": "what color is the red fox?"}],
+        "completion": [{"role": "assistant", "content": "the fox is red."}],
+    }
     (tmp_path / "c.jsonl").write_text(json.dumps(rec) + "\n")
     s = tokenize(DatasetConfig(path=str(tmp_path / "c.jsonl")), tok, 512).samples[0]
     assert _targets(tok, s) == "the fox is red.<|im_end|>\n"  # the completion as the template writes it
@@ -191,8 +213,8 @@ def test_bfd_packing(tok):
     for r in rows:
         k = 0
         for n in r.seq_lengths:
-            pieces.append(tuple(r.input_ids[k:k + n]))
-            assert r.labels[k] == IGNORE and r.labels[k + 1:k + n] == r.input_ids[k + 1:k + n]
+            pieces.append(tuple(r.input_ids[k : k + n]))
+            assert r.labels[k] == IGNORE and r.labels[k + 1 : k + n] == r.input_ids[k + 1 : k + n]
             k += n
     assert sorted(pieces) == sorted(tuple(ids[:64]) for ids, _ in seqs)  # every sequence once, whole (or truncated)
     # best fit decreasing: longest first, each into the fullest row it fits (the 90 is cut to 64)
@@ -203,7 +225,7 @@ def test_bfd_packing(tok):
     batch = collate(data.samples[:3], data.pad_id, pad_to_multiple_of=8, reset_positions=True)
     assert "attention_mask" not in batch and set(batch) == {"input_ids", "labels", "position_ids"}
     for i, s in enumerate(data.samples[:3]):
-        starts = (batch["position_ids"][i, :len(s.input_ids)] == 0).nonzero().flatten().tolist()
+        starts = (batch["position_ids"][i, : len(s.input_ids)] == 0).nonzero().flatten().tolist()
         assert starts == [sum(s.seq_lengths[:j]) for j in range(len(s.seq_lengths))]
     wrapped = tokenize(DatasetConfig(path=TEXT, packing=True, packing_strategy="wrapped"), tok, 64)
     assert not wrapped.reset_positions and all(len(s.input_ids) == 64 for s in wrapped.samples[:-1])
@@ -225,8 +247,9 @@ def tiny_model(request):
     from oomdoctor.execute.load import hf_config
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(hf_config(tiny_cfg("/tmp/unused").model),
-                                            attn_implementation=request.param).eval()
+    return AutoModelForCausalLM.from_config(
+        hf_config(tiny_cfg("/tmp/unused").model), attn_implementation=request.param
+    ).eval()
 
 
 def test_packed_samples_do_not_attend_to_each_other(tiny_model, tok):
@@ -237,7 +260,7 @@ def test_packed_samples_do_not_attend_to_each_other(tiny_model, tok):
     data = tokenize(DatasetConfig(path=TEXT, packing=True), tok, 64)
     row = next(s for s in data.samples if len(s.seq_lengths) >= 2)
     a, n = row.seq_lengths[0], row.seq_lengths[1]
-    second = row.input_ids[a:a + n]
+    second = row.input_ids[a : a + n]
     short = Sample(second, second, (n,))  # a padded row in the same batch: padding is a sequence of its own
     with torch.no_grad():
         batch = collate([row, short], data.pad_id, reset_positions=True)
@@ -246,10 +269,10 @@ def test_packed_samples_do_not_attend_to_each_other(tiny_model, tok):
         flat = collate([short, row], data.pad_id, reset_positions=True, flatten=True)
         flat_logits = tiny_model(input_ids=flat["input_ids"], position_ids=flat["position_ids"]).logits[0]
         leaky = tiny_model(input_ids=torch.tensor([row.input_ids])).logits[0]
-    assert torch.allclose(packed[0, a:a + n], alone, atol=1e-5)
+    assert torch.allclose(packed[0, a : a + n], alone, atol=1e-5)
     assert torch.allclose(packed[1, :n], alone, atol=1e-5)
-    assert torch.allclose(flat_logits[n + a:n + a + n], alone, atol=1e-5)
-    assert (leaky[a:a + n] - alone).abs().max() > 1e-2  # the control: plain concatenation leaks
+    assert torch.allclose(flat_logits[n + a : n + a + n], alone, atol=1e-5)
+    assert (leaky[a : a + n] - alone).abs().max() > 1e-2  # the control: plain concatenation leaks
 
 
 def test_loss_tokens_are_the_shifted_targets(tiny_model, tok):
@@ -275,8 +298,11 @@ def test_chat_run_end_to_end(tmp_path):
     from train_util import cli
 
     y = tmp_path / "chat.yaml"
-    y.write_text((ROOT / "configs/train/tiny-chat-cpu.yaml").read_text()
-                 .replace("output_dir: runs/tiny-chat-cpu", f"output_dir: {tmp_path / 'run'}"))
+    y.write_text(
+        (ROOT / "configs/train/tiny-chat-cpu.yaml")
+        .read_text()
+        .replace("output_dir: runs/tiny-chat-cpu", f"output_dir: {tmp_path / 'run'}")
+    )
     r = cli("train", y, "--max-steps", "2", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -309,10 +335,12 @@ def test_pretrained_weights_directory(tmp_path):
     model.save_pretrained(wdir)
     load_tokenizer(cfg.model).save_pretrained(wdir)
     r1 = train(cfg)
-    r2 = train(tiny_cfg(tmp_path / "pre", max_steps=2,
-                        model=ModelConfig(path=str(wdir), init="pretrained")))
+    r2 = train(tiny_cfg(tmp_path / "pre", max_steps=2, model=ModelConfig(path=str(wdir), init="pretrained")))
     assert r2.losses == pytest.approx(r1.losses, rel=1e-5)
     assert max_abs_diff(load_weights(r1.checkpoint), load_weights(r2.checkpoint)) < 1e-5
-    r3 = train(tiny_cfg(tmp_path / "pre-bf16", max_steps=1, precision="bf16",
-                        model=ModelConfig(path=str(wdir), init="pretrained")))
+    r3 = train(
+        tiny_cfg(
+            tmp_path / "pre-bf16", max_steps=1, precision="bf16", model=ModelConfig(path=str(wdir), init="pretrained")
+        )
+    )
     assert all(t.dtype == torch.bfloat16 for t in load_weights(r3.checkpoint).values())

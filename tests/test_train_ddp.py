@@ -13,8 +13,13 @@ pytestmark = pytest.mark.slow
 
 
 def _cfg(tmp_path, name: str, accum: int):
-    return tiny_cfg(tmp_path / name, max_steps=3, micro_batch_size=8, gradient_accumulation_steps=accum,
-                    dataset=replace(tiny_cfg(tmp_path).dataset, packing=True, packing_strategy="wrapped"))
+    return tiny_cfg(
+        tmp_path / name,
+        max_steps=3,
+        micro_batch_size=8,
+        gradient_accumulation_steps=accum,
+        dataset=replace(tiny_cfg(tmp_path).dataset, packing=True, packing_strategy="wrapped"),
+    )
 
 
 def test_ddp_on_two_processes_equals_one_process_with_the_same_effective_batch(tmp_path):
@@ -45,9 +50,26 @@ def test_torchrun_module_entry_and_a_failing_rank_is_one_message(tmp_path):
 
     cfg = write_yaml(tmp_path / "c.yaml", _cfg(tmp_path, "run", 1))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                        "oomdoctor", "train", str(cfg), "--json"], capture_output=True, text=True, cwd=ROOT, env=env,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "oomdoctor",
+            "train",
+            str(cfg),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["world_size"] == 2
     # the run directory now holds a run: every rank refuses before training, one clear message, exit 2
@@ -65,8 +87,13 @@ def test_ctrl_c_under_the_launcher_saves_once_and_exits_130(tmp_path):
 
     cfg = write_yaml(tmp_path / "c.yaml", replace(_cfg(tmp_path, "run", 1), max_steps=400, logging_steps=1))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "oomdoctor", "train", str(cfg), "--nproc-per-node", "2"], cwd=ROOT,
-                         env=env, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "oomdoctor", "train", str(cfg), "--nproc-per-node", "2"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 180
     while time.time() < deadline and "step 2/400" not in p.stderr.readline():
         pass

@@ -53,8 +53,9 @@ def test_eval_phase_memory_matches_a_real_eval_forward(method, precision, tmp_pa
     meter.track_module(loaded.model, step.optimizer, grad_hooks=False)
     meter.track_optimizer(step.optimizer)
     with meter:
-        loss = evaluate(step, data.samples[:eval_bs], pad_id=data.pad_id, batch_size=eval_bs,
-                        device=torch.device("cpu"))
+        loss = evaluate(
+            step, data.samples[:eval_bs], pad_id=data.pad_id, batch_size=eval_bs, device=torch.device("cpu")
+        )
     assert 0 < loss < 20
     spec = load_spec(cfg.model_ref)
     predicted = eval_memory(spec, plan, eval_bs, estimate(spec, plan)).peak_allocated
@@ -65,8 +66,15 @@ def test_eval_phase_memory_matches_a_real_eval_forward(method, precision, tmp_pa
 def test_epochs_eval_metrics_tensorboard_and_dry_run(tmp_path):
     pytest.importorskip("tensorboard")  # in the dev extra; report_to's libraries are optional for users
     out = tmp_path / "out"
-    cfg = tiny_cfg(out, max_steps=None, num_train_epochs=0.25, eval_steps=2, logging_steps=1,
-                   report_to=["tensorboard"], dataset=replace(tiny_cfg(out).dataset, eval_split=0.1))
+    cfg = tiny_cfg(
+        out,
+        max_steps=None,
+        num_train_epochs=0.25,
+        eval_steps=2,
+        logging_steps=1,
+        report_to=["tensorboard"],
+        dataset=replace(tiny_cfg(out).dataset, eval_split=0.1),
+    )
     path = write_yaml(tmp_path / "c.yaml", cfg)
     d = cli("train", path, "--dry-run", "--gpu-mem", "64MB", "--json")
     assert d.returncode == 0, d.stderr
@@ -99,9 +107,14 @@ def test_missing_report_library_is_refused_before_training(tmp_path):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("method,precision,tol,targets", [
-    ("lora", "fp32", 1e-5, ["all-linear"]), ("qlora", "bf16-mixed", 0.1, ["all-linear"]),
-    ("qlora", "bf16-mixed", 0.1, ["q_proj", "v_proj"])])
+@pytest.mark.parametrize(
+    "method,precision,tol,targets",
+    [
+        ("lora", "fp32", 1e-5, ["all-linear"]),
+        ("qlora", "bf16-mixed", 0.1, ["all-linear"]),
+        ("qlora", "bf16-mixed", 0.1, ["q_proj", "v_proj"]),
+    ],
+)
 def test_save_merged_gives_a_plain_model_with_the_adapted_outputs(tmp_path, method, precision, tol, targets):
     """``merge_adapter``: the merged model computes what base + adapter computed (QLoRA: on the dequantized base,
     up to bf16 rounding: before the fix for bitsandbytes' CPU repacking the error was 100 %). Quantized layers no

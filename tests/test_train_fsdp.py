@@ -61,9 +61,19 @@ def test_fsdp_lora_gradient_checkpointing_hsdp_output_loads_with_peft(tmp_path):
 
     from oomdoctor.execute.load import ModelSource, hf_config
 
-    cfg = _cfg(tmp_path, "lora", strategy="fsdp", method="lora", gradient_checkpointing=True, shard_group=1,
-               micro_batch_size=4, gradient_accumulation_steps=1, lora_dropout=0.1, save_steps=1,
-               save_total_limit=None)
+    cfg = _cfg(
+        tmp_path,
+        "lora",
+        strategy="fsdp",
+        method="lora",
+        gradient_checkpointing=True,
+        shard_group=1,
+        micro_batch_size=4,
+        gradient_accumulation_steps=1,
+        lora_dropout=0.1,
+        save_steps=1,
+        save_total_limit=None,
+    )
     yaml_path = write_yaml(tmp_path / "lora.yaml", cfg)
     res, _ = _run(yaml_path, "--nproc-per-node", "2")
     assert "hsdp 2x1" in res["plan"] and res["losses"][-1] < res["losses"][0]
@@ -97,11 +107,14 @@ def test_offload_params_runs_fsdp_at_world_size_one(tmp_path):
     assert capped["losses"] == pytest.approx(one["losses"], abs=1e-5)
 
 
-@pytest.mark.parametrize("changes, flags, message", [
-    (dict(strategy="fsdp", shard_group=3), ["--nproc-per-node", "2"], "shard_group must be a positive divisor"),
-    (dict(world_size=4), ["--nproc-per-node", "2"], "world_size: 4 in the config, but this job has 2"),
-    (dict(strategy="fsdp", precision="fp16-mixed"), [], "use bf16-mixed"),
-])
+@pytest.mark.parametrize(
+    "changes, flags, message",
+    [
+        (dict(strategy="fsdp", shard_group=3), ["--nproc-per-node", "2"], "shard_group must be a positive divisor"),
+        (dict(world_size=4), ["--nproc-per-node", "2"], "world_size: 4 in the config, but this job has 2"),
+        (dict(strategy="fsdp", precision="fp16-mixed"), [], "use bf16-mixed"),
+    ],
+)
 def test_bad_topology_is_one_message_before_any_rank_starts(tmp_path, changes, flags, message):
     cfg = write_yaml(tmp_path / "bad.yaml", _cfg(tmp_path, "bad", **changes))
     p = cli("train", cfg, *flags)

@@ -66,8 +66,10 @@ def test_write_errors_are_told_from_other_failures(tmp_path):
     errno); any failure removes the partial directory, only an OS one becomes WriteFailed."""
     from oomdoctor.train.checkpoint import os_error, writing
 
-    assert os_error(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")).errno \
+    assert (
+        os_error(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")).errno
         == errno.ENOSPC
+    )
     assert os_error(RuntimeError("rank 1: OSError: [Errno 122] Disk quota exceeded")).errno == errno.EDQUOT
     try:
         try:

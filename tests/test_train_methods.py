@@ -71,8 +71,17 @@ def test_lora_adapters_only(tmp_path, fp32_run):
 
 def test_qlora_4bit_on_cpu(tmp_path):
     """bitsandbytes 0.50 runs Linear4bit on CPU: QLoRA (nf4 + double quant + GC + peft) really trains here."""
-    res = _run(tmp_path, "qlora", method="qlora", bnb_4bit_use_double_quant=True, gradient_checkpointing=True,
-               precision="bf16-mixed", r=4, lora_alpha=8, learning_rate=1e-2)
+    res = _run(
+        tmp_path,
+        "qlora",
+        method="qlora",
+        bnb_4bit_use_double_quant=True,
+        gradient_checkpointing=True,
+        precision="bf16-mixed",
+        r=4,
+        lora_alpha=8,
+        learning_rate=1e-2,
+    )
     _finite_and_learning(res)
     assert all("lora_" in k for k in load_weights(res.checkpoint))
     assert res.plan.startswith("qlora-nf4+dq")
@@ -81,8 +90,16 @@ def test_qlora_4bit_on_cpu(tmp_path):
 def test_qlora_with_bf16_adapters_as_trl_runs_it(tmp_path):
     """adapter_dtype: bf16 (the QLoRA paper's recipe, TRL's SFTTrainer on a quantized model): the adapters, their
     gradients and AdamW states are bf16, it learns, and what it allocates is what was priced."""
-    res = _run(tmp_path, "qlora-bf16", method="qlora", adapter_dtype="bf16", precision="bf16-mixed", r=4,
-               lora_alpha=8, learning_rate=1e-2)
+    res = _run(
+        tmp_path,
+        "qlora-bf16",
+        method="qlora",
+        adapter_dtype="bf16",
+        precision="bf16-mixed",
+        r=4,
+        lora_alpha=8,
+        learning_rate=1e-2,
+    )
     _finite_and_learning(res)
     weights = load_weights(res.checkpoint)
     assert weights and all(w.dtype == torch.bfloat16 for w in weights.values())
@@ -99,13 +116,24 @@ def test_qlora_without_kbit_upcast_keeps_the_base_in_bf16_and_trains(tmp_path, q
     from oomdoctor.memory.analytic import estimate_analytic
     from oomdoctor.train.sizing import predict_memory
 
-    kw = dict(method="qlora", load_in_8bit=quant == "int8", precision="bf16", gradient_checkpointing=gc, r=4,
-              lora_alpha=8, learning_rate=1e-2)
+    kw = dict(
+        method="qlora",
+        load_in_8bit=quant == "int8",
+        precision="bf16",
+        gradient_checkpointing=gc,
+        r=4,
+        lora_alpha=8,
+        learning_rate=1e-2,
+    )
     dtypes = {}
     for up in (True, False):
         cfg = tiny_cfg(tmp_path / f"load-{up}", kbit_upcast=up, **kw)
-        built = load_model(cfg.model, cfg.to_plan(), resolve_device(cfg.device), vocab_size=len(load_tokenizer(cfg.model)))
-        dtypes[up] = {p.dtype for n, p in built.model.named_parameters() if "norm" in n or "embed" in n or "lm_head" in n}
+        built = load_model(
+            cfg.model, cfg.to_plan(), resolve_device(cfg.device), vocab_size=len(load_tokenizer(cfg.model))
+        )
+        dtypes[up] = {
+            p.dtype for n, p in built.model.named_parameters() if "norm" in n or "embed" in n or "lm_head" in n
+        }
         assert all("lora_" in n for n, p in built.model.named_parameters() if p.requires_grad)
     assert dtypes == {True: {torch.float32}, False: {torch.bfloat16}}
     res = _run(tmp_path, f"no-upcast-{quant}", kbit_upcast=False, **kw)
@@ -123,8 +151,18 @@ def test_a_train_yaml_with_kbit_upcast_false_trains_and_resumes_only_as_the_same
     put the upcast back is a different run (the fingerprint names the key)."""
     from train_util import cli, run_json, write_yaml
 
-    cfg = tiny_cfg(tmp_path / "run", method="qlora", load_in_8bit=True, precision="bf16", kbit_upcast=False, r=4,
-                   lora_alpha=8, learning_rate=1e-2, max_steps=2, save_steps=1)
+    cfg = tiny_cfg(
+        tmp_path / "run",
+        method="qlora",
+        load_in_8bit=True,
+        precision="bf16",
+        kbit_upcast=False,
+        r=4,
+        lora_alpha=8,
+        learning_rate=1e-2,
+        max_steps=2,
+        save_steps=1,
+    )
     path = write_yaml(tmp_path / "no-upcast.yaml", cfg)
     assert "kbit_upcast: false" in path.read_text()
     out, _ = run_json(path)
@@ -200,14 +238,28 @@ def test_prompt_response_masking(tmp_path):
 
 
 #: Every method x precision x gradient checkpointing; ``make test-fast`` runs one per method and precision.
-_PEAK_GRID = [(m, p, gc) for m in ("full", "lora", "qlora") for p in ("fp32", "bf16-mixed", "bf16") for gc in (False, True)]
-_PEAK_FAST = {("full", "fp32", False), ("full", "bf16-mixed", True), ("lora", "bf16", True), ("lora", "fp32", True),
-              ("qlora", "bf16", True), ("qlora", "fp32", False)}
+_PEAK_GRID = [
+    (m, p, gc) for m in ("full", "lora", "qlora") for p in ("fp32", "bf16-mixed", "bf16") for gc in (False, True)
+]
+_PEAK_FAST = {
+    ("full", "fp32", False),
+    ("full", "bf16-mixed", True),
+    ("lora", "bf16", True),
+    ("lora", "fp32", True),
+    ("qlora", "bf16", True),
+    ("qlora", "fp32", False),
+}
 
 
-@pytest.mark.parametrize("method,precision,gc", [
-    pytest.param(*c, id=f"{c[0]}-{c[1]}-{'gc' if c[2] else 'no-gc'}",
-                 marks=[] if c in _PEAK_FAST else [pytest.mark.slow]) for c in _PEAK_GRID])
+@pytest.mark.parametrize(
+    "method,precision,gc",
+    [
+        pytest.param(
+            *c, id=f"{c[0]}-{c[1]}-{'gc' if c[2] else 'no-gc'}", marks=[] if c in _PEAK_FAST else [pytest.mark.slow]
+        )
+        for c in _PEAK_GRID
+    ],
+)
 def test_measured_peak_matches_the_prediction(tmp_path, method, precision, gc):
     """What train really allocates is what diagnose/tune priced: train builds, steps and optimizes through the
     executor the engines price (e.g. peft's fp32 adapters on a pure-bf16 base; k-bit preparation's fp32 upcast under

@@ -64,8 +64,10 @@ def test_guard_replays_step_after_partial_backward():
         y = torch.stack([target[i] for i in idx])
         h = model[1](model[0](x))
         if fail_above is not None and len(idx) > fail_above:
+
             def boom(g):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB (test)")
+
             h.register_hook(boom)  # fires after the last layer's weight grad has landed
         loss = ((model[2](h) - y) ** 2).sum() / n
         touch.in_backward = True
@@ -94,8 +96,9 @@ def test_guard_replays_step_after_partial_backward():
     assert ei.value.reason == "micro-batch 1"
     zero()
     with pytest.raises(OOMAtMicroBatchOne, match="out of memory") as ei:
-        OOMGuard(micro_batch=8, max_retries=1).run_step(1, list(range(8)), lambda c: run_chunk(c, fail_above=1),
-                                                       zero, touch)
+        OOMGuard(micro_batch=8, max_retries=1).run_step(
+            1, list(range(8)), lambda c: run_chunk(c, fail_above=1), zero, touch
+        )
     assert "retry cap" in ei.value.reason
 
 
@@ -121,13 +124,22 @@ def test_micro_batch_one_fails_saves_checkpoint_and_exits_4(tmp_path, reference)
 def test_cli_gpu_mem_cap_json(tmp_path, reference):
     r8, r4 = reference
     cap = (r8.measured_peak_bytes + r4.measured_peak_bytes) // 2
-    cfg_path = write_yaml(tmp_path / "c.yaml", tiny_cfg(tmp_path / "out", micro_batch_size=8,
-                                                        gradient_accumulation_steps=2))
+    cfg_path = write_yaml(
+        tmp_path / "c.yaml", tiny_cfg(tmp_path / "out", micro_batch_size=8, gradient_accumulation_steps=2)
+    )
     p = cli("train", cfg_path, "--gpu-mem", f"{cap}B", "--json", "--max-steps", "2")
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
-    for key in ("optimizer_steps", "effective_batch_size", "micro_batch_size", "oom_recoveries",
-                "measured_peak_bytes", "memory", "final_loss", "checkpoint"):
+    for key in (
+        "optimizer_steps",
+        "effective_batch_size",
+        "micro_batch_size",
+        "oom_recoveries",
+        "measured_peak_bytes",
+        "memory",
+        "final_loss",
+        "checkpoint",
+    ):
         assert key in out
     assert out["optimizer_steps"] == 2 and out["effective_batch_size"] == 16
     assert out["micro_batch_size"] == 4 and out["oom_recoveries"] == 1

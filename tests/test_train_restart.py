@@ -7,8 +7,16 @@ from oomdoctor.train.restart import Job, OOMRestart
 
 
 def _rec(run_id: str, attempt: int) -> OOMRestart:
-    return OOMRestart(step=3, failed_micro_batch=8, new_micro_batch=4, phase="forward", message="CUDA out of memory",
-                      rank=1, run_id=run_id, attempt=attempt)
+    return OOMRestart(
+        step=3,
+        failed_micro_batch=8,
+        new_micro_batch=4,
+        phase="forward",
+        message="CUDA out of memory",
+        rank=1,
+        run_id=run_id,
+        attempt=attempt,
+    )
 
 
 def test_the_marker_is_read_by_the_next_attempt_of_the_same_launch_only(tmp_path):
@@ -36,4 +44,7 @@ def test_restart_budget_injection_and_failure_record(tmp_path, monkeypatch):
     restart.record_failure(2, Job("j", 0, 3))
     restart.record_failure(1, Job("j", 0, 3))  # the first rank to fail wins
     assert restart.earlier_failure(Job("j", 1, 3)) == 2
-    assert restart.earlier_failure(Job("j", 0, 3)) is None and restart.earlier_failure(Job("j", 0, 3), any_attempt=True) == 2
+    assert (
+        restart.earlier_failure(Job("j", 0, 3)) is None
+        and restart.earlier_failure(Job("j", 0, 3), any_attempt=True) == 2
+    )

@@ -20,8 +20,9 @@ STEPS = 8
 
 def _cfg(out, **kw):
     # dropout-free tiny model, shuffled data, cosine schedule with warm-up: every piece of state matters on resume
-    return tiny_cfg(out, max_steps=STEPS, save_steps=2, save_total_limit=None, warmup_steps=2,
-                    lr_scheduler_type="cosine", **kw)
+    return tiny_cfg(
+        out, max_steps=STEPS, save_steps=2, save_total_limit=None, warmup_steps=2, lr_scheduler_type="cosine", **kw
+    )
 
 
 @pytest.mark.slow
@@ -34,8 +35,14 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path, method):
     out = tmp_path / "killed"
     cfg_path = write_yaml(tmp_path / "c.yaml", _cfg(out, **extra))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", STEP_DELAY_ENV: "0.4"}
-    proc = subprocess.Popen([sys.executable, "-m", "oomdoctor", "train", str(cfg_path)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "oomdoctor", "train", str(cfg_path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 150
     try:
         while time.time() < deadline:
@@ -109,9 +116,11 @@ def test_a_setting_added_after_the_checkpoint_was_written_counts_at_its_default(
     older = {k: v for k, v in now.items() if k != "adapter_dtype"}
     assert fingerprint_changes(older, now) == []
     assert fingerprint_changes(older, fingerprint(replace(TrainConfig(), adapter_dtype="bf16"))) == [
-        "adapter_dtype: 'fp32' -> 'bf16'"]
+        "adapter_dtype: 'fp32' -> 'bf16'"
+    ]
     # kbit_upcast (peft's k-bit upcast, added later): checkpoints without it ran with the upcast
     older = {k: v for k, v in now.items() if k != "kbit_upcast"}
     assert fingerprint_changes(older, now) == []
     assert fingerprint_changes(older, fingerprint(replace(TrainConfig(), kbit_upcast=False))) == [
-        "kbit_upcast: True -> False"]
+        "kbit_upcast: True -> False"
+    ]

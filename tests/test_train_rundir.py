@@ -28,6 +28,7 @@ def _train(cfg, **kw):
 
 # -- the run directory (unit level: no training) -------------------------------------------------------------------
 
+
 def test_output_dir_that_is_a_file_or_under_a_file_is_refused(tmp_path):
     f = tmp_path / "f"
     f.write_text("mine")
@@ -115,6 +116,7 @@ def test_not_enough_space_for_one_checkpoint_is_refused(tmp_path):
 
 # -- real runs ------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_second_run_refused_then_overwrite_and_outputs_load(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -177,8 +179,14 @@ def test_ctrl_c_saves_at_the_step_boundary_exits_130_and_resume_finishes(tmp_pat
     out = tmp_path / "out"
     cfg_path = write_yaml(tmp_path / "c.yaml", tiny_cfg(out, max_steps=400, save_steps=0, logging_steps=1))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "oomdoctor", "train", str(cfg_path)], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "oomdoctor", "train", str(cfg_path)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = ""
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -250,8 +258,10 @@ def test_fp16_skipped_updates_neither_count_nor_move_the_scheduler(tmp_path, mon
 
     monkeypatch.setattr(torch.amp.GradScaler, "__init__", huge_scale)
     lrs: list[float] = []
-    res = _train(tiny_cfg(tmp_path / "out", max_steps=3, precision="fp16-mixed", lr_scheduler_type="linear",
-                          logging_steps=1), on_event=lambda e: lrs.append(e["lr"]) if e["type"] == "step" else None)
+    res = _train(
+        tiny_cfg(tmp_path / "out", max_steps=3, precision="fp16-mixed", lr_scheduler_type="linear", logging_steps=1),
+        on_event=lambda e: lrs.append(e["lr"]) if e["type"] == "step" else None,
+    )
     skipped = [n for n in res.notes if "skipped" in n]
     assert skipped and int(skipped[0].split()[0]) >= 1
     assert res.optimizer_steps == 3 and len(res.losses) == 3
@@ -268,15 +278,28 @@ def test_a_restart_without_this_launchs_oom_marker_continues_nothing(tmp_path, m
 
     out = tmp_path / "out"
     first = _train(tiny_cfg(out, max_steps=2))
-    restart.write_marker(out, restart.OOMRestart(step=1, failed_micro_batch=4, new_micro_batch=2, phase="forward",
-                                                 message="CUDA out of memory", rank=0, run_id="old", attempt=0))
+    restart.write_marker(
+        out,
+        restart.OOMRestart(
+            step=1,
+            failed_micro_batch=4,
+            new_micro_batch=2,
+            phase="forward",
+            message="CUDA out of memory",
+            rank=0,
+            run_id="old",
+            attempt=0,
+        ),
+    )
     before = {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")}
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "new")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     with pytest.raises(BadInput, match="already holds a run"):
         _train(tiny_cfg(out, max_steps=4))
-    assert {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")} == before and first.optimizer_steps == 2
+    assert {
+        str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")
+    } == before and first.optimizer_steps == 2
 
 
 def test_a_home_relative_output_dir_is_one_directory(tmp_path, monkeypatch):

@@ -60,8 +60,18 @@ def test_zero3_lora_bf16_gc_with_offload_trains_and_saves_a_peft_adapter(tmp_pat
 
     from oomdoctor.execute.load import ModelSource, hf_config
 
-    cfg = _cfg(tmp_path, "lora", strategy="zero3", method="lora", gradient_checkpointing=True, precision="bf16-mixed",
-               offload_optimizer=True, offload_params=True, micro_batch_size=4, gradient_accumulation_steps=1)
+    cfg = _cfg(
+        tmp_path,
+        "lora",
+        strategy="zero3",
+        method="lora",
+        gradient_checkpointing=True,
+        precision="bf16-mixed",
+        offload_optimizer=True,
+        offload_params=True,
+        micro_batch_size=4,
+        gradient_accumulation_steps=1,
+    )
     res, _ = _run(write_yaml(tmp_path / "lora.yaml", cfg), "--nproc-per-node", "2")
     assert "offload:opt+params" in res["plan"] and "zero3(2)" in res["plan"]
     assert res["losses"][-1] < res["losses"][0]
@@ -73,10 +83,13 @@ def test_zero3_lora_bf16_gc_with_offload_trains_and_saves_a_peft_adapter(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("changes, message", [
-    (dict(strategy="zero2", offload_params=True), "offload_params needs strategy fsdp"),
-    (dict(strategy="zero3", precision="fp16-mixed"), "DeepSpeed's fp16 runs a loss scaler"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(strategy="zero2", offload_params=True), "offload_params needs strategy fsdp"),
+        (dict(strategy="zero3", precision="fp16-mixed"), "DeepSpeed's fp16 runs a loss scaler"),
+    ],
+)
 def test_bad_zero_config_is_one_message_before_any_rank_starts(tmp_path, changes, message):
     pytest.importorskip("deepspeed")
     cfg = write_yaml(tmp_path / "bad.yaml", _cfg(tmp_path, "bad", **changes))
@@ -100,8 +113,9 @@ def test_train_and_emit_share_one_deepspeed_config(tmp_path):
     """tune --emit writes HF's ``auto`` values; train fills them, with explicit buckets either way."""
     from oomdoctor.execute.zero import ZeroRun, zero_config
 
-    plan = _cfg(tmp_path, "x", strategy="zero3", world_size=2, precision="bf16-mixed",
-                offload_optimizer=True).to_plan(micro_batch=8)
+    plan = _cfg(tmp_path, "x", strategy="zero3", world_size=2, precision="bf16-mixed", offload_optimizer=True).to_plan(
+        micro_batch=8
+    )
     emitted = zero_config(plan, 64)
     run = zero_config(plan, 64, ZeroRun(micro_batch=8, grad_accum=2, max_grad_norm=1.0, device_type="cpu"))
     assert emitted["zero_optimization"]["reduce_bucket_size"] == run["zero_optimization"]["reduce_bucket_size"] == 64**2

@@ -11,9 +11,19 @@ from oomdoctor.plan.targets import adapt
 
 #: Llama-2-7B's ratios cut down (the docs' "7B-scaled" model, 2 blocks): hidden 256, head_dim 128, vocabulary 2000.
 SCALED = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 688,
-    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 2000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "vocab_size": 2000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
 }
 BATCH = dict(micro_batch=2, seq_len=256, lora_dropout=0.05)
 
@@ -32,8 +42,9 @@ TRL_PLANS = {
     **BOTH,
     "qlora nf4 bf16": dict(method="qlora", precision="bf16"),
     "lora bf16 offload": dict(method="lora", precision="bf16", offload_activations=True),
-    "full bf16-mixed offload GC": dict(method="full", precision="bf16-mixed", offload_activations=True,
-                                       gradient_checkpointing=True),
+    "full bf16-mixed offload GC": dict(
+        method="full", precision="bf16-mixed", offload_activations=True, gradient_checkpointing=True
+    ),
     "full bf16 adamw-8bit": dict(method="full", precision="bf16", optimizer="adamw-8bit"),
 }
 HF_PLANS = {
@@ -83,8 +94,11 @@ def test_what_is_not_replayed_gets_the_analytic_price_with_a_note(tiny_spec):
     from oomdoctor.engines import estimate
     from oomdoctor.engines.trainers import not_replayed
 
-    for trainer, kw, why in (("hf", dict(loss="chunked"), "Liger"), ("axolotl", {}, "axolotl"),
-                             ("accelerate", {}, "train.py")):
+    for trainer, kw, why in (
+        ("hf", dict(loss="chunked"), "Liger"),
+        ("axolotl", {}, "axolotl"),
+        ("accelerate", {}, "train.py"),
+    ):
         plan = adapt(Plan(method="lora", precision="bf16", seq_len=64, **kw), trainer)
         assert why in not_replayed(plan)
         bd = estimate(tiny_spec, plan, "simulate")
@@ -168,9 +182,18 @@ def test_hf_int8_step_is_oomdoctors_own(scaled):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trainer,name", [("trl", "lora bf16"), ("trl", "qlora nf4 bf16"), ("trl", "full bf16-mixed"),
-                                          ("trl", "lora bf16 offload"), ("hf", "lora bf16-mixed"),
-                                          ("hf", "qlora nf4 bf16 k-bit prep"), ("hf", "full fp32")])
+@pytest.mark.parametrize(
+    "trainer,name",
+    [
+        ("trl", "lora bf16"),
+        ("trl", "qlora nf4 bf16"),
+        ("trl", "full bf16-mixed"),
+        ("trl", "lora bf16 offload"),
+        ("hf", "lora bf16-mixed"),
+        ("hf", "qlora nf4 bf16 k-bit prep"),
+        ("hf", "full fp32"),
+    ],
+)
 def test_replay_equals_a_real_cpu_run_of_the_same_trainer_step(tiny_spec, trainer, name):
     """The anchor: the trainer built on the tiny model with real random weights on the CPU, the same two steps
     counted by the same tracker, equal the fake-tensor replay to the byte (per phase, host bytes too)."""
@@ -236,5 +259,8 @@ def test_engines_agree_on_a_deeper_model(trainer, name):
     spec = spec_from_config(dict(SCALED, num_hidden_layers=8), name="llama-7b-scaled-8")
     plans = TRL_PLANS if trainer == "trl" else HF_PLANS
     plan = _plan(trainer, dict(plans[name], gradient_checkpointing=True))
-    analytic, simulate = estimate(spec, plan, "analytic").peak_allocated, estimate(spec, plan, "simulate").peak_allocated
+    analytic, simulate = (
+        estimate(spec, plan, "analytic").peak_allocated,
+        estimate(spec, plan, "simulate").peak_allocated,
+    )
     assert abs(analytic - simulate) <= 0.02 * simulate, (analytic, simulate)

@@ -19,9 +19,15 @@ from oomdoctor.tune.verify import Trial, verify
 
 
 def _gpu(free: int, total: int = 24 * 10**9, others: int = 0) -> GpuInfo:
-    return GpuInfo(index=0, name="NVIDIA GeForce RTX 4090", total_bytes=total, free_bytes=free,
-                   used_bytes=total - free, used_by_others_bytes=others,
-                   other_processes=((4242, others),) if others else ())
+    return GpuInfo(
+        index=0,
+        name="NVIDIA GeForce RTX 4090",
+        total_bytes=total,
+        free_bytes=free,
+        used_bytes=total - free,
+        used_by_others_bytes=others,
+        other_processes=((4242, others),) if others else (),
+    )
 
 
 # ------------------------------------------------------------------------------------------- capacity
@@ -63,9 +69,16 @@ def test_tune_says_when_divisibility_costs_size(tiny_spec):
     # a capacity where the memory model's largest micro-batch (at accumulation >= 2) is 7
     cap7 = estimate(tiny_spec, plan.with_(micro_batch=7, grad_accum=2), "analytic").peak_device
     cap8 = estimate(tiny_spec, plan.with_(micro_batch=8, grad_accum=2), "analytic").peak_device
-    r = tune(tiny_spec, gpu_mem=(cap7 + cap8) // 2, margin=0.0, seq_len=256, global_batch=32,
-             pins={"method": "full", "precision": "fp32", "optimizer": "adamw", "gradient_checkpointing": False},
-             gpu=None, verify_mode="none")
+    r = tune(
+        tiny_spec,
+        gpu_mem=(cap7 + cap8) // 2,
+        margin=0.0,
+        seq_len=256,
+        global_batch=32,
+        pins={"method": "full", "precision": "fp32", "optimizer": "adamw", "gradient_checkpointing": False},
+        gpu=None,
+        verify_mode="none",
+    )
     assert r.batch.max_micro_batch == 7
     assert (r.plan.micro_batch, r.plan.grad_accum) == (4, 8)
     assert any("largest micro-batch that fits is 7" in n for n in r.notes)
@@ -88,8 +101,14 @@ def test_tune_rejects_bad_global_batch(tiny_spec, bad):
 def test_margin_shrinks_the_plan(tiny_spec):
     plan = Plan(method="full", precision="fp32", seq_len=256, micro_batch=32, grad_accum=2)
     cap = estimate(tiny_spec, plan, "analytic").peak_device
-    kw = dict(gpu_mem=cap, seq_len=256, global_batch=64, gpu=None, verify_mode="none",
-              pins={"method": "full", "precision": "fp32", "gradient_checkpointing": False, "optimizer": "adamw"})
+    kw = dict(
+        gpu_mem=cap,
+        seq_len=256,
+        global_batch=64,
+        gpu=None,
+        verify_mode="none",
+        pins={"method": "full", "precision": "fp32", "gradient_checkpointing": False, "optimizer": "adamw"},
+    )
     small = tune(tiny_spec, **kw)  # the default margin: 0 bytes
     large = tune(tiny_spec, margin=0.03, **kw)
     assert small.budget.margin_bytes == 0 and small.budget_bytes == cap
@@ -125,8 +144,15 @@ def test_method_pin_and_prefer_speed(tiny_spec):
 
 
 def test_simulated_verification_is_recorded(tiny_spec):
-    r = tune(tiny_spec, gpu_mem=10**9, seq_len=128, global_batch=8, gpu=None, verify_mode="simulate",
-             pins={"method": "lora", "precision": "bf16-mixed", "optimizer": "adamw", "gradient_checkpointing": True})
+    r = tune(
+        tiny_spec,
+        gpu_mem=10**9,
+        seq_len=128,
+        global_batch=8,
+        gpu=None,
+        verify_mode="simulate",
+        pins={"method": "lora", "precision": "bf16-mixed", "optimizer": "adamw", "gradient_checkpointing": True},
+    )
     assert r.verification == "simulate"
     assert r.trials and r.trials[-1].outcome == "fits" and r.trials[-1].verified_by == "simulate"
     assert r.trials[-1].measured_peak_bytes <= r.budget_bytes
@@ -141,8 +167,13 @@ def test_verify_steps_down_and_falls_back_with_a_real_engine_prober(tiny_spec):
 
     plans = [Plan(method="full", precision="fp32", seq_len=128)]
     budget = estimate(tiny_spec, plans[0].with_(micro_batch=16, grad_accum=2), "analytic").peak_device
-    res = search(tiny_spec, plans, resolve_budget(budget, None, None), global_batch=32,
-                 estimator=lambda s, p: estimate(s, p, "analytic"))
+    res = search(
+        tiny_spec,
+        plans,
+        resolve_budget(budget, None, None),
+        global_batch=32,
+        estimator=lambda s, p: estimate(s, p, "analytic"),
+    )
 
     def pred(p):
         return estimate(tiny_spec, p.with_(grad_accum=min(p.grad_accum, 2)), "analytic").peak_device
@@ -154,11 +185,19 @@ def test_verify_steps_down_and_falls_back_with_a_real_engine_prober(tiny_spec):
     def prober(plan, micro):
         real = real_peak(plan)
         ok = real <= budget
-        return Trial(micro, plan.grad_accum, "fits" if ok else "oom", "test", plan.label(), pred(plan),
-                     measured_peak_bytes=real if ok else None)
+        return Trial(
+            micro,
+            plan.grad_accum,
+            "fits" if ok else "oom",
+            "test",
+            plan.label(),
+            pred(plan),
+            measured_peak_bytes=real if ok else None,
+        )
 
-    cand, plan, trials = verify(res.fitting, prober, global_batch=32, limit=budget, capacity=budget,
-                                predicted_peak=pred)
+    cand, plan, trials = verify(
+        res.fitting, prober, global_batch=32, limit=budget, capacity=budget, predicted_peak=pred
+    )
     assert trials[0].outcome == "oom" and trials[-1].outcome == "fits"
     assert plan.micro_batch < res.best.plan.micro_batch and 32 % plan.micro_batch == 0
     assert plan.micro_batch * plan.grad_accum == 32
@@ -198,8 +237,15 @@ def test_gpu_verification_probes_in_a_child(tiny_config_path):
 
     gpu = detect_gpu()
     assert gpu is not None
-    r = tune(tiny_config_path, gpu_mem=min(gpu.free_bytes, 4 * 10**9), seq_len=128, global_batch=8, gpu=gpu,
-             verify_mode="gpu", margin=0.1)
+    r = tune(
+        tiny_config_path,
+        gpu_mem=min(gpu.free_bytes, 4 * 10**9),
+        seq_len=128,
+        global_batch=8,
+        gpu=gpu,
+        verify_mode="gpu",
+        margin=0.1,
+    )
     assert r.verification == "gpu"
     t = r.trials[-1]
     assert t.verified_by == "gpu" and t.outcome == "fits" and t.steps == 2
@@ -211,13 +257,26 @@ def test_gpu_verification_probes_in_a_child(tiny_config_path):
 
 
 def test_json_contract(tiny_spec, tmp_path):
-    r = tune(tiny_spec, gpu_mem=10**9, seq_len=128, global_batch=16, gpu=None, verify_mode="simulate",
-             pins={"method": "lora", "gradient_checkpointing": False, "optimizer": "adamw", "precision": "bf16-mixed"})
+    r = tune(
+        tiny_spec,
+        gpu_mem=10**9,
+        seq_len=128,
+        global_batch=16,
+        gpu=None,
+        verify_mode="simulate",
+        pins={"method": "lora", "gradient_checkpointing": False, "optimizer": "adamw", "precision": "bf16-mixed"},
+    )
     write_config(r, "bundled:tiny/model/config.json", tmp_path / "plan.yaml")
     d = json.loads(json.dumps(r.to_dict()))
     assert {"plan", "memory", "trials", "config_path"} <= set(d)
-    assert d["budget"] == {"capacity_bytes": 10**9, "source": "--gpu-mem", "margin_bytes": 0, "margin_form": "default",
-                           "limit_bytes": 10**9, "counted": "resident_device"}
+    assert d["budget"] == {
+        "capacity_bytes": 10**9,
+        "source": "--gpu-mem",
+        "margin_bytes": 0,
+        "margin_form": "default",
+        "limit_bytes": 10**9,
+        "counted": "resident_device",
+    }
     assert d["margin_bytes"] == 0 and d["budget_bytes"] == 10**9
     assert d["plan"]["micro_batch_size"] * d["plan"]["gradient_accumulation_steps"] == 16
     assert d["plan"]["effective_batch_size"] == 16
@@ -243,7 +302,11 @@ def test_emitted_config_loads_and_matches_the_plan(tiny_spec, tmp_path):
     assert cfg.model.init == "random"  # a bare config: random-init smoke run
     p = cfg.to_plan()
     assert (p.method, p.precision, p.optimizer, p.gradient_checkpointing) == (
-        r.plan.method, r.plan.precision, r.plan.optimizer, r.plan.gradient_checkpointing)
+        r.plan.method,
+        r.plan.precision,
+        r.plan.optimizer,
+        r.plan.gradient_checkpointing,
+    )
     text = out.read_text()
     assert "oomdoctor tune" in text and "point it at your data" in text
     # bundled files keep their bundled: names (they resolve after a wheel install, from any directory)
@@ -277,8 +340,23 @@ def _cli(args, monkeypatch, tmp_path):
 
 def test_cli_llama7b_24gb_json_and_train_dry_run(monkeypatch, tmp_path):
     """The issue's done-when command (offline, bundled config), then `oomdoctor train CONFIG --dry-run`."""
-    res = _cli(["tune", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB", "--seq-len", "1024", "--global-batch", "32",
-                "--verify", "none", "--json"], monkeypatch, tmp_path)
+    res = _cli(
+        [
+            "tune",
+            "meta-llama/Llama-2-7b-hf",
+            "--gpu-mem",
+            "24GB",
+            "--seq-len",
+            "1024",
+            "--global-batch",
+            "32",
+            "--verify",
+            "none",
+            "--json",
+        ],
+        monkeypatch,
+        tmp_path,
+    )
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     assert d["plan"]["micro_batch_size"] * d["plan"]["gradient_accumulation_steps"] == 32
@@ -295,8 +373,22 @@ def test_seq_len_max_finds_the_longest_context_and_the_yaml_passes_the_dry_run(m
     from oomdoctor.plan.budget import resolve_budget as rb
 
     # --no-tiled-mlp: the formulas alone (tiled plans replay blocks: test_seq_len_max_tiles_the_mlp_past_the_longest)
-    res = _cli(["tune", "meta-llama/Llama-3.1-8B", "--gpu-mem", "80GB", "--seq-len", "max", "--verify", "none",
-                "--no-tiled-mlp", "--json"], monkeypatch, tmp_path)
+    res = _cli(
+        [
+            "tune",
+            "meta-llama/Llama-3.1-8B",
+            "--gpu-mem",
+            "80GB",
+            "--seq-len",
+            "max",
+            "--verify",
+            "none",
+            "--no-tiled-mlp",
+            "--json",
+        ],
+        monkeypatch,
+        tmp_path,
+    )
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     s, plan = d["plan"]["seq_len"], d["plan"]
@@ -305,8 +397,12 @@ def test_seq_len_max_finds_the_longest_context_and_the_yaml_passes_the_dry_run(m
     spec, budget = load_spec("meta-llama/Llama-3.1-8B"), rb(80 * 10**9, None, None)
     from oomdoctor.plan.techniques import TECHNIQUES
 
-    chosen = Plan(**{t.name: (tuple(plan[t.setting]) if isinstance(plan[t.setting], list) else plan[t.setting])
-                     for t in TECHNIQUES})
+    chosen = Plan(
+        **{
+            t.name: (tuple(plan[t.setting]) if isinstance(plan[t.setting], list) else plan[t.setting])
+            for t in TECHNIQUES
+        }
+    )
     assert budget.fits(price(spec, chosen)) and not budget.fits(price(spec, chosen.with_(seq_len=s + 64)))
     dry = _cli(["train", str(tmp_path / "oomdoctor-plan.yaml"), "--dry-run"], monkeypatch, tmp_path)
     assert dry.exit_code == 0, dry.output
@@ -319,8 +415,20 @@ def test_host_mem_lets_offload_plans_reach_longer_contexts(monkeypatch, tmp_path
     Offloading the checkpointed activations (unsloth's offloaded gradient checkpointing) needs host RAM for every
     block input of a long sequence; with it the longest context grows."""
     monkeypatch.setattr("oomdoctor.tune.tuner.host_ram_bytes", lambda: 16 * 2**30)
-    args = ["tune", "meta-llama/Llama-3.1-8B", "--gpu-mem", "80GB", "--method", "qlora", "--seq-len", "max",
-            "--verify", "none", "--no-tiled-mlp", "--json"]
+    args = [
+        "tune",
+        "meta-llama/Llama-3.1-8B",
+        "--gpu-mem",
+        "80GB",
+        "--method",
+        "qlora",
+        "--seq-len",
+        "max",
+        "--verify",
+        "none",
+        "--no-tiled-mlp",
+        "--json",
+    ]
     here = _cli(args, monkeypatch, tmp_path)
     big = _cli(args + ["--host-mem", "512GB", "--output", str(tmp_path / "big.yaml")], monkeypatch, tmp_path)
     assert here.exit_code == 0 and big.exit_code == 0, (here.output, big.output)
@@ -336,8 +444,19 @@ def test_seq_len_max_tiles_the_mlp_past_the_longest_untiled_context(monkeypatch,
     24 GB card the tiled plan reaches further than any untiled one, within the host RAM its offload needs; the
     emitted YAML runs the tiled MLP (train --dry-run accepts it)."""
     monkeypatch.setattr("oomdoctor.tune.tuner.host_ram_bytes", lambda: 64 * 2**30)
-    args = ["tune", "meta-llama/Llama-3.2-1B", "--gpu-mem", "24GB", "--method", "qlora", "--seq-len", "max",
-            "--verify", "none", "--json"]
+    args = [
+        "tune",
+        "meta-llama/Llama-3.2-1B",
+        "--gpu-mem",
+        "24GB",
+        "--method",
+        "qlora",
+        "--seq-len",
+        "max",
+        "--verify",
+        "none",
+        "--json",
+    ]
     plain = _cli(args + ["--no-tiled-mlp", "--output", str(tmp_path / "plain.yaml")], monkeypatch, tmp_path)
     tiled = _cli(args, monkeypatch, tmp_path)
     assert plain.exit_code == 0 and tiled.exit_code == 0, (plain.output, tiled.output)
@@ -396,9 +515,16 @@ def test_host_ram_reported_is_the_host_ram_the_search_checked():
     from oomdoctor.model.load import load_spec
     from oomdoctor.tune.search import host_bytes
 
-    r = tune(load_spec("meta-llama/Llama-2-7b-hf"), gpu_mem=24 * 10**9, seq_len=1024, global_batch=16, gpu=None,
-             verify_mode="none", host_mem=512 * 2**30,
-             pins={"method": "full", "optimizer": "paged-adamw-8bit", "optimizer_in_backward": True})
+    r = tune(
+        load_spec("meta-llama/Llama-2-7b-hf"),
+        gpu_mem=24 * 10**9,
+        seq_len=1024,
+        global_batch=16,
+        gpu=None,
+        verify_mode="none",
+        host_mem=512 * 2**30,
+        pins={"method": "full", "optimizer": "paged-adamw-8bit", "optimizer_in_backward": True},
+    )
     spill = r.memory.paged_optimizer - r.budget.headroom(r.memory)
     assert r.memory.cpu_offloaded == 0 and spill > 0
     assert r.host_per_node_bytes == host_bytes(r.memory, r.budget, r.plan) == spill

@@ -25,8 +25,7 @@ def llama7b():
 
 def _tune(spec, gpus, gpu_mem=24 * 10**9, **kw):
     pins = dict(kw.pop("pins", {}), world_size=gpus)
-    return tune(spec, gpu_mem=gpu_mem, seq_len=kw.pop("seq_len", 2048), pins=pins, gpu=None, verify_mode="none",
-                **kw)
+    return tune(spec, gpu_mem=gpu_mem, seq_len=kw.pop("seq_len", 2048), pins=pins, gpu=None, verify_mode="none", **kw)
 
 
 def test_llama7b_full_ft_on_8x24gb_picks_fsdp_with_the_reason_ddp_failed(llama7b):
@@ -36,7 +35,9 @@ def test_llama7b_full_ft_on_8x24gb_picks_fsdp_with_the_reason_ddp_failed(llama7b
     assert r.plan.micro_batch == 1 and r.plan.grad_accum == 1 and r.plan.effective_batch == 8
     assert [s.label for s in r.strategies] == ["ddp(8)", "fsdp(8)"]
     ddp, fsdp = r.strategies
-    assert not ddp.fits and ddp.needed_bytes > 108 * 10**9 and "ddp(8) needs" in ddp.reason and "> 22.35 GiB" in ddp.reason
+    assert (
+        not ddp.fits and ddp.needed_bytes > 108 * 10**9 and "ddp(8) needs" in ddp.reason and "> 22.35 GiB" in ddp.reason
+    )
     assert fsdp.fits and fsdp.reason == "chosen"
     doc = r.to_dict()
     assert doc["world_size"] == 8 and doc["plan"]["world_size"] == 8 and doc["plan"]["strategy"] == "fsdp"
@@ -113,9 +114,27 @@ def test_emitted_yaml_carries_the_topology(llama7b):
 
 def test_cli_json_and_table(capsys, tmp_path):
     out_yaml = tmp_path / "p.yaml"
-    args = ["tune", LLAMA7B, "--gpus", "8", "--gpu-mem", "24GB", "--method", "full", "--precision", "bf16-mixed",
-            "--gradient-checkpointing", "--optimizer", "adamw", "--seq-len", "2048", "--verify", "none", "-o",
-            str(out_yaml)]
+    args = [
+        "tune",
+        LLAMA7B,
+        "--gpus",
+        "8",
+        "--gpu-mem",
+        "24GB",
+        "--method",
+        "full",
+        "--precision",
+        "bf16-mixed",
+        "--gradient-checkpointing",
+        "--optimizer",
+        "adamw",
+        "--seq-len",
+        "2048",
+        "--verify",
+        "none",
+        "-o",
+        str(out_yaml),
+    ]
     try:
         main(args + ["--json"])
     except SystemExit as e:
@@ -134,8 +153,14 @@ def test_cli_json_and_table(capsys, tmp_path):
 
 def test_fsdp_plans_are_verified_by_the_fake_process_group_replay(tiny_spec):
     """--verify auto without a GPU replays the chosen FSDP rank (simulate engine, fake process group)."""
-    r = tune(tiny_spec, gpu_mem=2 * 10**9, seq_len=128, gpu=None, verify_mode="auto",
-             pins=dict(world_size=2, strategy="fsdp", method="full", precision="fp32", micro_batch=2))
+    r = tune(
+        tiny_spec,
+        gpu_mem=2 * 10**9,
+        seq_len=128,
+        gpu=None,
+        verify_mode="auto",
+        pins=dict(world_size=2, strategy="fsdp", method="full", precision="fp32", micro_batch=2),
+    )
     assert r.plan.strategy == "fsdp" and r.verification == "simulate"
     assert r.trials and r.trials[-1].outcome == "fits" and r.trials[-1].verified_by == "simulate"
     assert r.trials[-1].measured_peak_allocated_bytes > 0

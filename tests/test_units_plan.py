@@ -25,8 +25,9 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "GB", "24 parsecs", "-3GB", "twenty GB", "24G iB", True, "24", "1e999GB",
-                                 float("inf")])
+@pytest.mark.parametrize(
+    "bad", ["", "GB", "24 parsecs", "-3GB", "twenty GB", "24G iB", True, "24", "1e999GB", float("inf")]
+)
 def test_parse_size_rejects(bad):
     with pytest.raises(BadInput) as e:
         parse_size(bad, what="--gpu-mem")
@@ -82,15 +83,18 @@ def test_topology_normalizes_like_torchrun_and_fsdp2():
     assert validate(Plan(micro_batch=2, grad_accum=3, world_size=4)).effective_batch == 24
 
 
-@pytest.mark.parametrize("plan, words", [
-    (Plan(world_size=8, strategy="fsdp", shard_group=3), "divisor"),
-    (Plan(world_size=8, shard_group=4), "applies to strategy fsdp"),
-    (Plan(world_size=8, reshard_after_forward=False), "reshard_after_forward"),
-    (Plan(world_size=8, strategy="fsdp", bucket_size=10**6), "no buckets"),
-    (Plan(world_size=8, strategy="zero2", offload_params=True), "zero3"),
-    (Plan(world_size=8, strategy="fsdp", offload_optimizer=True), "together"),
-    (Plan(world_size=2, optimizer_in_backward=True), "one GPU"),
-])
+@pytest.mark.parametrize(
+    "plan, words",
+    [
+        (Plan(world_size=8, strategy="fsdp", shard_group=3), "divisor"),
+        (Plan(world_size=8, shard_group=4), "applies to strategy fsdp"),
+        (Plan(world_size=8, reshard_after_forward=False), "reshard_after_forward"),
+        (Plan(world_size=8, strategy="fsdp", bucket_size=10**6), "no buckets"),
+        (Plan(world_size=8, strategy="zero2", offload_params=True), "zero3"),
+        (Plan(world_size=8, strategy="fsdp", offload_optimizer=True), "together"),
+        (Plan(world_size=2, optimizer_in_backward=True), "one GPU"),
+    ],
+)
 def test_topology_problems_are_named(plan, words):
     with pytest.raises(BadInput, match=words):
         validate(plan)

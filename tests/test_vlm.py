@@ -19,12 +19,20 @@ def tiny_vlm(vocab: int = 512) -> dict:
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model("qwen2_5_vl").to_dict()
-    cfg["text_config"].update(hidden_size=128, intermediate_size=344, num_hidden_layers=2, layer_types=None,
-                              num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                              max_position_embeddings=1024,
-                              rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]})
-    cfg["vision_config"].update(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
-                                fullatt_block_indexes=[1])
+    cfg["text_config"].update(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        layer_types=None,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+    )
+    cfg["vision_config"].update(
+        depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, fullatt_block_indexes=[1]
+    )
     return cfg
 
 
@@ -66,10 +74,15 @@ def test_the_executor_trains_the_text_side_only_and_the_formulas_count_the_same(
     assert sum(trainable.values()) == trainable_numel(make_ctx(spec, plan))
 
 
-@pytest.mark.parametrize("kw", [dict(method="full", precision="bf16"),
-                                dict(method="lora", precision="bf16", gradient_checkpointing=True),
-                                dict(method="qlora", precision="bf16-mixed", gradient_checkpointing=True)],
-                         ids=["full", "lora-gc", "qlora-gc"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(method="full", precision="bf16"),
+        dict(method="lora", precision="bf16", gradient_checkpointing=True),
+        dict(method="qlora", precision="bf16-mixed", gradient_checkpointing=True),
+    ],
+    ids=["full", "lora-gc", "qlora-gc"],
+)
 def test_analytic_within_2_percent_of_the_replay(spec, kw):
     """The text blocks are replayed (measured, not the generic formulas) and the whole step agrees with the
     simulated one; before, the executor could not build the model and the optimizer states of the never-run tower
@@ -97,8 +110,10 @@ def test_the_bundled_qwen2_5_vl_7b_blocks_price_as_replayed():
     full = load_spec("Qwen/Qwen2.5-VL-7B-Instruct")
     assert full.num_params == 8_292_166_656 and sum(g.total_numel for g in full.groups if g.tower) > 6e8
     cut = build_spec(shrink(dict(full.config), 2), "Qwen2.5-VL-7B@2")
-    for kw in (dict(method="full", precision="bf16"), dict(method="qlora", precision="bf16-mixed",
-                                                            gradient_checkpointing=True)):
+    for kw in (
+        dict(method="full", precision="bf16"),
+        dict(method="qlora", precision="bf16-mixed", gradient_checkpointing=True),
+    ):
         plan = validate(Plan(seq_len=2048, **kw))
         a = estimate(cut, plan, "analytic").peak_allocated
         s = simulate_plan(cut, plan, layers="full").breakdown.peak_allocated
@@ -130,8 +145,9 @@ def test_train_runs_a_vision_language_model_from_the_cli_and_merges_a_loadable_m
         assert torch.isfinite(merged(torch.randint(0, 474, (1, 16))).logits).all()
 
 
-@pytest.mark.parametrize("targets,head", [(("all-linear",), False), (("q_proj", "v_proj"), False),
-                                          (("all-linear",), True)])
+@pytest.mark.parametrize(
+    "targets,head", [(("all-linear",), False), (("q_proj", "v_proj"), False), (("all-linear",), True)]
+)
 def test_emitted_targets_adapt_what_the_executor_adapts(spec, targets, head):
     """TRL and axolotl have no ``exclude_modules``: ``tune --emit`` writes one regex for the text side's linears,
     and peft given it adapts exactly the modules the executor's all-linear + exclude_modules adapts."""
@@ -188,4 +204,3 @@ def test_llama_3_2_vision_image_cross_attention_layers_are_its_tower():
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable_numel(make_ctx(spec, plan))
     full = simulate_plan(spec, plan, layers="full").breakdown.peak_allocated
     assert abs(estimate(spec, plan, "analytic").peak_allocated - full) <= 0.005 * full
-

@@ -23,12 +23,25 @@ BASE = {"model": {"config": "m/config.json", "init": "random", "tokenizer": "tok
 
 PLANS = [
     Plan(),
-    Plan(method="full", precision="bf16", optimizer="adamw-8bit", gradient_checkpointing=True, micro_batch=4,
-         grad_accum=8, seq_len=512),
+    Plan(
+        method="full",
+        precision="bf16",
+        optimizer="adamw-8bit",
+        gradient_checkpointing=True,
+        micro_batch=4,
+        grad_accum=8,
+        seq_len=512,
+    ),
     Plan(method="full", precision="bf16-mixed", optimizer="adamw", optimizer_impl="foreach", offload_optimizer=True),
     Plan(method="lora", precision="bf16-mixed", lora_r=16, lora_targets=("q_proj", "v_proj"), attn="eager"),
-    Plan(method="qlora", precision="bf16", quant="nf4", double_quant=True, optimizer="paged-adamw-8bit",
-         offload_activations=True),
+    Plan(
+        method="qlora",
+        precision="bf16",
+        quant="nf4",
+        double_quant=True,
+        optimizer="paged-adamw-8bit",
+        offload_activations=True,
+    ),
     Plan(method="qlora", precision="fp16-mixed", quant="int8", optimizer="adafactor", lora_on_head=True),
     Plan(method="full", optimizer="sgd", sgd_momentum=0.9, lora_dropout=0.1),
 ]
@@ -67,11 +80,15 @@ def _diagnose_flags() -> set[str]:
     return {opt for p in cmd.params for opt in p.opts + p.secondary_opts}
 
 
-@pytest.mark.parametrize("plan", [
-    Plan(method="full", precision="fp32", attn="eager", optimizer_impl="foreach", micro_batch=8, seq_len=1024),
-    Plan(method="lora", precision="fp32", lora_on_head=True, micro_batch=2, seq_len=2048),
-    Plan(method="qlora", quant="int8", precision="bf16-mixed", micro_batch=2, seq_len=1024),
-], ids=lambda p: p.label())
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Plan(method="full", precision="fp32", attn="eager", optimizer_impl="foreach", micro_batch=8, seq_len=1024),
+        Plan(method="lora", precision="fp32", lora_on_head=True, micro_batch=2, seq_len=2048),
+        Plan(method="qlora", quant="int8", precision="bf16-mixed", micro_batch=2, seq_len=1024),
+    ],
+    ids=lambda p: p.label(),
+)
 def test_every_advice_change_is_real_yaml_keys_and_real_diagnose_flags(plan):
     spec = load_spec("meta-llama/Llama-2-7b-hf")
     plan = validate(plan)
@@ -91,8 +108,10 @@ def test_every_advice_change_is_real_yaml_keys_and_real_diagnose_flags(plan):
 
 
 def test_one_default_per_knob_the_hugging_face_one():
-    assert Plan().settings() == {**{t.setting: (list(t.default) if isinstance(t.default, tuple) else t.default)
-                                    for t in TECHNIQUES}, "effective_batch_size": 1}
+    assert Plan().settings() == {
+        **{t.setting: (list(t.default) if isinstance(t.default, tuple) else t.default) for t in TECHNIQUES},
+        "effective_batch_size": 1,
+    }
     # what HF Trainer / peft give without arguments
     assert DEFAULTS["precision"] == "fp32" and DEFAULTS["optimizer"] == "adamw"
     assert DEFAULTS["optimizer_impl"] == "fused"  # adamw_torch_fused is TrainingArguments.optim's default on CUDA

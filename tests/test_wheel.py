@@ -35,8 +35,10 @@ def test_wheel_install_runs_from_any_directory(tmp_path):
         shutil.copytree(REPO / name, src / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist",
-          src], cwd=tmp_path)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src],
+        cwd=tmp_path,
+    )
     (wheel,) = (tmp_path / "dist").glob("oomdoctor-*.whl")
 
     env_dir = tmp_path / "venv"
@@ -53,8 +55,24 @@ def test_wheel_install_runs_from_any_directory(tmp_path):
     out = _run([py, "-m", "oomdoctor", "diagnose", "bundled:tiny/model/config.json", "--gpu-mem", "1GB"], cwd)
     assert "fit" in out.stdout
     _run([py, "-m", "oomdoctor", "diagnose", "meta-llama/Llama-2-7b-hf", "--gpu-mem", "24GB"], cwd)  # registry
-    _run([py, "-m", "oomdoctor", "tune", "bundled:tiny/model/config.json", "--gpu-mem", "1GB", "--seq-len", "64",
-          "--global-batch", "8", "--output", "x.yaml"], cwd)
+    _run(
+        [
+            py,
+            "-m",
+            "oomdoctor",
+            "tune",
+            "bundled:tiny/model/config.json",
+            "--gpu-mem",
+            "1GB",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "8",
+            "--output",
+            "x.yaml",
+        ],
+        cwd,
+    )
     text = (cwd / "x.yaml").read_text()
     assert "bundled:tiny/train.jsonl" in text and "bundled:tiny/tokenizer" in text
     _run([py, "-m", "oomdoctor", "train", "x.yaml", "--dry-run"], cwd)

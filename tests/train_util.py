@@ -18,8 +18,15 @@ def tiny_cfg(out_dir, **kw):
     from oomdoctor.train.config import load_train_config
 
     cfg = load_train_config(TINY_YAML)
-    base = dict(max_steps=3, save_steps=0, warmup_steps=0, micro_batch_size=4, gradient_accumulation_steps=2,
-                logging_steps=1, output_dir=str(out_dir))
+    base = dict(
+        max_steps=3,
+        save_steps=0,
+        warmup_steps=0,
+        micro_batch_size=4,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        output_dir=str(out_dir),
+    )
     base.update(kw)
     return replace(cfg, **base)
 
@@ -34,8 +41,14 @@ def write_yaml(path, cfg) -> Path:
 
 def cli(*args, env_extra: dict | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "oomdoctor", *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "oomdoctor", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def run_main(args, capsys) -> tuple[int, str, str]:
@@ -68,8 +81,13 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 def scaleout_cfg(tmp_path, name: str, **kw):
     """The tiny run the scale-out tests share: 3 steps of micro 8 x 2, packed rows (every rank sees full batches)."""
-    base = tiny_cfg(tmp_path / name, max_steps=3, micro_batch_size=8, gradient_accumulation_steps=2,
-                    dataset=replace(tiny_cfg(tmp_path).dataset, packing=True, packing_strategy="wrapped"))
+    base = tiny_cfg(
+        tmp_path / name,
+        max_steps=3,
+        micro_batch_size=8,
+        gradient_accumulation_steps=2,
+        dataset=replace(tiny_cfg(tmp_path).dataset, packing=True, packing_strategy="wrapped"),
+    )
     return replace(base, **kw)
 
 
@@ -79,4 +97,3 @@ def run_json(*args, env_extra=None, timeout: int = 400) -> tuple[dict, str]:
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr, p.stderr
     return json.loads(p.stdout), p.stderr
-

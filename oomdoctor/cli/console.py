@@ -38,8 +38,15 @@ def new_table(title: str | None = None, **kw):
     from rich import box
     from rich.table import Table
 
-    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                 header_style="bold", **kw)
+    return Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+        header_style="bold",
+        **kw,
+    )
 
 
 def fold_column(table, name: str, **kw) -> None:
@@ -80,8 +87,11 @@ def print_table(console: Console, table) -> None:
     heads = [width(col.header) for col in table.columns]
     overhead = natural - sum(max(c, h) for c, h in zip(cells, heads))
     folding = [col.overflow == "fold" for col in table.columns]
-    whole = [max(c, max((len(w) for w in str(col.header).split()), default=0))
-             for c, col, f in zip(cells, table.columns, folding) if not f]
+    whole = [
+        max(c, max((len(w) for w in str(col.header).split()), default=0))
+        for c, col, f in zip(cells, table.columns, folding)
+        if not f
+    ]
     room = console.width - overhead - sum(whole)
     if room < FOLD_MIN * sum(folding):
         _print_records(console, table)
@@ -153,8 +163,13 @@ class ProgressView:
             from rich.progress import Progress as Bar
             from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
-            self._bar = Bar(SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
-                            console=self.console, transient=True)
+            self._bar = Bar(
+                SpinnerColumn(),
+                TextColumn("{task.description}", markup=False),
+                TimeElapsedColumn(),
+                console=self.console,
+                transient=True,
+            )
             self._bar.start()
             self._task = self._bar.add_task(text, total=None)
         else:
@@ -197,5 +212,15 @@ def showing_progress() -> Iterator[ProgressView]:
         view.close()
 
 
-__all__ = ["out_console", "showing_progress", "ProgressView", "PIPED_WIDTH", "fold_column", "whole_column",
-           "add_columns", "print_table", "new_table", "FOLD_MIN"]
+__all__ = [
+    "out_console",
+    "showing_progress",
+    "ProgressView",
+    "PIPED_WIDTH",
+    "fold_column",
+    "whole_column",
+    "add_columns",
+    "print_table",
+    "new_table",
+    "FOLD_MIN",
+]

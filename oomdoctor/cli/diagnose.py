@@ -53,8 +53,9 @@ def diagnose(
     kbit_upcast: Optional[bool] = plan_option("kbit_upcast", "on with a quantized base (peft's k-bit preparation)"),
     offload: Optional[str] = offload_option(),
     world_size: Optional[int] = plan_option("world_size", "1"),
-    strategy: Optional[str] = plan_option("strategy", "single on one GPU; with --gpus N > 1 ddp, fsdp, zero2, "
-                                                      "zero3 spanned"),
+    strategy: Optional[str] = plan_option(
+        "strategy", "single on one GPU; with --gpus N > 1 ddp, fsdp, zero2, zero3 spanned"
+    ),
     shard_group: Optional[int] = plan_option("shard_group", "every rank"),
     reshard_after_forward: Optional[bool] = plan_option("reshard_after_forward", "on"),
     bucket_size: Optional[int] = plan_option("bucket_size", "hidden^2 for ZeRO"),
@@ -65,7 +66,9 @@ def diagnose(
     device: str = device_option(),
     fits_only: bool = typer.Option(False, "--fits-only", help="show only the plans that fit (needs a capacity)"),
     top: Optional[int] = typer.Option(None, "--top", help="show only the first N plans (most faithful first)"),
-    engine: str = typer.Option("analytic", help="analytic (formulas) | simulate (real step on fake tensors) | measure (GPU)"),
+    engine: str = typer.Option(
+        "analytic", help="analytic (formulas) | simulate (real step on fake tensors) | measure (GPU)"
+    ),
     plot: Optional[str] = typer.Option(None, help="write a picture: FILE.png or FILE.html"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object instead of tables"),
 ) -> None:
@@ -82,20 +85,37 @@ def diagnose(
 
         check_output_path(plot, what=PLOT_FLAG, overwrite=True, example="memory.png")
     pins = pins_from(
-        method=method, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attn=attn,
-        gradient_checkpointing=gradient_checkpointing, loss=loss, lora_r=lora_r,
-        optimizer_in_backward=optimizer_in_backward, tiled_mlp=tiled_mlp, lora_targets=lora_targets,
-        lora_on_head=lora_on_head, adapter_dtype=adapter_dtype, quant=quant, double_quant=double_quant, kbit_upcast=kbit_upcast,
+        method=method,
+        precision=precision,
+        optimizer=optimizer,
+        optimizer_impl=optimizer_impl,
+        attn=attn,
+        gradient_checkpointing=gradient_checkpointing,
+        loss=loss,
+        lora_r=lora_r,
+        optimizer_in_backward=optimizer_in_backward,
+        tiled_mlp=tiled_mlp,
+        lora_targets=lora_targets,
+        lora_on_head=lora_on_head,
+        adapter_dtype=adapter_dtype,
+        quant=quant,
+        double_quant=double_quant,
+        kbit_upcast=kbit_upcast,
         offload=offload,
-        micro_batch=micro_batch, seq_len=seq_len, world_size=world_size, strategy=strategy, shard_group=shard_group,
-        reshard_after_forward=reshard_after_forward, bucket_size=bucket_size, trainer=trainer,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        world_size=world_size,
+        strategy=strategy,
+        shard_group=shard_group,
+        reshard_after_forward=reshard_after_forward,
+        bucket_size=bucket_size,
+        trainer=trainer,
     )
     if device not in DEVICES:
         raise BadInput(f"--device {device!r}: use one of {', '.join(DEVICES)}")
     capacity = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
     with showing_progress():
-        report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top,
-                                     device=device)
+        report = run_diagnose(model, pins, gpu_mem=capacity, engine=engine, fits_only=fits_only, top=top, device=device)
         if plot:
             _write_plot(report, plot)
     if as_json:

@@ -74,8 +74,10 @@ def _plan_and_spec(model, config, flags: dict):
             seq = min(2048, spec.max_position_embeddings or 2048)
             plan = validate(Plan(seq_len=seq))
             if not flags:
-                note = ("no --config or plan flags: fixes priced for the default plan "
-                        f"({plan.label()}, micro-batch 1 x {seq} tokens)")
+                note = (
+                    "no --config or plan flags: fixes priced for the default plan "
+                    f"({plan.label()}, micro-batch 1 x {seq} tokens)"
+                )
     if flags:
         plan = (plan or Plan()).with_(**flags)
     return spec, plan, note
@@ -84,14 +86,16 @@ def _plan_and_spec(model, config, flags: dict):
 @app.command(help=HELP)
 def explain(
     file: Optional[str] = typer.Argument(None, help="log/traceback file; `-` or nothing (with piped input): stdin"),
-    model: Optional[str] = typer.Option(None, help="the model you trained (HF id, dir or config.json): ranks fixes "
-                                        "by bytes saved"),
+    model: Optional[str] = typer.Option(
+        None, help="the model you trained (HF id, dir or config.json): ranks fixes by bytes saved"
+    ),
     config: Optional[str] = typer.Option(None, help="your train YAML (oomdoctor train format): the plan to price"),
     gpu_mem: Optional[str] = typer.Option(None, help="card size for fit verdicts (default: the message's total)"),
     method: Optional[str] = typer.Option(None, help="plan: full | lora | qlora"),
     precision: Optional[str] = typer.Option(None, help="plan: fp32 | fp16-mixed | bf16-mixed | bf16"),
-    optimizer: Optional[str] = typer.Option(None, help="plan: adamw | adamw-8bit | paged-adamw-8bit | adafactor | "
-                                            "sgd | lion"),
+    optimizer: Optional[str] = typer.Option(
+        None, help="plan: adamw | adamw-8bit | paged-adamw-8bit | adafactor | sgd | lion"
+    ),
     micro_batch: Optional[int] = typer.Option(None, help="plan: sequences per forward/backward"),
     seq_len: Optional[int] = typer.Option(None, help="plan: tokens per sequence"),
     gradient_checkpointing: Optional[bool] = typer.Option(
@@ -105,8 +109,14 @@ def explain(
 
     text, source = _read_input(file)
     capacity = parse_size(gpu_mem, what="--gpu-mem") if gpu_mem is not None else None
-    flags = dict(method=method, precision=precision, optimizer=optimizer, micro_batch=micro_batch,
-                 seq_len=seq_len, gradient_checkpointing=gradient_checkpointing)
+    flags = dict(
+        method=method,
+        precision=precision,
+        optimizer=optimizer,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        gradient_checkpointing=gradient_checkpointing,
+    )
     spec, plan, note = _plan_and_spec(model, config, flags)
     diag = run_explain(text, spec=spec, plan=plan, capacity_bytes=capacity)
     if as_json:

@@ -49,6 +49,7 @@ def alternatives(how: str) -> list[tuple[int, int]]:
 def break_offsets(plain: str, width: int, indent: int, protected: list[tuple[int, int]]) -> list[int]:
     """Where to fold ``plain`` so that each line fits ``width`` (continuation lines start with ``indent`` spaces):
     at word starts outside the ``protected`` spans, greedily. A word or span wider than a line stays whole."""
+
     def inside(i: int) -> bool:
         return any(a < i < b for a, b in protected)
 
@@ -86,8 +87,7 @@ class Printer:
     def command(self, how: str, indent: int = HOW_INDENT) -> None:
         """A command, config key or env var (bold): broken only between its alternatives, each kept whole."""
         pad = " " * indent
-        self.line(f"{pad}[bold]{esc(how)}[/]", indent,
-                  [(a + indent, b + indent) for a, b in alternatives(how)])
+        self.line(f"{pad}[bold]{esc(how)}[/]", indent, [(a + indent, b + indent) for a, b in alternatives(how)])
 
     def frame(self, label: str, frame: str, style: str = "dim") -> None:
         """``label`` then a traceback frame (``dir/file.py:line in func: code``), the frame never split."""
@@ -124,11 +124,17 @@ def _numbers(out: Printer, r) -> None:
         ("requested", r.requested_bytes, "the allocation that failed"),
         ("card total", r.total_bytes, ""),
         ("free", r.free_bytes, "on the device when it failed"),
-        ("allocated by PyTorch", r.allocated_bytes, "live tensors"
-         + (f", {fb(r.private_pool_bytes)} in CUDA-graph pools" if r.private_pool_bytes else "")),
+        (
+            "allocated by PyTorch",
+            r.allocated_bytes,
+            "live tensors" + (f", {fb(r.private_pool_bytes)} in CUDA-graph pools" if r.private_pool_bytes else ""),
+        ),
         ("reserved, unallocated", r.reserved_unallocated_bytes, "cached by PyTorch, not holding tensors"),
-        ("other processes", r.other_processes_bytes,
-         ", ".join(f"PID {p.pid}" for p in r.processes if not p.is_self and p.pid is not None)),
+        (
+            "other processes",
+            r.other_processes_bytes,
+            ", ".join(f"PID {p.pid}" for p in r.processes if not p.is_self and p.pid is not None),
+        ),
         ("outside PyTorch", r.non_pytorch_bytes, "total - free - reserved: CUDA context, libraries, other processes"),
     ]
     if r.allowed_bytes is not None:
@@ -168,8 +174,9 @@ def print_explanation(diag, source: str, note: str | None, console: Console | No
     con = console or Console()
     out = Printer(con)
     r = diag.report
-    out.line(f"[bold]{KIND.get(r.kind, r.kind)}[/] on {r.device}  [dim]({esc(r.format)} message, from "
-             f"{esc(source)})[/]", 2)
+    out.line(
+        f"[bold]{KIND.get(r.kind, r.kind)}[/] on {r.device}  [dim]({esc(r.format)} message, from {esc(source)})[/]", 2
+    )
     if r.phase:
         out.frame(f"phase: [bold]{r.phase}[/]  ", r.phase_frame or "")
     if r.failing_frame and r.failing_frame != r.phase_frame:
@@ -183,8 +190,11 @@ def print_explanation(diag, source: str, note: str | None, console: Console | No
         con.print(picture)
     if diag.plan_label:
         cap = f" vs card {fb(diag.capacity_bytes)}" if diag.capacity_bytes else ""
-        out.line(f"your plan: [bold]{esc(diag.plan_label)}[/], memory-model peak {fb(diag.plan_peak_bytes)}"
-                 f" ({diag.plan_peak_phase}){cap}", 2)
+        out.line(
+            f"your plan: [bold]{esc(diag.plan_label)}[/], memory-model peak {fb(diag.plan_peak_bytes)}"
+            f" ({diag.plan_peak_phase}){cap}",
+            2,
+        )
         if note:
             out.line(f"[dim]{esc(note)}[/]", 2)
     con.print()

@@ -36,8 +36,11 @@ def keys(
     from rich.text import Text
 
     con = Console()  # wraps at the terminal's width (80 columns in a pipe)
-    con.print("train YAML keys: flat top-level keys, then the model: and dataset: sections "
-              "(values; default), what each does, and its memory effect", style="bold")
+    con.print(
+        "train YAML keys: flat top-level keys, then the model: and dataset: sections "
+        "(values; default), what each does, and its memory effect",
+        style="bold",
+    )
     for d in docs:
         head = Text(d.name, style="bold")
         if d.aliases:

@@ -52,5 +52,7 @@ def models(
             fam += f" (MoE {r['experts']})"
         t.add_row(r["id"], fam, _b(r["params"]), str(r["layers"]), str(r["hidden"]), f"{r['vocab']:,}")
     print_table(console, t)
-    console.print("[dim]heads, KV heads, tied embeddings and aliases (-chat/-Instruct variants of the same shape): "
-                  "`oomdoctor models --json`[/]")
+    console.print(
+        "[dim]heads, KV heads, tied embeddings and aliases (-chat/-Instruct variants of the same shape): "
+        "`oomdoctor models --json`[/]"
+    )

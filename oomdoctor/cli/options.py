@@ -12,17 +12,23 @@ from oomdoctor.plan.techniques import technique
 OFFLOAD_PARTS = ("optimizer", "activations", "params")
 
 #: What ``--device`` means, for diagnose and tune (train reads ``device`` from its YAML).
-DEVICE_HELP = ("cuda (default): a GPU, priced with its CUDA context, cuBLAS workspace and caching-allocator slack | "
-               "cpu: a CPU run, its tensors alone (none of those), the budget (--mem) capping live tensor bytes as "
-               "`oomdoctor train` does on the CPU")
+DEVICE_HELP = (
+    "cuda (default): a GPU, priced with its CUDA context, cuBLAS workspace and caching-allocator slack | "
+    "cpu: a CPU run, its tensors alone (none of those), the budget (--mem) capping live tensor bytes as "
+    "`oomdoctor train` does on the CPU"
+)
 
 
 def mem_option(default: str) -> Any:
     """``--gpu-mem`` / ``--mem`` (one option, two names): the memory of the device the plan runs on. ``default``: what
     is used when it is not given."""
-    return typer.Option(None, "--gpu-mem", "--mem",
-                        help="memory of the device: the GPU's (24GB = 10^9 bytes, 24GiB = 2^30, 24000MiB) or, with "
-                             f"--device cpu, the RAM the run may fill with tensors; default: {default}")
+    return typer.Option(
+        None,
+        "--gpu-mem",
+        "--mem",
+        help="memory of the device: the GPU's (24GB = 10^9 bytes, 24GiB = 2^30, 24000MiB) or, with "
+        f"--device cpu, the RAM the run may fill with tensors; default: {default}",
+    )
 
 
 def device_option() -> Any:
@@ -59,8 +65,10 @@ def pins_from(offload: str | None = None, **values: Any) -> dict[str, Any]:
         names = [o.strip() for o in offload.split(",") if o.strip()]
         bad = [n for n in names if n not in ("none",) + OFFLOAD_PARTS]
         if bad:
-            raise BadInput(f"--offload {offload!r}: unknown part(s) {', '.join(bad)}",
-                           "use optimizer, activations, params (comma-separated) or none")
+            raise BadInput(
+                f"--offload {offload!r}: unknown part(s) {', '.join(bad)}",
+                "use optimizer, activations, params (comma-separated) or none",
+            )
         for part in OFFLOAD_PARTS:
             pins[f"offload_{part}"] = part in names
     return pins

@@ -34,17 +34,24 @@ def model_line(report) -> str:
 def capacity_line(report) -> str:
     cpu = report.device == "cpu"
     if report.capacity_bytes is None:
-        return ("RAM budget: none given (pass --mem 8GB for fit verdicts on the CPU)" if cpu else
-                "card: none given and no GPU found (pass --gpu-mem 24GB for fit verdicts)")
+        return (
+            "RAM budget: none given (pass --mem 8GB for fit verdicts on the CPU)"
+            if cpu
+            else "card: none given and no GPU found (pass --gpu-mem 24GB for fit verdicts)"
+        )
     b = report.budget
     cap = b.capacity_bytes
     if cpu:
-        return (f"RAM budget: {format_bytes(cap, binary=False)} = {format_bytes(cap)} (--mem), a CPU run: a plan fits "
-                f"when its live tensor bytes (peak alloc) are at most that minus the margin, "
-                f"{format_bytes(b.margin_bytes)}")
+        return (
+            f"RAM budget: {format_bytes(cap, binary=False)} = {format_bytes(cap)} (--mem), a CPU run: a plan fits "
+            f"when its live tensor bytes (peak alloc) are at most that minus the margin, "
+            f"{format_bytes(b.margin_bytes)}"
+        )
     where = "--gpu-mem" if b.source == "--gpu-mem" else f"NVML: {report.gpu.name}, free memory"
-    return (f"card: {format_bytes(cap, binary=False)} = {format_bytes(cap)} ({where}); a plan fits when its resident "
-            f"peak (paged optimizer state excluded) is at most that minus the margin, {format_bytes(b.margin_bytes)}")
+    return (
+        f"card: {format_bytes(cap, binary=False)} = {format_bytes(cap)} ({where}); a plan fits when its resident "
+        f"peak (paged optimizer state excluded) is at most that minus the margin, {format_bytes(b.margin_bytes)}"
+    )
 
 
 def _needed(report, m) -> int:
@@ -69,8 +76,11 @@ def plan_table(report, width: int) -> Table:
         pad_edge=False,
         collapse_padding=True,
     )
-    cols = (("#", "plan", "states", "activ.", "peak dev", "fits") if compact else
-            ("#", "plan", "weights", "grads", "optim", "activ.", "logits", "other", "peak alloc", "peak dev", "fits"))
+    cols = (
+        ("#", "plan", "states", "activ.", "peak dev", "fits")
+        if compact
+        else ("#", "plan", "weights", "grads", "optim", "activ.", "logits", "other", "peak alloc", "peak dev", "fits")
+    )
     if paged:
         cols = cols[:-1] + ("paged",) + cols[-1:]
     if host:
@@ -86,8 +96,16 @@ def plan_table(report, width: int) -> Table:
             states = m.parameters + m.gradients + m.optimizer_states + m.master_weights
             cells = (_g(states), _g(m.activations + m.logits + m.temporaries), _g(_needed(report, m)))
         else:
-            cells = (_g(m.parameters), _g(m.gradients), _g(m.optimizer_states), _g(m.activations), _g(m.logits),
-                     _g(m.master_weights + m.temporaries), _g(m.peak_allocated), _g(_needed(report, m)))
+            cells = (
+                _g(m.parameters),
+                _g(m.gradients),
+                _g(m.optimizer_states),
+                _g(m.activations),
+                _g(m.logits),
+                _g(m.master_weights + m.temporaries),
+                _g(m.peak_allocated),
+                _g(_needed(report, m)),
+            )
         if paged:
             cells += (_g(m.paged_optimizer) if m.paged_optimizer else "-",)
         if host:
@@ -97,13 +115,20 @@ def plan_table(report, width: int) -> Table:
 
 
 def breakdown_table(m) -> Table:
-    t = Table(title="Breakdown at the peak" + (" (one GPU of the plan)" if m.nccl_buffers else ""),
-              header_style="bold")
+    t = Table(title="Breakdown at the peak" + (" (one GPU of the plan)" if m.nccl_buffers else ""), header_style="bold")
     fold_column(t, "component")
     whole_column(t, "bytes", justify="right")
     whole_column(t, "GiB", justify="right")
-    for key in ("parameters", "adapters", "master_weights", "gradients", "optimizer_states", "activations",
-                "logits", "temporaries"):
+    for key in (
+        "parameters",
+        "adapters",
+        "master_weights",
+        "gradients",
+        "optimizer_states",
+        "activations",
+        "logits",
+        "temporaries",
+    ):
         label = LABELS[key] + (" (of weights)" if key == "adapters" else "")
         t.add_row(label, f"{getattr(m, key):,}", _g(getattr(m, key)))
     t.add_row("[bold]peak allocated[/] (" + m.peak_phase + ")", f"{m.peak_allocated:,}", _g(m.peak_allocated))
@@ -133,10 +158,14 @@ def print_advice(console: Console, report, result, index: int) -> None:
     adv = result.advice
     if adv is None:
         return
-    paged = (f" (+ {format_bytes(result.memory.paged_optimizer)} paged optimizer state, evictable)"
-             if result.memory.paged_optimizer else "")
-    console.print(f"\n[bold]#{index} {result.plan.label()}[/] needs {format_bytes(_needed(report, result.memory))}"
-                  f"{paged}:")
+    paged = (
+        f" (+ {format_bytes(result.memory.paged_optimizer)} paged optimizer state, evictable)"
+        if result.memory.paged_optimizer
+        else ""
+    )
+    console.print(
+        f"\n[bold]#{index} {result.plan.label()}[/] needs {format_bytes(_needed(report, result.memory))}{paged}:"
+    )
     fitting = [c for c in adv.single if c.fits]
     if fitting:
         for c in fitting[:4]:
@@ -159,33 +188,47 @@ def print_diagnose(report) -> None:
     for note in report.notes:
         console.print(f"[yellow]note: {note}[/]")
     if not report.results:  # --fits-only and nothing fits
-        console.print(f"\nNone of the {report.priced} plans fits; run without --fits-only for them and the changes "
-                      "that would make one fit.")
+        console.print(
+            f"\nNone of the {report.priced} plans fits; run without --fits-only for them and the changes "
+            "that would make one fit."
+        )
         if report.smaller_model:
             sm = report.smaller_model
-            console.print(f"A smaller model of the same family does: [bold]{sm.model_id}[/] ({sm.params / 1e9:.2f} B) "
-                          f"with {sm.plan.label()} at {format_bytes(_needed(report, sm.memory))}.")
+            console.print(
+                f"A smaller model of the same family does: [bold]{sm.model_id}[/] ({sm.params / 1e9:.2f} B) "
+                f"with {sm.plan.label()} at {format_bytes(_needed(report, sm.memory))}."
+            )
         return
     print_table(console, plan_table(report, console.width))
     if console.width < FULL_TABLE_WIDTH:
-        console.print("[dim]states: weights + gradients + optimizer states + AMP weight copies; activ.: activations "
-                      "+ logits + temporaries (widen the terminal to 130+ columns for every component).[/]")
+        console.print(
+            "[dim]states: weights + gradients + optimizer states + AMP weight copies; activ.: activations "
+            "+ logits + temporaries (widen the terminal to 130+ columns for every component).[/]"
+        )
     console.print(
         "[dim]weights: stored weights incl. quantization constants and LoRA adapters; grads: trainable only; "
         "optim: optimizer states; activ.: saved for backward; logits: logits + fp32 upcast + loss; other: AMP "
         "weight copies + temporaries; peak alloc: tensor bytes (max_memory_allocated); "
-        + ("peak dev: = peak alloc on the CPU (no CUDA context, workspace or allocator cache)"
-           if report.device == "cpu" else
-           "peak dev: + allocator slack, CUDA context, cuBLAS workspace: the resident peak the fits verdict compares "
-           "with the card")
-        + ("; paged: bitsandbytes' paged optimizer state, in unified memory, evicted to host RAM when the card runs "
-           "short (not counted for fits; nvidia-smi shows it on top while resident)" if any(
-               r.memory.paged_optimizer for r in report.results) else "") + ".[/]"
+        + (
+            "peak dev: = peak alloc on the CPU (no CUDA context, workspace or allocator cache)"
+            if report.device == "cpu"
+            else "peak dev: + allocator slack, CUDA context, cuBLAS workspace: the resident peak the fits verdict compares "
+            "with the card"
+        )
+        + (
+            "; paged: bitsandbytes' paged optimizer state, in unified memory, evicted to host RAM when the card runs "
+            "short (not counted for fits; nvidia-smi shows it on top while resident)"
+            if any(r.memory.paged_optimizer for r in report.results)
+            else ""
+        )
+        + ".[/]"
     )
     if any(r.plan.world_size > 1 for r in report.results):
-        console.print("[dim]several GPUs: every number is one GPU's (the largest rank); weights/grads include the "
-                      "gathered units and communication buckets; peak dev adds NCCL's buffers; host/node: host RAM "
-                      "one node needs for offloaded states (every rank on one node).[/]")
+        console.print(
+            "[dim]several GPUs: every number is one GPU's (the largest rank); weights/grads include the "
+            "gathered units and communication buckets; peak dev adds NCCL's buffers; host/node: host RAM "
+            "one node needs for offloaded states (every rank on one node).[/]"
+        )
     if len(report.results) == 1:
         print_table(console, breakdown_table(report.results[0].memory))
         for note in report.results[0].memory.notes:
@@ -199,8 +242,10 @@ def print_diagnose(report) -> None:
         best = fitting[0]
         idx = report.results.index(best) + 1
         b = report.budget
-        console.print(f"Most faithful plan that fits: [bold]#{idx} {best.plan.label()}[/] "
-                      f"({format_bytes(b.needed(best.memory))} of {format_bytes(b.limit_bytes)})")
+        console.print(
+            f"Most faithful plan that fits: [bold]#{idx} {best.plan.label()}[/] "
+            f"({format_bytes(b.needed(best.memory))} of {format_bytes(b.limit_bytes)})"
+        )
     shown = set()  # advice for the most faithful plan of each method (the rows with a full advice path)
     for i, r in enumerate(report.results, 1):
         if r.plan.method not in shown:
@@ -214,8 +259,9 @@ def print_diagnose(report) -> None:
             f"({sm.params / 1e9:.2f} B) with {sm.plan.label()} at {format_bytes(_needed(report, sm.memory))}."
         )
     elif not report.fitting_count:
-        rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single))
-                      for r in report.results)
+        rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single)) for r in report.results)
         if not rescued:
-            console.print("\nNothing fits, not even with the changes above, and no smaller bundled model of this "
-                          "family does either.")
+            console.print(
+                "\nNothing fits, not even with the changes above, and no smaller bundled model of this "
+                "family does either."
+            )

@@ -10,9 +10,11 @@ import typer
 from oomdoctor.cli.app import app
 from oomdoctor.cli.output import emit_json
 
-HELP = ("What each trainer can run: for every knob of a plan, the key(s) that carry it in that trainer's config, how "
-        "the trainer runs it, and the values it cannot run (tune --emit TRAINER never picks those; pinning one is an "
-        "error). TRAINER: trl, hf, axolotl, accelerate (default: all four).")
+HELP = (
+    "What each trainer can run: for every knob of a plan, the key(s) that carry it in that trainer's config, how "
+    "the trainer runs it, and the values it cannot run (tune --emit TRAINER never picks those; pinning one is an "
+    "error). TRAINER: trl, hf, axolotl, accelerate (default: all four)."
+)
 
 
 def _cannot(trainer: str, knob: str) -> list[dict]:
@@ -33,8 +35,11 @@ def rows(trainer: str) -> list[dict]:
     """One row per knob: ``knob``, ``keys``, ``how``, ``cannot`` (refused values grouped by reason)."""
     from oomdoctor.plan.targets import RULES
 
-    return [{"knob": knob, "keys": list(rule.keys), "how": rule.how, "cannot": _cannot(trainer, knob)}
-            for knob, rule in RULES[trainer].items() if knob != "trainer"]
+    return [
+        {"knob": knob, "keys": list(rule.keys), "how": rule.how, "cannot": _cannot(trainer, knob)}
+        for knob, rule in RULES[trainer].items()
+        if knob != "trainer"
+    ]
 
 
 def markdown(trainer: str) -> str:
@@ -70,8 +75,11 @@ def targets(
 
     con = Console()
     for t in chosen:
-        table = Table(title=f"{t}: priced as " + ", ".join(f"{d} {v}" for d, v in PRICED_VERSIONS[t]),
-                      title_justify="left", show_lines=False)
+        table = Table(
+            title=f"{t}: priced as " + ", ".join(f"{d} {v}" for d, v in PRICED_VERSIONS[t]),
+            title_justify="left",
+            show_lines=False,
+        )
         for col in ("knob", "keys", "how", "cannot run"):
             table.add_column(col, overflow="fold")
         for r in rows(t):

@@ -66,9 +66,11 @@ class _Reporter:
         if kind == "start":
             if self.setup_view is not None:
                 self.setup_view.close()
-            line = (f"training on {e['device']}: {e['plan']}; {e['params']:,} params ({e['trainable']:,} trainable); "
-                    f"{e['samples']} samples; effective batch {e['effective_batch']} (micro {e['micro_batch']})"
-                    + (f"; memory cap {_fmt(e['cap'])}" if e.get("cap") else ""))
+            line = (
+                f"training on {e['device']}: {e['plan']}; {e['params']:,} params ({e['trainable']:,} trainable); "
+                f"{e['samples']} samples; effective batch {e['effective_batch']} (micro {e['micro_batch']})"
+                + (f"; memory cap {_fmt(e['cap'])}" if e.get("cap") else "")
+            )
             self._print(line)
             if self.tty:
                 from rich.progress import (
@@ -80,27 +82,40 @@ class _Reporter:
                     TimeRemainingColumn,
                 )
 
-                self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                                         TextColumn("eta"), TimeRemainingColumn(), console=self.console,
-                                         transient=False)
+                self.progress = Progress(
+                    TextColumn("[bold]train"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TextColumn("{task.fields[info]}"),
+                    TimeElapsedColumn(),
+                    TextColumn("eta"),
+                    TimeRemainingColumn(),
+                    console=self.console,
+                    transient=False,
+                )
                 self.progress.start()
                 self.task = self.progress.add_task("train", total=e["max_steps"], completed=e["step"], info="")
         elif kind == "step":
-            info = (f"loss {e['loss']:.4f}  {e['tokens_per_s']:,.0f} tok/s  peak {_fmt(e['peak_bytes'])}  "
-                    f"micro {e['micro_batch']}x{e['grad_accum']}")
+            info = (
+                f"loss {e['loss']:.4f}  {e['tokens_per_s']:,.0f} tok/s  peak {_fmt(e['peak_bytes'])}  "
+                f"micro {e['micro_batch']}x{e['grad_accum']}"
+            )
             if self.progress is not None:
                 self.progress.update(self.task, completed=e["step"], info=info)
             else:
-                self._print(f"step {e['step']}/{e['max_steps']}  {info}  lr {e['lr']:.3g}  epoch {e['epoch']:.2f}"
-                            + self._eta(e["step"], e["max_steps"]))
+                self._print(
+                    f"step {e['step']}/{e['max_steps']}  {info}  lr {e['lr']:.3g}  epoch {e['epoch']:.2f}"
+                    + self._eta(e["step"], e["max_steps"])
+                )
         elif kind == "eval":
             self._print(f"eval at step {e['step']}: eval_loss {e['eval_loss']:.4f} ({e['samples']} samples)")
         elif kind == "oom":
-            self._print(f"OOM at step {e['step']} ({e['phase']}) with micro-batch {e['failed_micro_batch']}: split "
-                        f"into {e['new_micro_batch']} + {e['failed_micro_batch'] - e['new_micro_batch']}"
-                        f"{' (step replayed)' if e['replayed'] else ''}; now micro {e['new_micro_batch']} x "
-                        f"{e['grad_accum']} accumulation, same effective batch")
+            self._print(
+                f"OOM at step {e['step']} ({e['phase']}) with micro-batch {e['failed_micro_batch']}: split "
+                f"into {e['new_micro_batch']} + {e['failed_micro_batch'] - e['new_micro_batch']}"
+                f"{' (step replayed)' if e['replayed'] else ''}; now micro {e['new_micro_batch']} x "
+                f"{e['grad_accum']} accumulation, same effective batch"
+            )
         elif kind == "checkpoint":
             self._print(f"checkpoint {e['path']}")
         elif kind == "info":
@@ -138,27 +153,43 @@ def _print_dry(d) -> None:
 
     con = out_console()
     ranks = f" x {d.plan.world_size} GPUs" if d.plan.world_size > 1 else ""
-    con.print(f"[bold]{d.spec.name}[/]: {d.plan.label()}; micro-batch {d.plan.micro_batch} x {d.plan.grad_accum} "
-              f"accumulation{ranks} = effective batch {d.plan.effective_batch}; seq_len {d.plan.seq_len}")
+    con.print(
+        f"[bold]{d.spec.name}[/]: {d.plan.label()}; micro-batch {d.plan.micro_batch} x {d.plan.grad_accum} "
+        f"accumulation{ranks} = effective batch {d.plan.effective_batch}; seq_len {d.plan.seq_len}"
+    )
     print_table(con, breakdown_table(d.memory))
     if d.eval_memory is not None:
         e = d.eval_memory
-        con.print(f"eval phase (per_device_eval_batch_size, no gradients): {d.compared.replace('_', ' ')} "
-                  f"{_fmt(int(getattr(e, d.compared)))} = states {_fmt(e.states)} + logits {_fmt(e.logits)} + "
-                  f"activations {_fmt(e.activations)} + AMP copies {_fmt(e.amp_copies)}"
-                  + (f" + overheads {_fmt(e.overheads)}" if d.compared == "resident_device" else ""))
+        con.print(
+            f"eval phase (per_device_eval_batch_size, no gradients): {d.compared.replace('_', ' ')} "
+            f"{_fmt(int(getattr(e, d.compared)))} = states {_fmt(e.states)} + logits {_fmt(e.logits)} + "
+            f"activations {_fmt(e.activations)} + AMP copies {_fmt(e.amp_copies)}"
+            + (f" + overheads {_fmt(e.overheads)}" if d.compared == "resident_device" else "")
+        )
     for n in d.notes:
         con.print(f"[dim]note: {n}[/]")
     if d.fits is None:
         con.print(f"predicted {d.compared.replace('_', ' ')}: {_fmt(d.needed)}; no budget given: no verdict")
         return
     verdict = "[green]fits[/]" if d.fits else "[red]does not fit[/]"
-    con.print(f"{verdict}: {d.compared.replace('_', ' ')} {_fmt(d.needed)} vs {_fmt(d.budget.limit_bytes)} "
-              f"({d.capacity_source} {_fmt(d.capacity)} - margin {_fmt(d.budget.margin_bytes)})")
+    con.print(
+        f"{verdict}: {d.compared.replace('_', ' ')} {_fmt(d.needed)} vs {_fmt(d.budget.limit_bytes)} "
+        f"({d.capacity_source} {_fmt(d.capacity)} - margin {_fmt(d.budget.margin_bytes)})"
+    )
     if d.fits or d.train_fits:
         return
-    comps = {k: getattr(d.memory, k) for k in ("parameters", "master_weights", "gradients", "optimizer_states",
-                                                "activations", "logits", "temporaries")}
+    comps = {
+        k: getattr(d.memory, k)
+        for k in (
+            "parameters",
+            "master_weights",
+            "gradients",
+            "optimizer_states",
+            "activations",
+            "logits",
+            "temporaries",
+        )
+    }
     top = max(comps, key=comps.get)
     con.print(f"largest component: {top.replace('_', ' ')} {_fmt(comps[top])}")
     adv = d.advice
@@ -170,8 +201,10 @@ def _print_dry(d) -> None:
         for c in fitting[:5]:
             con.print(f"  - {c.description} (saves {_fmt(c.saves_bytes)}; {c.yaml})")
     elif adv.path:
-        con.print("no single change is enough; cheapest combination"
-                  + (" that fits:" if adv.path_fits else " (still does not fit):"))
+        con.print(
+            "no single change is enough; cheapest combination"
+            + (" that fits:" if adv.path_fits else " (still does not fit):")
+        )
         for k, c in enumerate(adv.path, 1):
             con.print(f"  {k}. {c.description} (saves {_fmt(c.saves_bytes)}; {c.yaml})")
     else:
@@ -180,8 +213,14 @@ def _print_dry(d) -> None:
 
 
 #: Flags the launcher consumes (the processes it starts get the rest of the command line).
-_LAUNCH_FLAGS = {"--nproc-per-node": 1, "--nnodes": 1, "--node-rank": 1, "--rdzv-endpoint": 1, "--rdzv-id": 1,
-                 "--max-restarts": 1}
+_LAUNCH_FLAGS = {
+    "--nproc-per-node": 1,
+    "--nnodes": 1,
+    "--node-rank": 1,
+    "--rdzv-endpoint": 1,
+    "--rdzv-id": 1,
+    "--max-restarts": 1,
+}
 
 
 def _without_launch_flags(args: list[str]) -> list[str]:
@@ -206,8 +245,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int | None, rdzv: str | None,
-              command: list[str], rdzv_id: str | None = None) -> int:
+def _torchrun(
+    nproc: int,
+    max_restarts: int,
+    nnodes: str | None,
+    node_rank: int | None,
+    rdzv: str | None,
+    command: list[str],
+    rdzv_id: str | None = None,
+) -> int:
     """Run ``command`` (``-m oomdoctor train ...``) in ``nproc`` processes through torch's own launcher
     (``torch.distributed.run``, in this process); the exit code of the first failed rank, or 0."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -223,8 +269,12 @@ def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int 
         rdzv = f"localhost:{_free_port()}"
     if rdzv_id is None and nnodes is None:
         rdzv_id = uuid.uuid4().hex  # this launch's TORCHELASTIC_RUN_ID (restart markers name it)
-    for flag, value in (("--nnodes", nnodes), ("--node-rank", node_rank), ("--rdzv-endpoint", rdzv),
-                        ("--rdzv-id", rdzv_id)):
+    for flag, value in (
+        ("--nnodes", nnodes),
+        ("--node-rank", node_rank),
+        ("--rdzv-endpoint", rdzv),
+        ("--rdzv-id", rdzv_id),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     # the c10d rendezvous on a fixed port: with --standalone (port 0) or the static one, torch 2.13's restarted
@@ -237,8 +287,9 @@ def _torchrun(nproc: int, max_restarts: int, nnodes: str | None, node_rank: int 
         _, first = exc.get_first_failure()  # the rank that failed first (the others were stopped because of it)
         return first.exitcode if first.exitcode and first.exitcode > 0 else 1
     except SignalException:  # Ctrl-C: the launcher passed it on; the ranks finished the step and saved
-        print("interrupted: the ranks finished their step and saved a checkpoint; continue with --resume",
-              file=sys.stderr)
+        print(
+            "interrupted: the ranks finished their step and saved a checkpoint; continue with --resume", file=sys.stderr
+        )
         return EXIT_INTERRUPTED
     return 0
 
@@ -262,31 +313,47 @@ def train(
     config: str = typer.Argument(..., help="train YAML (e.g. configs/train/tiny-cpu.yaml)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="validate and estimate only: exit 0 fits, 3 does not"),
     gpu_mem: Optional[str] = typer.Option(
-        None, "--gpu-mem", "--mem", help="memory budget of the device, e.g. 24GB / 24GiB: the dry-run verdict; caps "
-                                         "the run (on the CPU: its live tensor bytes)"
+        None,
+        "--gpu-mem",
+        "--mem",
+        help="memory budget of the device, e.g. 24GB / 24GiB: the dry-run verdict; caps "
+        "the run (on the CPU: its live tensor bytes)",
     ),
     engine: str = typer.Option("analytic", "--engine", help="estimator: analytic | simulate | measure"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in output_dir"),
-    overwrite: bool = typer.Option(False, "--overwrite",
-                                   help="replace the run already in output_dir (HF overwrite_output_dir)"),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="replace the run already in output_dir (HF overwrite_output_dir)"
+    ),
     json_out: bool = typer.Option(False, "--json", help="print one JSON summary object on stdout"),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="override max_steps of the config"),
     strategy: Optional[str] = typer.Option(
-        None, "--strategy", help="single | ddp | fsdp | zero2 | zero3 (overrides the config's strategy): ddp "
-                                 "replicates the model, fsdp shards it with FSDP2, zero2/zero3 with DeepSpeed ZeRO"),
+        None,
+        "--strategy",
+        help="single | ddp | fsdp | zero2 | zero3 (overrides the config's strategy): ddp "
+        "replicates the model, fsdp shards it with FSDP2, zero2/zero3 with DeepSpeed ZeRO",
+    ),
     nproc_per_node: Optional[int] = typer.Option(
-        None, "--nproc-per-node", help="data-parallel processes on this node: runs torch's launcher, "
-                                       "torch.distributed.run (torchrun), with this command in every process "
-                                       "(default: the config's world_size on this node, else 1)"),
+        None,
+        "--nproc-per-node",
+        help="data-parallel processes on this node: runs torch's launcher, "
+        "torch.distributed.run (torchrun), with this command in every process "
+        "(default: the config's world_size on this node, else 1)",
+    ),
     nnodes: Optional[str] = typer.Option(None, "--nnodes", help="torchrun --nnodes (multi-node)"),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="torchrun --node-rank"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="torchrun --rdzv-endpoint host:port"),
     rdzv_id: Optional[str] = typer.Option(
-        None, "--rdzv-id", help="torchrun --rdzv-id: a job id unique to this run, the same on every node "
-                                "(single node: a fresh one is made)"),
+        None,
+        "--rdzv-id",
+        help="torchrun --rdzv-id: a job id unique to this run, the same on every node "
+        "(single node: a fresh one is made)",
+    ),
     max_restarts: Optional[int] = typer.Option(
-        None, "--max-restarts", help="torchrun --max-restarts (default 3 with fsdp/zero2/zero3: each OOM restarts the "
-                                     "job with half the micro-batch; 0 otherwise)"),
+        None,
+        "--max-restarts",
+        help="torchrun --max-restarts (default 3 with fsdp/zero2/zero3: each OOM restarts the "
+        "job with half the micro-batch; 0 otherwise)",
+    ),
 ) -> None:
     # before anything can initialize CUDA (the allocator reads it once); a user's own setting wins
     from oomdoctor.memory.runtime import set_allocator_env
@@ -329,13 +396,22 @@ def train(
         from oomdoctor.train.preflight import check
 
         check(cfg, source=config)  # one message here rather than one per rank
-        rest = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else [config]
+        rest = sys.argv[sys.argv.index("train") + 1 :] if "train" in sys.argv else [config]
         if max_restarts is None:
             from oomdoctor.plan.plan import SHARDED
 
             max_restarts = 3 if cfg.to_plan(micro_batch=1).strategy in SHARDED else 0
-        raise typer.Exit(_torchrun(nproc, max_restarts, nnodes, node_rank, rdzv_endpoint,
-                                   ["-m", "oomdoctor", "train"] + _without_launch_flags(rest), rdzv_id))
+        raise typer.Exit(
+            _torchrun(
+                nproc,
+                max_restarts,
+                nnodes,
+                node_rank,
+                rdzv_endpoint,
+                ["-m", "oomdoctor", "train"] + _without_launch_flags(rest),
+                rdzv_id,
+            )
+        )
     if dry_run:  # priced per rank, for the world size the launch flags (or the config) give
         from oomdoctor.train.dryrun import dry_run as do_dry
 
@@ -358,16 +434,23 @@ def train(
             report("train", "setting up: loading torch and transformers")
             from oomdoctor.train.loop import train as run_train
 
-            res = run_train(cfg, gpu_mem=cap, max_steps=max_steps, resume=resume, overwrite=overwrite,
-                            engine=engine, on_event=rep, command=f"oomdoctor train {config}",
-                            source=config)  # --json: cli.output
+            res = run_train(
+                cfg,
+                gpu_mem=cap,
+                max_steps=max_steps,
+                resume=resume,
+                overwrite=overwrite,
+                engine=engine,
+                on_event=rep,
+                command=f"oomdoctor train {config}",
+                source=config,
+            )  # --json: cli.output
     except OomDoctorError as exc:
         if _failed_because_of_a_peer(cfg, job):
             raise typer.Exit(restart.earlier_failure(job) or 1) from None
         restart.record_failure(exc.exit_code, job)
         if json_out:  # CI still gets one JSON object; the message also goes to stderr (oomdoctor.cli.main)
-            emit_json({"config": config, "error": exc.message, "hint": exc.hint,
-                       "exit_code": exc.exit_code}, indent=1)
+            emit_json({"config": config, "error": exc.message, "hint": exc.hint, "exit_code": exc.exit_code}, indent=1)
         raise
     except Exception:
         if _failed_because_of_a_peer(cfg, job):  # the peer's message is the one to read
@@ -382,17 +465,30 @@ def train(
         emit_json({"config": config, **res.to_dict()}, indent=1)
         return
     pred = res.memory.get("peak_allocated_bytes") if res.memory else None
-    loss = (f"loss {res.first_loss:.4f} -> {res.final_loss:.4f}" if res.first_loss is not None
-            and res.final_loss is not None else "no step run")
-    print(f"done: {res.optimizer_steps} optimizer steps, effective batch {res.effective_batch_size} "
-          f"(micro {res.micro_batch_size} x {res.gradient_accumulation_steps}), {loss}")
-    print(f"peak memory {_fmt(res.measured_peak_bytes)} measured"
-          + (f" vs {_fmt(pred)} predicted (peak allocated"
-             + (", at the configured micro-batch)" if res.oom_recoveries else ")") if pred else "")
-          + f"; OOM recoveries {res.oom_recoveries}; {res.tokens_per_second:,.0f} tokens/s")
+    loss = (
+        f"loss {res.first_loss:.4f} -> {res.final_loss:.4f}"
+        if res.first_loss is not None and res.final_loss is not None
+        else "no step run"
+    )
+    print(
+        f"done: {res.optimizer_steps} optimizer steps, effective batch {res.effective_batch_size} "
+        f"(micro {res.micro_batch_size} x {res.gradient_accumulation_steps}), {loss}"
+    )
+    print(
+        f"peak memory {_fmt(res.measured_peak_bytes)} measured"
+        + (
+            f" vs {_fmt(pred)} predicted (peak allocated"
+            + (", at the configured micro-batch)" if res.oom_recoveries else ")")
+            if pred
+            else ""
+        )
+        + f"; OOM recoveries {res.oom_recoveries}; {res.tokens_per_second:,.0f} tokens/s"
+    )
     if res.eval_loss is not None:
         print(f"eval_loss {res.eval_loss:.4f} after {res.epoch:.2f} epoch(s)")
-    print(f"model: {res.output_dir} (from_pretrained-loadable); last checkpoint: {res.checkpoint}; "
-          f"metrics: {res.output_dir}/metrics.jsonl")
+    print(
+        f"model: {res.output_dir} (from_pretrained-loadable); last checkpoint: {res.checkpoint}; "
+        f"metrics: {res.output_dir}/metrics.jsonl"
+    )
     for n in res.notes:
         print(f"note: {n}")

@@ -81,190 +81,99 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
     if plan.micro_batch > 1:
         mb = plan.micro_batch // 2
         acc = plan.grad_accum * plan.micro_batch // mb if plan.micro_batch % mb == 0 else plan.grad_accum * 2
-        c.append((
-            "micro-batch",
-            f"micro-batch {plan.micro_batch} -> {mb} with gradient accumulation {plan.grad_accum} -> {acc}: "
-            + CHANGES["micro-batch"],
-            0,
-            dict(micro_batch=mb, grad_accum=acc),
-        ))
+        c.append(
+            (
+                "micro-batch",
+                f"micro-batch {plan.micro_batch} -> {mb} with gradient accumulation {plan.grad_accum} -> {acc}: "
+                + CHANGES["micro-batch"],
+                0,
+                dict(micro_batch=mb, grad_accum=acc),
+            )
+        )
     if plan.attn == "eager":
-        c.append((
-            "attn:sdpa",
-            CHANGES["attn:sdpa"],
-            0,
-            dict(attn="sdpa"),
-        ))
+        c.append(("attn:sdpa", CHANGES["attn:sdpa"], 0, dict(attn="sdpa")))
     torch_opt = plan.optimizer in ("adamw", "sgd")
     if torch_opt and plan.optimizer_impl == "foreach" and not plan.offload_optimizer:
-        c.append((
-            "optimizer:fused",
-            CHANGES["optimizer:fused"],
-            0,
-            dict(optimizer_impl="fused"),
-        ))
+        c.append(("optimizer:fused", CHANGES["optimizer:fused"], 0, dict(optimizer_impl="fused")))
     if plan.loss != "chunked" and spec.arch_kind == "decoder":
-        c.append((
-            "loss:chunked",
-            CHANGES["loss:chunked"],
-            0,
-            dict(loss="chunked"),
-        ))
+        c.append(("loss:chunked", CHANGES["loss:chunked"], 0, dict(loss="chunked")))
     if not plan.gradient_checkpointing:
-        c.append((
-            "gradient-checkpointing",
-            CHANGES["gradient-checkpointing"],
-            1,
-            dict(gradient_checkpointing=True),
-        ))
+        c.append(("gradient-checkpointing", CHANGES["gradient-checkpointing"], 1, dict(gradient_checkpointing=True)))
     if plan.world_size > 1 and plan.strategy == "ddp":
-        c.append((
-            "strategy:fsdp",
-            CHANGES["strategy:fsdp"].replace("the GPUs", f"the {plan.world_size} GPUs"),
-            1,
-            dict(strategy="fsdp"),
-        ))
+        c.append(
+            (
+                "strategy:fsdp",
+                CHANGES["strategy:fsdp"].replace("the GPUs", f"the {plan.world_size} GPUs"),
+                1,
+                dict(strategy="fsdp"),
+            )
+        )
     if plan.strategy == "zero2":
-        c.append((
-            "strategy:zero3",
-            CHANGES["strategy:zero3"],
-            1,
-            dict(strategy="zero3"),
-        ))
+        c.append(("strategy:zero3", CHANGES["strategy:zero3"], 1, dict(strategy="zero3")))
     if plan.strategy == "fsdp" and not plan.reshard_after_forward:
-        c.append((
-            "reshard-after-forward",
-            CHANGES["reshard-after-forward"],
-            1,
-            dict(reshard_after_forward=True),
-        ))
+        c.append(("reshard-after-forward", CHANGES["reshard-after-forward"], 1, dict(reshard_after_forward=True)))
     if not plan.tiled_mlp and tiling_applies(spec, plan.tokens_per_micro_batch):  # validate refuses the rest
-        c.append((
-            "tiled-mlp",
-            CHANGES["tiled-mlp"],
-            1,
-            dict(tiled_mlp=True),
-        ))
+        c.append(("tiled-mlp", CHANGES["tiled-mlp"], 1, dict(tiled_mlp=True)))
     if not plan.offload_activations:
-        c.append((
-            "offload:activations",
-            CHANGES["offload:activations"],
-            2,
-            dict(offload_activations=True),
-        ))
+        c.append(("offload:activations", CHANGES["offload:activations"], 2, dict(offload_activations=True)))
     if not plan.offload_optimizer and plan.optimizer not in ("sgd",) and not plan.optimizer_is_paged:
-        c.append((
-            "offload:optimizer",
-            CHANGES["offload:optimizer"],
-            2,
-            dict(offload_optimizer=True),
-        ))
-    if (plan.method == "full" and plan.grad_accum == 1 and not plan.optimizer_in_backward
-            and not plan.offload_optimizer and plan.precision != "fp16-mixed"):
-        c.append((
-            "optimizer-in-backward",
-            CHANGES["optimizer-in-backward"],
-            3,
-            dict(optimizer_in_backward=True),
-        ))
+        c.append(("offload:optimizer", CHANGES["offload:optimizer"], 2, dict(offload_optimizer=True)))
+    if (
+        plan.method == "full"
+        and plan.grad_accum == 1
+        and not plan.optimizer_in_backward
+        and not plan.offload_optimizer
+        and plan.precision != "fp16-mixed"
+    ):
+        c.append(("optimizer-in-backward", CHANGES["optimizer-in-backward"], 3, dict(optimizer_in_backward=True)))
     if plan.precision == "fp32":
-        c.append((
-            "precision:bf16-mixed",
-            CHANGES["precision:bf16-mixed"],
-            2,
-            dict(precision="bf16-mixed"),
-        ))
+        c.append(("precision:bf16-mixed", CHANGES["precision:bf16-mixed"], 2, dict(precision="bf16-mixed")))
     if plan.precision in ("fp32", "fp16-mixed", "bf16-mixed"):
-        c.append((
-            "precision:bf16",
-            CHANGES["precision:bf16"],
-            3,
-            dict(precision="bf16"),
-        ))
+        c.append(("precision:bf16", CHANGES["precision:bf16"], 3, dict(precision="bf16")))
     if upcast_to_fp32(plan):
-        c.append((
-            "kbit-upcast:off",
-            CHANGES["kbit-upcast:off"],
-            3,
-            dict(kbit_upcast=False),
-        ))
+        c.append(("kbit-upcast:off", CHANGES["kbit-upcast:off"], 3, dict(kbit_upcast=False)))
     if plan.optimizer in ("adamw", "paged-adamw"):
-        c.append((
-            "optimizer:adamw-8bit",
-            CHANGES["optimizer:adamw-8bit"],
-            3,
-            dict(optimizer="adamw-8bit"),
-        ))
+        c.append(("optimizer:adamw-8bit", CHANGES["optimizer:adamw-8bit"], 3, dict(optimizer="adamw-8bit")))
     if plan.optimizer in ("adamw", "adamw-8bit"):
-        c.append((
-            "optimizer:paged-adamw-8bit",
-            CHANGES["optimizer:paged-adamw-8bit"],
-            3,
-            dict(optimizer="paged-adamw-8bit"),
-        ))
+        c.append(
+            ("optimizer:paged-adamw-8bit", CHANGES["optimizer:paged-adamw-8bit"], 3, dict(optimizer="paged-adamw-8bit"))
+        )
     if plan.optimizer not in ("adafactor", "sgd", "lion"):
-        c.append((
-            "optimizer:adafactor",
-            CHANGES["optimizer:adafactor"],
-            4,
-            dict(optimizer="adafactor"),
-        ))
-        c.append((
-            "optimizer:lion",
-            CHANGES["optimizer:lion"],
-            4,
-            dict(optimizer="lion"),
-        ))
+        c.append(("optimizer:adafactor", CHANGES["optimizer:adafactor"], 4, dict(optimizer="adafactor")))
+        c.append(("optimizer:lion", CHANGES["optimizer:lion"], 4, dict(optimizer="lion")))
     if plan.optimizer != "sgd":
-        c.append((
-            "optimizer:sgd",
-            CHANGES["optimizer:sgd"],
-            4,
-            dict(optimizer="sgd"),
-        ))
+        c.append(("optimizer:sgd", CHANGES["optimizer:sgd"], 4, dict(optimizer="sgd")))
     if plan.method == "full":
-        c.append((
-            "method:lora",
-            CHANGES["method:lora"],
-            5,
-            dict(method="lora"),
-        ))
+        c.append(("method:lora", CHANGES["method:lora"], 5, dict(method="lora")))
     if plan.method in ("full", "lora"):
-        c.append((
-            "method:qlora",
-            CHANGES["method:qlora"],
-            6,
-            dict(method="qlora", quant="nf4", double_quant=True,
-                 precision="bf16-mixed" if plan.precision == "fp32" else plan.precision),
-        ))
+        c.append(
+            (
+                "method:qlora",
+                CHANGES["method:qlora"],
+                6,
+                dict(
+                    method="qlora",
+                    quant="nf4",
+                    double_quant=True,
+                    precision="bf16-mixed" if plan.precision == "fp32" else plan.precision,
+                ),
+            )
+        )
     if plan.method == "qlora" and plan.quant == "int8":
-        c.append((
-            "quant:nf4",
-            CHANGES["quant:nf4"],
-            5,
-            dict(quant="nf4", double_quant=True),
-        ))
+        c.append(("quant:nf4", CHANGES["quant:nf4"], 5, dict(quant="nf4", double_quant=True)))
     if plan.method == "qlora" and plan.quant in ("nf4", "fp4") and not plan.double_quant:
-        c.append((
-            "quant:double",
-            CHANGES["quant:double"],
-            1,
-            dict(double_quant=True),
-        ))
+        c.append(("quant:double", CHANGES["quant:double"], 1, dict(double_quant=True)))
     if plan.uses_lora and plan.lora_on_head:
-        c.append((
-            "lora:no-head",
-            CHANGES["lora:no-head"],
-            2,
-            dict(lora_on_head=False),
-        ))
+        c.append(("lora:no-head", CHANGES["lora:no-head"], 2, dict(lora_on_head=False)))
     if plan.seq_len > 256:
-        c.append((
-            "seq-len",
-            f"shorter sequences ({plan.seq_len} -> {plan.seq_len // 2} tokens): " + CHANGES["seq-len"],
-            8,
-            dict(seq_len=plan.seq_len // 2),
-        ))
+        c.append(
+            (
+                "seq-len",
+                f"shorter sequences ({plan.seq_len} -> {plan.seq_len // 2} tokens): " + CHANGES["seq-len"],
+                8,
+                dict(seq_len=plan.seq_len // 2),
+            )
+        )
     return c
 
 
@@ -273,8 +182,9 @@ def _counted(budget: Budget | None, memory: MemoryBreakdown) -> int:
     return budget.needed(memory) if budget is not None else memory.resident_device
 
 
-def _priced(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, budget: Budget | None,
-            estimator: Estimator) -> list[Change]:
+def _priced(
+    spec: ModelSpec, plan: Plan, before: MemoryBreakdown, budget: Budget | None, estimator: Estimator
+) -> list[Change]:
     out: list[Change] = []
     for cid, desc, cost, changes in candidate_changes(spec, plan):
         try:
@@ -285,7 +195,9 @@ def _priced(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, budget: Budget
         saved = _counted(budget, before) - _counted(budget, after)
         if saved <= 0:
             continue
-        out.append(Change(cid, desc, changes, cost, new_plan, saved, budget.fits(after) if budget is not None else None))
+        out.append(
+            Change(cid, desc, changes, cost, new_plan, saved, budget.fits(after) if budget is not None else None)
+        )
     return out
 
 
@@ -307,8 +219,15 @@ class Advice:
         }
 
 
-def advise(spec: ModelSpec, plan: Plan, budget: Budget | None, *, estimator: Estimator | None = None,
-           max_depth: int = 3, with_path: bool = True) -> Advice:
+def advise(
+    spec: ModelSpec,
+    plan: Plan,
+    budget: Budget | None,
+    *,
+    estimator: Estimator | None = None,
+    max_depth: int = 3,
+    with_path: bool = True,
+) -> Advice:
     """Ranked changes that make ``plan`` fit ``budget`` (``Budget.fits``; None: savings only, no verdicts);
     ``with_path=False`` skips the combination search."""
     est = estimator or _analytic
@@ -323,8 +242,9 @@ def advise(spec: ModelSpec, plan: Plan, budget: Budget | None, *, estimator: Est
     return advice
 
 
-def _cheapest_combination(spec: ModelSpec, plan: Plan, before: MemoryBreakdown, budget: Budget, est: Estimator,
-                          max_depth: int, beam: int = 48) -> tuple[list[Change], bool]:
+def _cheapest_combination(
+    spec: ModelSpec, plan: Plan, before: MemoryBreakdown, budget: Budget, est: Estimator, max_depth: int, beam: int = 48
+) -> tuple[list[Change], bool]:
     """Breadth-first over combinations of changes (depth <= ``max_depth``): the fitting combination with the
     lowest total cost (then fewest changes, then most saved). Intermediate steps may save nothing on their own
     (LoRA without gradient checkpointing can need more than full fine-tuning with offload; together they fit),
@@ -382,8 +302,9 @@ class SmallerModel:
         }
 
 
-def smaller_model_that_fits(spec: ModelSpec, base: Plan, budget: Budget, *,
-                            estimator: Estimator | None = None) -> SmallerModel | None:
+def smaller_model_that_fits(
+    spec: ModelSpec, base: Plan, budget: Budget, *, estimator: Estimator | None = None
+) -> SmallerModel | None:
     """Largest bundled model of ``spec``'s family, smaller than it, for which some matrix plan fits."""
     from oomdoctor.diagnose.matrix import enumerate_plans
     from oomdoctor.model.load import bundled_ids, load_spec, registry_entry

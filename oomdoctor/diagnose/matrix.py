@@ -85,8 +85,9 @@ def enumerate_plans(pins: dict[str, Any] | None = None, base: Plan | None = None
         else:
             quants = ((None, False),)
         pinned_offload = any(k in pins for k in OFFLOAD_FIELDS)
-        for precision, gc, (quant, dq), optimizer, strategy in product(precisions, gcs, quants, optimizers,
-                                                                       _strategies(pins)):
+        for precision, gc, (quant, dq), optimizer, strategy in product(
+            precisions, gcs, quants, optimizers, _strategies(pins)
+        ):
             offloads = [False]
             # Offload is spanned only when neither it nor the optimizer is pinned, so that pinning every flag of
             # the documented interface leaves exactly one plan.
@@ -96,13 +97,20 @@ def enumerate_plans(pins: dict[str, Any] | None = None, base: Plan | None = None
                 offloads = [False]  # DDP has no optimizer offload; ZeRO's is spanned with zero2/zero3
             for off in offloads:
                 changes: dict[str, Any] = dict(
-                    method=method, precision=precision, optimizer=optimizer, gradient_checkpointing=gc,
-                    quant=quant, double_quant=dq, strategy=strategy,
+                    method=method,
+                    precision=precision,
+                    optimizer=optimizer,
+                    gradient_checkpointing=gc,
+                    quant=quant,
+                    double_quant=dq,
+                    strategy=strategy,
                 )
                 if not pinned_offload:
                     changes["offload_optimizer"] = off
                 if method == "full":
-                    changes.update(lora_targets=DEFAULT_LORA_TARGETS if "lora_targets" not in pins else base.lora_targets)
+                    changes.update(
+                        lora_targets=DEFAULT_LORA_TARGETS if "lora_targets" not in pins else base.lora_targets
+                    )
                 try:
                     plan = validate(replace(base, **changes))
                 except BadInput as exc:
@@ -114,4 +122,3 @@ def enumerate_plans(pins: dict[str, Any] | None = None, base: Plan | None = None
     if not plans:
         raise first_error or BadInput("no plan matches the given flags")
     return plans
-

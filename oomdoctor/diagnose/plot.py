@@ -92,8 +92,15 @@ def _png_bytes(fig) -> bytes:
     return buf.getvalue()
 
 
-def _write(fig, path: str | Path, title: str, table_head: list[str], table_rows: list[list[str]],
-           caption: str = "", unit: str = "GiB") -> Path:
+def _write(
+    fig,
+    path: str | Path,
+    title: str,
+    table_head: list[str],
+    table_rows: list[list[str]],
+    caption: str = "",
+    unit: str = "GiB",
+) -> Path:
     plt = _pyplot()
     png = _png_bytes(fig)
     plt.close(fig)
@@ -102,9 +109,7 @@ def _write(fig, path: str | Path, title: str, table_head: list[str], table_rows:
         return write_file_atomic(out, png, what=PLOT_FLAG, overwrite=True, example="memory.png")
     b64 = base64.b64encode(png).decode("ascii")
     head = "".join(f"<th>{html.escape(h)}</th>" for h in table_head)
-    body = "\n".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table_rows
-    )
+    body = "\n".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in table_rows)
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
@@ -161,21 +166,43 @@ def plot_plans(rows, budget: Budget | None, path: str | Path, title: str | None 
     left = [0.0] * n
     for comp in components:
         widths = [gib(getattr(m, comp, 0)) for _, m in rows]
-        ax.barh(ys, widths, left=left, color=COLORS.get(comp, "#cccccc"), label=LABELS.get(comp, comp),
-                edgecolor="white", linewidth=0.5, height=0.65)
+        ax.barh(
+            ys,
+            widths,
+            left=left,
+            color=COLORS.get(comp, "#cccccc"),
+            label=LABELS.get(comp, comp),
+            edgecolor="white",
+            linewidth=0.5,
+            height=0.65,
+        )
         left = [a + b for a, b in zip(left, widths)]
     xmax = max(left) if left else 1.0
     if capacity_bytes:
         cap = gib(capacity_bytes)
         ax.axvline(cap, color="#d62728", linestyle="--", linewidth=1.6)
-        ax.text(cap, -0.62, f" card {format_bytes(capacity_bytes, binary=False)} = {cap:.1f} {uname}", color="#d62728",
-                va="bottom", ha="left", fontsize=9)
+        ax.text(
+            cap,
+            -0.62,
+            f" card {format_bytes(capacity_bytes, binary=False)} = {cap:.1f} {uname}",
+            color="#d62728",
+            va="bottom",
+            ha="left",
+            fontsize=9,
+        )
         xmax = max(xmax, cap)
         if budget.margin_bytes:
             limit = gib(budget.limit_bytes)
             ax.axvline(limit, color="#d62728", linestyle=":", linewidth=1.2)
-            ax.text(limit, n - 0.45, f"budget (margin {format_bytes(budget.margin_bytes)}) ", color="#d62728",
-                    va="top", ha="right", fontsize=8)
+            ax.text(
+                limit,
+                n - 0.45,
+                f"budget (margin {format_bytes(budget.margin_bytes)}) ",
+                color="#d62728",
+                va="top",
+                ha="right",
+                fontsize=8,
+            )
     for y, total, ok in zip(ys, left, fits):
         mark = "" if ok is None else "  fits" if ok else "  does not fit"
         ax.text(total, y, f" {total:.1f}{mark}", va="center", ha="left", fontsize=8)
@@ -251,13 +278,25 @@ def plot_timeline(timeline, path: str | Path, capacity_bytes: int | None = None,
             ax.axvline(a, color="#888888", lw=0.8, zorder=1)
             ax.text(a, ymax * 1.24, f" step {step}", ha="left", va="top", fontsize=8, color="#222", weight="bold")
         ax.text((a + b) / 2, ymax * 1.17, phase, ha="center", va="top", fontsize=7, color="#444")
-    ax.stackplot(xs, series, labels=[LABELS.get(c, c) for c in order],
-                 colors=[COLORS.get(c, "#cccccc") for c in order], alpha=0.9, zorder=2)
+    ax.stackplot(
+        xs,
+        series,
+        labels=[LABELS.get(c, c) for c in order],
+        colors=[COLORS.get(c, "#cccccc") for c in order],
+        alpha=0.9,
+        zorder=2,
+    )
     px, py = xs[peak_i], totals[peak_i]
     ax.plot([px], [py], marker="v", color="black", zorder=3)
-    ax.annotate(f"peak {py:.2f} {uname} ({timeline[peak_i][1]})", (px, py), textcoords="offset points",
-                xytext=(8, 2), fontsize=9, zorder=3, bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none",
-                                                              alpha=0.8))
+    ax.annotate(
+        f"peak {py:.2f} {uname} ({timeline[peak_i][1]})",
+        (px, py),
+        textcoords="offset points",
+        xytext=(8, 2),
+        fontsize=9,
+        zorder=3,
+        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.8),
+    )
     if capacity_bytes:
         cap = gib(capacity_bytes)
         ax.axhline(cap, color="#d62728", linestyle="--", linewidth=1.4, zorder=3)
@@ -277,8 +316,9 @@ def plot_timeline(timeline, path: str | Path, capacity_bytes: int | None = None,
         if ph not in best or totals[i] > totals[best[ph]]:
             best[ph] = i
     for name, i in [("overall peak", peak_i)] + [(f"peak of {ph}", j) for ph, j in best.items()]:
-        rows.append([name, str(timeline[i][0])] + [f"{series[k][i]:.3f}" for k in range(len(order))]
-                    + [f"{totals[i]:.3f}"])
+        rows.append(
+            [name, str(timeline[i][0])] + [f"{series[k][i]:.3f}" for k in range(len(order))] + [f"{totals[i]:.3f}"]
+        )
     cap_txt = f"Card capacity: {format_bytes(capacity_bytes)}." if capacity_bytes else ""
     return _write(fig, path, title or "Live memory over two training steps", head, rows, cap_txt, uname)
 

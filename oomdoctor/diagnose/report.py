@@ -106,9 +106,17 @@ class DiagnoseReport:
         }
 
 
-def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_mem: int | None = None,
-             engine: str = "analytic", advice: bool = True, fits_only: bool = False,
-             top: int | None = None, device: str = "cuda") -> DiagnoseReport:
+def diagnose(
+    model: str | ModelSpec,
+    pins: dict[str, Any] | None = None,
+    *,
+    gpu_mem: int | None = None,
+    engine: str = "analytic",
+    advice: bool = True,
+    fits_only: bool = False,
+    top: int | None = None,
+    device: str = "cuda",
+) -> DiagnoseReport:
     """Price the matrix of plans for ``model`` (pins fix dimensions; see ``oomdoctor.diagnose.matrix``) on ``device``
     (``cpu``: no CUDA context, workspace or allocator slack; the budget, ``gpu_mem`` only, counts live tensor bytes).
     ``fits_only``: keep the plans that fit (needs a capacity); ``top``: keep the first N (most faithful first)."""
@@ -128,11 +136,18 @@ def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_
         )
     gpu = None if gpu_mem is not None or device != "cuda" else detect_gpu()
     budget = resolve_budget(gpu_mem, None, gpu, on_cpu=device == "cpu")
-    report = DiagnoseReport(spec=spec, engine=engine, budget=budget, gpu=gpu, device=device,
-                            notes=list(budget.notes) if budget is not None else [])
+    report = DiagnoseReport(
+        spec=spec,
+        engine=engine,
+        budget=budget,
+        gpu=gpu,
+        device=device,
+        notes=list(budget.notes) if budget is not None else [],
+    )
 
     def priced(s: ModelSpec, p: Plan) -> MemoryBreakdown:
         return estimate(s, p, "analytic", device)
+
     headline = {p.method: p for p in reversed(plans)}  # most faithful plan of each method: full advice path
     for i, plan in enumerate(plans):
         if engine != "analytic":  # a replay (or a GPU run) per plan: seconds each
@@ -141,12 +156,15 @@ def diagnose(model: str | ModelSpec, pins: dict[str, Any] | None = None, *, gpu_
         ok = budget.fits(mem) if budget is not None else None
         adv = None
         if advice and ok is False:
-            adv = advise(spec, plan, budget, estimator=priced,
-                         with_path=headline.get(plan.method) == plan or len(plans) == 1)
+            adv = advise(
+                spec, plan, budget, estimator=priced, with_path=headline.get(plan.method) == plan or len(plans) == 1
+            )
         report.results.append(PlanResult(plan, mem, ok, adv))
     if fits_only and budget is None:
-        raise BadInput("--fits-only needs a capacity: no --gpu-mem given and no GPU found",
-                       f"pass --gpu-mem, e.g. `oomdoctor diagnose {spec.name} --gpu-mem 24GB --fits-only`")
+        raise BadInput(
+            "--fits-only needs a capacity: no --gpu-mem given and no GPU found",
+            f"pass --gpu-mem, e.g. `oomdoctor diagnose {spec.name} --gpu-mem 24GB --fits-only`",
+        )
     rescued = any(r.advice and (r.advice.path_fits or any(c.fits for c in r.advice.single)) for r in report.results)
     if budget is not None and not report.fitting and advice and not rescued:
         # only when no change above makes a plan fit: the advice and this verdict never contradict each other

@@ -46,8 +46,10 @@ def estimate(spec, plan, engine: str = "analytic", device: str = "cuda") -> Memo
         return estimate_simulated(spec, plan, device)
     if engine == "measure":
         if device != "cuda":
-            raise BadInput("--engine measure runs the step on the local CUDA GPU; a CPU plan cannot be measured there",
-                           "use --engine analytic or simulate with --device cpu")
+            raise BadInput(
+                "--engine measure runs the step on the local CUDA GPU; a CPU plan cannot be measured there",
+                "use --engine analytic or simulate with --device cpu",
+            )
         from oomdoctor.engines.measure import estimate_measured
 
         return estimate_measured(spec, plan)

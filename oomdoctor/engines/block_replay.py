@@ -150,8 +150,9 @@ class BlockReplay:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
-    def run(self, micro_batch: int, seq_len: int, measured: frozenset[int] | None = None,
-            budget: int | None = None) -> BlockRun:
+    def run(
+        self, micro_batch: int, seq_len: int, measured: frozenset[int] | None = None, budget: int | None = None
+    ) -> BlockRun:
         """One forward of the blocks at ``micro_batch`` x ``seq_len`` tokens and the backward of the blocks from the
         final norm's output. Blocks outside ``measured`` (None: all) are passed through; ``budget``: the ops one
         block's forward may dispatch before :class:`LoopBudget` stops the run."""
@@ -240,6 +241,7 @@ class BlockReplay:
                 started[i] = lb.events
                 allowance.block, allowance.limit = i, (lb.events + budget if budget is not None else None)
                 lb.reset_peak()
+
             return hook
 
         def leave(i: int):
@@ -254,6 +256,7 @@ class BlockReplay:
                 y = out[0] if isinstance(out, (tuple, list)) else out
                 if isinstance(y, torch.Tensor) and y.requires_grad:
                     y.register_hook(lambda _g: bwd_enter(i))  # the block's output gradient: its backward starts
+
             return hook
 
         def head_reached(_m, args):
@@ -278,13 +281,16 @@ class BlockReplay:
 
         hooks = []
         for i, layer in enumerate(layers):
-            hooks += [layer.register_forward_pre_hook(enter(i), with_kwargs=True),
-                      layer.register_forward_hook(leave(i))]
+            hooks += [
+                layer.register_forward_pre_hook(enter(i), with_kwargs=True),
+                layer.register_forward_hook(leave(i)),
+            ]
         hooks.append(self.built.head_module.register_forward_pre_hook(head_reached))
         policy_cls = cuda_policy_mode_cls()
         # the recompute in backward runs under the CUDA policy again (torch-function modes are off in backward)
-        restore = wrap_checkpoint_functions(model, lb, policy_cls, classify=False) if plan.gradient_checkpointing \
-            else []
+        restore = (
+            wrap_checkpoint_functions(model, lb, policy_cls, classify=False) if plan.gradient_checkpointing else []
+        )
         # under checkpointing the kept block inputs (and bnb's context-held int8 inputs) are formulas
         observers = [] if plan.gradient_checkpointing else [held]
         try:

@@ -136,13 +136,23 @@ def block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
 
 
 def _bytes_doc(b: BlockBytes) -> dict:
-    return {"per_block": list(b.per_block), "final": b.final, "forward_transient": b.forward_transient,
-            "backward_transient": b.backward_transient, "backward_over_gradients": b.backward_over_gradients}
+    return {
+        "per_block": list(b.per_block),
+        "final": b.final,
+        "forward_transient": b.forward_transient,
+        "backward_transient": b.backward_transient,
+        "backward_over_gradients": b.backward_over_gradients,
+    }
 
 
 def _bytes_of(doc: dict) -> BlockBytes:
-    return BlockBytes(tuple(int(x) for x in doc["per_block"]), int(doc["final"]), int(doc["forward_transient"]),
-                      int(doc["backward_transient"]), int(doc["backward_over_gradients"]))
+    return BlockBytes(
+        tuple(int(x) for x in doc["per_block"]),
+        int(doc["final"]),
+        int(doc["forward_transient"]),
+        int(doc["backward_transient"]),
+        int(doc["backward_over_gradients"]),
+    )
 
 
 @lru_cache(maxsize=512)
@@ -150,8 +160,7 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     path = cache_dir() / f"{_key(spec, plan)}.json"
     try:
         doc = json.loads(path.read_text())
-        return BlockSaves(_bytes_of(doc["one"]), _bytes_of(doc["two"]), bool(doc["checkpointed"]),
-                          int(doc["seq_len"]))
+        return BlockSaves(_bytes_of(doc["one"]), _bytes_of(doc["two"]), bool(doc["checkpointed"]), int(doc["seq_len"]))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
@@ -164,8 +173,17 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"model": spec.name, "one": _bytes_doc(saves.one), "two": _bytes_doc(saves.two),
-                                   "checkpointed": saves.checkpointed, "seq_len": saves.seq_len}))
+        tmp.write_text(
+            json.dumps(
+                {
+                    "model": spec.name,
+                    "one": _bytes_doc(saves.one),
+                    "two": _bytes_doc(saves.two),
+                    "checkpointed": saves.checkpointed,
+                    "seq_len": saves.seq_len,
+                }
+            )
+        )
         tmp.replace(path)
     except OSError:
         pass  # a read-only cache only costs the next run a replay
@@ -253,10 +271,12 @@ class _Runs:
     """The replay runs of one measurement, each reported as it starts (``oomdoctor.progress``, task ``blocks``)."""
 
     def __init__(self, spec: "ModelSpec", plan: "Plan", steps: int):
-        knobs = " ".join(k for k in (plan.method, plan.quant, plan.precision,
-                                     "GC" if plan.gradient_checkpointing else "") if k)
-        self.message = f"measuring what {spec.model_type} blocks save under {knobs} at {plan.seq_len} tokens " \
-                       "(once: cached)"
+        knobs = " ".join(
+            k for k in (plan.method, plan.quant, plan.precision, "GC" if plan.gradient_checkpointing else "") if k
+        )
+        self.message = (
+            f"measuring what {spec.model_type} blocks save under {knobs} at {plan.seq_len} tokens (once: cached)"
+        )
         self.steps = steps  # runs the measurement makes, as far as known (a loop over the tokens found adds some)
         self.step = 0
 
@@ -278,30 +298,43 @@ def along_the_sequence(one, two, short, long, wide, looping: frozenset[int], b: 
     at another moment than the plan's sequences do, it is off by a little (int8 with checkpointing, micro-batch 2:
     -1.6 % of the forward's peak). The tokens, and so the
     kernel paths (bitsandbytes' 1,536-row switch) and a balanced router's tokens per expert, are the plan's."""
+
     def fit(base, at, m: int, field: str) -> tuple[int, ...]:
         got, a, w, z = (getattr(r, field) for r in (base, at, wide, long))
         return tuple(a[i] - round((b - m) * (w[i] - z[i]) / b) if i in looping else got[i] for i in range(len(got)))
 
     fields = ("saves", "forward", "backward", "backward_net")
-    return (replace(one, **{f: fit(one, short, 1, f) for f in fields}),
-            replace(two, **{f: fit(two, long, 2, f) for f in fields}))
+    return (
+        replace(one, **{f: fit(one, short, 1, f) for f in fields}),
+        replace(two, **{f: fit(two, long, 2, f) for f in fields}),
+    )
 
 
 def _saves(plan: "Plan", reps: tuple[int, ...], q: int, p: int, num_layers: int, one, two) -> BlockSaves:
-    return BlockSaves(block_bytes(one, reps, q, p, num_layers), block_bytes(two, reps, q, p, num_layers),
-                      plan.gradient_checkpointing, plan.seq_len)
+    return BlockSaves(
+        block_bytes(one, reps, q, p, num_layers),
+        block_bytes(two, reps, q, p, num_layers),
+        plan.gradient_checkpointing,
+        plan.seq_len,
+    )
 
 
 def block_bytes(run, reps: tuple[int, ...], q: int, p: int, num_layers: int) -> BlockBytes:
     """The :class:`BlockBytes` of all ``num_layers`` blocks from a run (of blocks ``0 .. max(reps)``): each replayed
     block takes its representative's bytes, the blocks after them those of their replayed block
     (``kinds.extend``)."""
+
     def per(values) -> tuple[int, ...]:
         return extend(tuple(values[r] for r in reps), q, p, num_layers)
 
     saves = per(run.saves)
-    return BlockBytes(saves, run.final, forward_over_saves(saves, per(run.forward)), max(per(run.backward)),
-                      max(per(run.backward_net)))
+    return BlockBytes(
+        saves,
+        run.final,
+        forward_over_saves(saves, per(run.forward)),
+        max(per(run.backward)),
+        max(per(run.backward_net)),
+    )
 
 
 def measure_block_bytes(spec: "ModelSpec", plan: "Plan") -> BlockBytes:

@@ -19,8 +19,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
 
 #: Per-layer lists in a transformers config that hold block indices (membership marks a block's kind).
-INDEX_LIST_KEYS = frozenset({"mlp_only_layers", "moe_layers", "full_attn_idxs", "attn_layer_indices",
-                             "cross_attention_layers", "hybrid_layer_ids"})
+INDEX_LIST_KEYS = frozenset(
+    {
+        "mlp_only_layers",
+        "moe_layers",
+        "full_attn_idxs",
+        "attn_layer_indices",
+        "cross_attention_layers",
+        "hybrid_layer_ids",
+    }
+)
 #: Config keys that vary blocks with their index: ``key: (value, i, config) -> kind of block i``. Jamba's and
 #: Zamba's periods mark the blocks ``i mod period == offset`` (``JambaConfig.layers_block_type``,
 #: ``layers_num_experts``); the other periods give each position in the period a kind of its own (a safe superset).
@@ -31,18 +39,39 @@ _INDEX_RULES = {
     "moe_layer_end_index": lambda v, i, d: i <= v,
     "attn_layer_period": lambda v, i, d: bool(v) and i % v == d.get("attn_layer_offset", 0),
     "expert_layer_period": lambda v, i, d: bool(v) and i % v == d.get("expert_layer_offset", 0),
-    **{k: (lambda v, i, d: i % v if v else 0) for k in (
-        "moe_layer_interval", "decoder_sparse_step", "interleave_moe_layer_step", "no_rope_layer_interval",
-        "sliding_window_pattern", "_sliding_window_pattern")},
+    **{
+        k: (lambda v, i, d: i % v if v else 0)
+        for k in (
+            "moe_layer_interval",
+            "decoder_sparse_step",
+            "interleave_moe_layer_step",
+            "no_rope_layer_interval",
+            "sliding_window_pattern",
+            "_sliding_window_pattern",
+        )
+    },
 }
 #: Config keys about layers that do not make blocks differ (sizes, and the offsets their periods read).
-_NOT_PER_LAYER = frozenset({"layer_norm_eps", "layer_norm_epsilon", "num_nextn_predict_layers",
-                            "mtp_layers_block_type", "expert_layer_offset", "attn_layer_offset",
-                            "vocab_size_per_layer_input", "hidden_size_per_layer_input"}) | set(LAYER_KEYS)
+_NOT_PER_LAYER = frozenset(
+    {
+        "layer_norm_eps",
+        "layer_norm_epsilon",
+        "num_nextn_predict_layers",
+        "mtp_layers_block_type",
+        "expert_layer_offset",
+        "attn_layer_offset",
+        "vocab_size_per_layer_input",
+        "hidden_size_per_layer_input",
+    }
+) | set(LAYER_KEYS)
 #: Index rules whose per-block list the config also holds, which the modeling code reads instead (Gemma 3's and
 #: EXAONE 4's ``layer_types`` from ``sliding_window_pattern``, Llama 4's ``no_rope_layers`` and ``moe_layers``).
-_SUBSUMED = {"sliding_window_pattern": "layer_types", "_sliding_window_pattern": "layer_types",
-             "no_rope_layer_interval": "no_rope_layers", "interleave_moe_layer_step": "moe_layers"}
+_SUBSUMED = {
+    "sliding_window_pattern": "layer_types",
+    "_sliding_window_pattern": "layer_types",
+    "no_rope_layer_interval": "no_rope_layers",
+    "interleave_moe_layer_step": "moe_layers",
+}
 #: Config keys whose per-block meaning the config class spells out as a per-block list property, read instead
 #: (Gemma 3n/4: the last ``num_kv_shared_layers`` blocks reuse earlier blocks' keys and values).
 _PROPERTY_OF = {"num_kv_shared_layers": "kv_sharing_modes"}
@@ -61,8 +90,14 @@ def layer_kinds(spec: "ModelSpec", plan: "Plan") -> list | None:
     for i in range(L):
         kinds[i].append(json.dumps(overrides.get(i, {}), sort_keys=True, default=str))
     for key, v in d.items():
-        if (not _LAYER_KEY.search(key) or key in _NOT_PER_LAYER or v is None or key.startswith("time_step")
-                or key == PER_LAYER_KEY or isinstance(d.get(_SUBSUMED.get(key, "")), list)):
+        if (
+            not _LAYER_KEY.search(key)
+            or key in _NOT_PER_LAYER
+            or v is None
+            or key.startswith("time_step")
+            or key == PER_LAYER_KEY
+            or isinstance(d.get(_SUBSUMED.get(key, "")), list)
+        ):
             continue
         per_block = getattr(tc, _PROPERTY_OF[key], None) if key in _PROPERTY_OF else None
         if isinstance(per_block, list) and len(per_block) == L:

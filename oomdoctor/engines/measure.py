@@ -89,8 +89,9 @@ def _gpu_info() -> dict:
     return g.to_dict() if g is not None else {}
 
 
-def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = None, steps: int = 2,
-                 seed: int = 0) -> MeasureResult:
+def measure_plan(
+    spec: "ModelSpec", plan: "Plan", *, model_path: str | None = None, steps: int = 2, seed: int = 0
+) -> MeasureResult:
     """Run ``plan`` for real on the local CUDA GPU (see the module docstring)."""
     import time
 
@@ -101,8 +102,11 @@ def measure_plan(spec: "ModelSpec", plan: "Plan", *, model_path: str | None = No
 
     plan = validate(plan)
     if plan.strategy != "single" and (plan.world_size > 1 or plan.strategy != "fsdp" or model_path is not None):
-        raise BadInput(f"--engine measure runs one process on this GPU; {plan.label()} needs "
-                       f"{plan.world_size} rank(s) of {plan.strategy}", "use --engine simulate (one rank replayed)")
+        raise BadInput(
+            f"--engine measure runs one process on this GPU; {plan.label()} needs "
+            f"{plan.world_size} rank(s) of {plan.strategy}",
+            "use --engine simulate (one rank replayed)",
+        )
     t0 = time.perf_counter()
     gpu_before = _gpu_info()
     torch.manual_seed(seed)
@@ -183,7 +187,7 @@ def _measure(spec, plan, model_path, steps: int, t0: float, gpu_before: dict, se
     ctx = max((nvml_used or 0) - int(torch.cuda.memory_reserved()), 0) if nvml_used else 0
     notes = [
         f"measured on {gpu_before.get('name', 'CUDA GPU')}: max_memory_allocated {max_alloc}, "
-        f"max_memory_reserved {max_res}, NVML process usage {nvml_used}",
+        f"max_memory_reserved {max_res}, NVML process usage {nvml_used}"
     ]
     if gpu_before.get("used_by_others_bytes"):
         notes.append(f"other processes held {gpu_before['used_by_others_bytes']} bytes on the device")

@@ -83,34 +83,65 @@ def _plan_from_json(d: dict) -> Plan:
 # ---------------------------------------------------------------------------------------------- parent side
 
 
-def run_probe(model_ref: str, plan: Plan, *, device: str = "cuda", steps: int = 2, cap_bytes: int | None = None,
-              timeout_s: float = 900.0, python: str | None = None, seed: int = 0) -> ProbeResult:
+def run_probe(
+    model_ref: str,
+    plan: Plan,
+    *,
+    device: str = "cuda",
+    steps: int = 2,
+    cap_bytes: int | None = None,
+    timeout_s: float = 900.0,
+    python: str | None = None,
+    seed: int = 0,
+) -> ProbeResult:
     """Run one probe in a fresh ``python -m oomdoctor.engines.probe`` child and return what it saw.
 
     Never raises for what happens in the child: a crash, a kill (host OOM killer: negative return code) or a
     timeout becomes ``outcome="error"`` with the reason."""
-    req = {"model": model_ref, "plan": _plan_to_json(plan), "device": device, "steps": steps,
-           "cap_bytes": cap_bytes, "seed": seed}
+    req = {
+        "model": model_ref,
+        "plan": _plan_to_json(plan),
+        "device": device,
+        "steps": steps,
+        "cap_bytes": cap_bytes,
+        "seed": seed,
+    }
     env = dict(os.environ)
     set_allocator_env(env)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run([python or sys.executable, "-m", "oomdoctor.engines.probe"], input=json.dumps(req),
-                              capture_output=True, text=True, timeout=timeout_s, env=env)
+        proc = subprocess.run(
+            [python or sys.executable, "-m", "oomdoctor.engines.probe"],
+            input=json.dumps(req),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
-        return ProbeResult("error", plan.micro_batch, seconds=time.perf_counter() - t0, device=device,
-                           message=f"probe timed out after {timeout_s:.0f}s")
+        return ProbeResult(
+            "error",
+            plan.micro_batch,
+            seconds=time.perf_counter() - t0,
+            device=device,
+            message=f"probe timed out after {timeout_s:.0f}s",
+        )
     dt = time.perf_counter() - t0
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MARKER):
-            d = json.loads(line[len(MARKER):])
+            d = json.loads(line[len(MARKER) :])
             d["seconds"] = dt
             return ProbeResult(**d)
     tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
     why = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
-    return ProbeResult("error", plan.micro_batch, seconds=dt, device=device,
-                       message=f"probe process failed ({why}): " + " | ".join(tail)[-400:])
+    return ProbeResult(
+        "error",
+        plan.micro_batch,
+        seconds=dt,
+        device=device,
+        message=f"probe process failed ({why}): " + " | ".join(tail)[-400:],
+    )
 
 
 # ---------------------------------------------------------------------------------------------- child side
@@ -139,8 +170,9 @@ def build_for_probe(model_ref: str, plan: Plan, device: str = "cuda"):
     return load_model(_source(model_ref), plan, torch.device(device))
 
 
-def run_steps(loaded, plan: Plan, *, device: str = "cpu", steps: int = 2, cap_bytes: int | None = None,
-              ) -> tuple[str, int, int | None, str | None]:
+def run_steps(
+    loaded, plan: Plan, *, device: str = "cpu", steps: int = 2, cap_bytes: int | None = None
+) -> tuple[str, int, int | None, str | None]:
     """Run ``steps`` full optimizer steps of ``plan`` on an already loaded model (the executor's
     :class:`~oomdoctor.execute.step.TrainStep`) with a fresh optimizer (its state is created at the first step, as
     in training). On CPU with ``cap_bytes`` the live tensor bytes are capped by
@@ -189,8 +221,9 @@ def run_steps(loaded, plan: Plan, *, device: str = "cpu", steps: int = 2, cap_by
     return outcome, done, (int(lb.peak) if lb is not None else None), msg
 
 
-def probe_in_process(model_ref: str, plan: Plan, *, device: str = "cuda", steps: int = 2,
-                     cap_bytes: int | None = None, seed: int = 0) -> ProbeResult:
+def probe_in_process(
+    model_ref: str, plan: Plan, *, device: str = "cuda", steps: int = 2, cap_bytes: int | None = None, seed: int = 0
+) -> ProbeResult:
     """The child's work (also callable directly in tests on CPU): build, cap, run ``steps`` full steps, measure."""
     import torch
 
@@ -218,18 +251,27 @@ def probe_in_process(model_ref: str, plan: Plan, *, device: str = "cuda", steps:
         loaded = build_for_probe(model_ref, plan, device)
     except Exception as exc:  # noqa: BLE001 - any failure to build is the probe's outcome, never a crash
         outcome = "oom" if is_oom(exc) else "error"
-        return ProbeResult(outcome, plan.micro_batch, 0, device=device, seconds=time.perf_counter() - t0,
-                           context_bytes=ctx_bytes, message=f"building the model: {type(exc).__name__}: {exc}"[:500])
-    outcome, done, lb_peak, msg = run_steps(loaded, plan, device=device, steps=steps,
-                                            cap_bytes=cap_bytes if dev.type == "cpu" else None)
+        return ProbeResult(
+            outcome,
+            plan.micro_batch,
+            0,
+            device=device,
+            seconds=time.perf_counter() - t0,
+            context_bytes=ctx_bytes,
+            message=f"building the model: {type(exc).__name__}: {exc}"[:500],
+        )
+    outcome, done, lb_peak, msg = run_steps(
+        loaded, plan, device=device, steps=steps, cap_bytes=cap_bytes if dev.type == "cpu" else None
+    )
     if dev.type == "cuda":
         alloc = int(torch.cuda.max_memory_allocated(dev))
         reserved = int(torch.cuda.max_memory_reserved(dev))
         device_peak = reserved + (ctx_bytes or 0)
     else:
         alloc = reserved = device_peak = lb_peak
-    return ProbeResult(outcome, plan.micro_batch, done, alloc, reserved, device_peak, ctx_bytes,
-                       time.perf_counter() - t0, device, msg)
+    return ProbeResult(
+        outcome, plan.micro_batch, done, alloc, reserved, device_peak, ctx_bytes, time.perf_counter() - t0, device, msg
+    )
 
 
 def _main() -> None:
@@ -237,11 +279,21 @@ def _main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         plan = _plan_from_json(req["plan"])
-        res = probe_in_process(req["model"], plan, device=req.get("device", "cuda"), steps=int(req.get("steps", 2)),
-                               cap_bytes=req.get("cap_bytes"), seed=int(req.get("seed", 0)))
+        res = probe_in_process(
+            req["model"],
+            plan,
+            device=req.get("device", "cuda"),
+            steps=int(req.get("steps", 2)),
+            cap_bytes=req.get("cap_bytes"),
+            seed=int(req.get("seed", 0)),
+        )
     except Exception as exc:  # noqa: BLE001 - report setup failures as a result line, not a traceback
-        res = ProbeResult("error", int(req.get("plan", {}).get("micro_batch", 0)), device=req.get("device", "?"),
-                          message=f"{type(exc).__name__}: {exc}"[:500])
+        res = ProbeResult(
+            "error",
+            int(req.get("plan", {}).get("micro_batch", 0)),
+            device=req.get("device", "?"),
+            message=f"{type(exc).__name__}: {exc}"[:500],
+        )
     sys.stdout.write(MARKER + json.dumps(res.to_dict()) + "\n")
     sys.stdout.flush()
 

@@ -34,10 +34,38 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: CUDA autocast "fp32" policy (aten/src/ATen/autocast_mode.cpp, KERNEL_CUDA(..., fp32)): inputs cast to fp32.
 _FP32_FUNCS = (
-    "layer_norm", "group_norm", "pow", "rsqrt", "exp", "log", "log1p", "log2", "log10", "expm1", "reciprocal",
-    "acos", "asin", "cosh", "sinh", "tan", "erfinv", "softplus", "norm", "normalize", "mse_loss", "l1_loss",
-    "smooth_l1_loss", "kl_div", "binary_cross_entropy_with_logits", "nll_loss", "cross_entropy",
-    "cosine_similarity", "__pow__", "__rpow__", "__rtruediv__", "__rdiv__",
+    "layer_norm",
+    "group_norm",
+    "pow",
+    "rsqrt",
+    "exp",
+    "log",
+    "log1p",
+    "log2",
+    "log10",
+    "expm1",
+    "reciprocal",
+    "acos",
+    "asin",
+    "cosh",
+    "sinh",
+    "tan",
+    "erfinv",
+    "softplus",
+    "norm",
+    "normalize",
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "kl_div",
+    "binary_cross_entropy_with_logits",
+    "nll_loss",
+    "cross_entropy",
+    "cosine_similarity",
+    "__pow__",
+    "__rpow__",
+    "__rtruediv__",
+    "__rdiv__",
 )
 #: CUDA autocast "fp32_set_opt_dtype" policy: run in fp32 (dtype=float32) unless an output dtype is given.
 _FP32_OPT_DTYPE_FUNCS = ("softmax", "log_softmax", "sum", "prod", "cumsum", "cumprod", "nansum", "softmin")
@@ -199,8 +227,6 @@ class RunStats:
     aligned across block counts, extrapolated separately (the peak may move to a phase boundary for large N)."""
 
 
-
-
 class TrackingHooks(StepHooks):
     """The step's hooks feeding a LiveBytes tracker: phases, the logits region (forward of the head until the
     backward leaves it), optimizer state classification after the first step.
@@ -260,8 +286,10 @@ def _head_region_hooks(head, lb) -> list:
             out.register_hook(lambda g: lb.set_backward_region(None))
         return None
 
-    return [head.register_forward_pre_hook(lambda m, a: lb.push_region("logits")),
-            head.register_forward_hook(_head_out)]
+    return [
+        head.register_forward_pre_hook(lambda m, a: lb.push_region("logits")),
+        head.register_forward_hook(_head_out),
+    ]
 
 
 def _backbone_region_hooks(backbone, lb) -> list:
@@ -299,8 +327,15 @@ def replay_step(model, plan: "Plan", lb, *, target: str, head=None) -> Any:
     else:
         offload = HostActivationOffload(host_scope=lb.paused, lb=lb)
     scaler = StaticLossScale() if plan.precision == "fp16-mixed" and not on_gpu else None
-    return TrainStep(model, opt, plan, device_type=device_type, scaler=scaler,
-                     hooks=TrackingHooks(lb, plan, head=head, target=target, model=model), offload=offload)
+    return TrainStep(
+        model,
+        opt,
+        plan,
+        device_type=device_type,
+        scaler=scaler,
+        hooks=TrackingHooks(lb, plan, head=head, target=target, model=model),
+        offload=offload,
+    )
 
 
 class Instruments:
@@ -312,8 +347,9 @@ class Instruments:
     CUDA policy, and, while entered, the CUDA policy and ``lb`` themselves. :meth:`stats` turns the run into
     :class:`RunStats`."""
 
-    def __init__(self, model, plan: "Plan", lb, *, target: str = "cuda", head=None, backbone=None,
-                 checkpoint_region: bool = True):
+    def __init__(
+        self, model, plan: "Plan", lb, *, target: str = "cuda", head=None, backbone=None, checkpoint_region: bool = True
+    ):
         import torch
 
         self.model, self.plan, self.lb, self.target, self.checkpoint_region = model, plan, lb, target, checkpoint_region
@@ -339,8 +375,9 @@ class Instruments:
 
     def wrap_checkpoints(self) -> None:
         """Make each checkpointed block recompute under the CUDA policy (call once checkpointing is enabled)."""
-        self.restore_ckpt += wrap_checkpoint_functions(self.model, self.lb, self.policy_cls,
-                                                        classify=self.checkpoint_region)
+        self.restore_ckpt += wrap_checkpoint_functions(
+            self.model, self.lb, self.policy_cls, classify=self.checkpoint_region
+        )
 
     def __enter__(self) -> "Instruments":
         st = self._stack = ExitStack()
@@ -360,12 +397,24 @@ class Instruments:
         self.lb.remove_hooks()
 
     def stats(self, step_peaks: list[int]) -> RunStats:
-        return _stats(self.lb, step_peaks, self.param_bytes, self.adapter_bytes, self.trainable_bytes,
-                      self.tail_starts[-1:])
+        return _stats(
+            self.lb, step_peaks, self.param_bytes, self.adapter_bytes, self.trainable_bytes, self.tail_starts[-1:]
+        )
 
 
-def run_steps(model, plan: "Plan", batch: dict, lb, *, steps: int = 2, target: str = "cuda", head=None,
-              checkpoint_region: bool = True, on_step=None, micro_batches: int | None = None) -> RunStats:
+def run_steps(
+    model,
+    plan: "Plan",
+    batch: dict,
+    lb,
+    *,
+    steps: int = 2,
+    target: str = "cuda",
+    head=None,
+    checkpoint_region: bool = True,
+    on_step=None,
+    micro_batches: int | None = None,
+) -> RunStats:
     """Run ``steps`` training steps of ``model`` on ``batch`` under the live tracker ``lb`` (this function enters it).
 
     ``target``: ``"cuda"`` replays on CPU tensors (real or fake) allocating as CUDA does (:class:`CudaPolicy`);
@@ -398,8 +447,9 @@ def replayed_micro_batches(plan: "Plan") -> int:
     return min(max(plan.grad_accum, 1), 2)
 
 
-def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int, trainable_bytes: int,
-           tail_start: list[int] = ()) -> RunStats:
+def _stats(
+    lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int, trainable_bytes: int, tail_start: list[int] = ()
+) -> RunStats:
     peaks = lb.phase_peaks
     phase_cats = {ph: lb.categories_at(ev) for ph, ev in lb.phase_peak_events().items()}
     # aligned candidate moments for extrapolation: the peak, the start/end of the last instance of each phase and,
@@ -407,14 +457,17 @@ def _stats(lb, step_peaks: list[int], param_bytes: int, adapter_bytes: int, trai
     last: dict[str, tuple] = {}
     for name, start, end, _pk in lb.spans():
         last[name] = (start, end)
-    candidates = {ph: [phase_cats[ph]] + [_within(lb.categories_at(ev), phase_cats[ph], peaks[ph]) for ev in last[ph]]
-                  for ph in phase_cats}
+    candidates = {
+        ph: [phase_cats[ph]] + [_within(lb.categories_at(ev), phase_cats[ph], peaks[ph]) for ev in last[ph]]
+        for ph in phase_cats
+    }
     tail = []
     if tail_start and lb.history and "backward" in last and last["backward"][1] is not None:
         tail = [lb.categories_at(ev) for ev in range(tail_start[0], last["backward"][1] + 1)]
     if tail:
-        candidates["backward"].append(_within(max(tail, key=lambda c: sum(c.values())), phase_cats["backward"],
-                                              peaks["backward"]))
+        candidates["backward"].append(
+            _within(max(tail, key=lambda c: sum(c.values())), phase_cats["backward"], peaks["backward"])
+        )
     best = max(PHASES, key=lambda ph: peaks.get(ph, -1))
     return RunStats(
         layers=0,
@@ -491,5 +544,15 @@ def wrap_checkpoint_functions(model, lb, policy_cls=None, *, classify: bool = Tr
     return restore
 
 
-__all__ = ["Instruments", "RunStats", "run_steps", "replay_step", "replayed_micro_batches", "TrackingHooks",
-           "cuda_autocast_answers", "hf_data_paths", "cuda_policy_mode_cls", "wrap_checkpoint_functions"]
+__all__ = [
+    "Instruments",
+    "RunStats",
+    "run_steps",
+    "replay_step",
+    "replayed_micro_batches",
+    "TrackingHooks",
+    "cuda_autocast_answers",
+    "hf_data_paths",
+    "cuda_policy_mode_cls",
+    "wrap_checkpoint_functions",
+]

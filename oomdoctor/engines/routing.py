@@ -90,8 +90,10 @@ def _mode_cls():
                 size = expert_token_counts(x.numel(), self.experts)[self.calls % self.experts]
                 self.calls += 1
                 return torch.ops.aten.nonzero_static.default(x, size=size)
-            raise BadInput(f"the replay met a data-dependent nonzero of shape {list(x.shape)} outside the MoE "
-                           "experts it can size", "use --engine analytic")
+            raise BadInput(
+                f"the replay met a data-dependent nonzero of shape {list(x.shape)} outside the MoE experts it can size",
+                "use --engine analytic",
+            )
 
     return _BalancedRouting
 

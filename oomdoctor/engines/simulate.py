@@ -78,8 +78,7 @@ def not_simulated(plan: "Plan") -> str | None:
     if plan.strategy in DEEPSPEED:
         return f"DeepSpeed ZeRO ({plan.strategy}) is not simulated (a fake-tensor zero.Init was never validated)"
     if plan.offload_params:
-        return ("parameter offload is not simulated (CPU-offloaded shards and device buffers share one fake CPU "
-                "device)")
+        return "parameter offload is not simulated (CPU-offloaded shards and device buffers share one fake CPU device)"
     return None
 
 
@@ -90,13 +89,16 @@ def fake_process_group(world_size: int):
     import torch.distributed as dist
 
     if dist.is_initialized():
-        raise BadInput("the simulated engine needs its own (fake) process group, and this process already has one",
-                       "call oomdoctor.engines.simulate.simulate_plan, which runs in a subprocess then")
+        raise BadInput(
+            "the simulated engine needs its own (fake) process group, and this process already has one",
+            "call oomdoctor.engines.simulate.simulate_plan, which runs in a subprocess then",
+        )
     try:
         from torch.testing._internal.distributed.fake_pg import FakeStore
     except ImportError as exc:
-        raise BadInput(f"this torch has no fake process group ({exc}): sharded plans cannot be simulated",
-                       "use --engine analytic") from None
+        raise BadInput(
+            f"this torch has no fake process group ({exc}): sharded plans cannot be simulated", "use --engine analytic"
+        ) from None
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
@@ -104,8 +106,9 @@ def fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
-def random_sharded_model(spec: "ModelSpec", plan: "Plan", device: str, num_layers: int | None = None,
-                         bnb_decompose: bool = True):
+def random_sharded_model(
+    spec: "ModelSpec", plan: "Plan", device: str, num_layers: int | None = None, bnb_decompose: bool = True
+):
     """The FSDP2 model of ``plan`` with real random shards on ``device`` (``cpu`` here, ``cuda`` for the measured
     engine): meta build, ``apply_fsdp`` on the current process group, then each rank materializes and initializes
     its own shards (no full copy; on the CPU with ``offload_params``, where FSDP2's CPU offload wants them, as
@@ -160,8 +163,17 @@ class SimulationResult:
 # ============================================================================ simulate
 
 
-def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, *, timeline: bool = False,
-                 steps: int = 2, target: str = "cuda", round_to: int = ALLOC_BLOCK, bnb_decompose: bool = True) -> RunStats:
+def simulate_run(
+    spec: "ModelSpec",
+    plan: "Plan",
+    num_layers: int | None = None,
+    *,
+    timeline: bool = False,
+    steps: int = 2,
+    target: str = "cuda",
+    round_to: int = ALLOC_BLOCK,
+    bnb_decompose: bool = True,
+) -> RunStats:
     """One fake-tensor simulation of ``plan`` with ``num_layers`` blocks (None = the spec's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -186,16 +198,28 @@ def simulate_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None,
             def stepped(i: int, blocks: int = built.num_layers) -> None:
                 report("simulate", f"replayed step {i + 1} of {steps} with {blocks} blocks")
 
-            stats = run_steps(model, plan, batch, lb, steps=steps, target=target, head=built.head_module,
-                              on_step=stepped)
+            stats = run_steps(
+                model, plan, batch, lb, steps=steps, target=target, head=built.head_module, on_step=stepped
+            )
         stats.layers = built.num_layers
         del model, built
     return stats
 
 
-def real_cpu_run(spec: "ModelSpec", plan: "Plan", *, model=None, head=None, num_layers: int | None = None,
-                 steps: int = 2, target: str = "cuda", round_to: int = ALLOC_BLOCK, bnb_decompose: bool = True,
-                 seed: int = 0, timeline: bool = False) -> RunStats:
+def real_cpu_run(
+    spec: "ModelSpec",
+    plan: "Plan",
+    *,
+    model=None,
+    head=None,
+    num_layers: int | None = None,
+    steps: int = 2,
+    target: str = "cuda",
+    round_to: int = ALLOC_BLOCK,
+    bnb_decompose: bool = True,
+    seed: int = 0,
+    timeline: bool = False,
+) -> RunStats:
     """The same two steps on REAL tensors on the CPU (random init of the real shape, or ``model``), counted by the
     same tracker: the reference the fake-tensor replay is checked against. ``strategy: fsdp`` plans run on the
     process group this process is in (e.g. gloo under torchrun): meta build, ``apply_fsdp``, then each rank
@@ -230,8 +254,12 @@ def _first_replay() -> str:
 
 def _report_run(spec, blocks: int, then: str, step: int | None, steps: int | None) -> None:
     """Progress: one replay of ``blocks`` blocks starts (replay ``step`` of ``steps``)."""
-    report("simulate", f"replaying the training step of {spec.name} with {blocks} blocks{then}{_first_replay()}",
-           step, steps)
+    report(
+        "simulate",
+        f"replaying the training step of {spec.name} with {blocks} blocks{then}{_first_replay()}",
+        step,
+        steps,
+    )
 
 
 def _extrapolate(a: int, b: int, la: int, lb_: int, n: int) -> int:
@@ -259,9 +287,17 @@ def _extrapolate_categories(c2: dict, c4: dict, la: int, lb_: int, n: int, total
     return cats
 
 
-def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", timeline: bool = False,
-                  round_to: int = ALLOC_BLOCK, timeline_layers: str = "full", device: str = "cuda",
-                  run=None) -> SimulationResult:
+def simulate_plan(
+    spec: "ModelSpec",
+    plan: "Plan",
+    *,
+    layers: str = "auto",
+    timeline: bool = False,
+    round_to: int = ALLOC_BLOCK,
+    timeline_layers: str = "full",
+    device: str = "cuda",
+    run=None,
+) -> SimulationResult:
     """Simulate ``plan`` on ``spec``, its device overheads those of ``device`` (:func:`device_overheads`). ``layers="auto"`` simulates 2 and 3 blocks (whole periods for periodic blocks)
     and extrapolates (else the full model); ``"full"`` always simulates every block. ``timeline=True`` also records
     the memory curve for plots: of the full model (``timeline_layers="full"``, one more replay of every block) or of
@@ -275,16 +311,26 @@ def simulate_plan(spec: "ModelSpec", plan: "Plan", *, layers: str = "auto", time
     if why:
         raise BadInput(f"the simulated engine cannot run this plan: {why}", "use --engine analytic")
     if plan.strategy == "fsdp" and _has_process_group():
-        return _in_subprocess(simulate_plan, spec, plan, layers=layers, timeline=timeline, round_to=round_to,
-                              timeline_layers=timeline_layers, device=device, run=run)
+        return _in_subprocess(
+            simulate_plan,
+            spec,
+            plan,
+            layers=layers,
+            timeline=timeline,
+            round_to=round_to,
+            timeline_layers=timeline_layers,
+            device=device,
+            run=run,
+        )
     t0 = time.perf_counter()
     n = spec.num_layers
     report("simulate", f"preparing the replay of {spec.name}{_first_replay()}")
     period = layer_period(spec, plan) if layers == "auto" else None
     extrap = period is not None and n % period == 0 and n > (extrapolate_from(plan)[1] + 1) * period
     try:
-        return _simulate_plan(spec, plan, n, extrap, timeline, round_to, t0, period or 1, timeline_layers, device,
-                              run or simulate_run)
+        return _simulate_plan(
+            spec, plan, n, extrap, timeline, round_to, t0, period or 1, timeline_layers, device, run or simulate_run
+        )
     except BadInput:
         raise
     except Exception as exc:
@@ -320,9 +366,19 @@ def _call_reporting(fn, args, kwargs):
         return False, (exc.message, exc.hint)
 
 
-def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: int, t0: float,
-                   period: int = 1, timeline_layers: str = "full", device: str = "cuda",
-                   run=simulate_run) -> SimulationResult:
+def _simulate_plan(
+    spec,
+    plan,
+    n: int,
+    extrap: bool,
+    timeline: bool,
+    round_to: int,
+    t0: float,
+    period: int = 1,
+    timeline_layers: str = "full",
+    device: str = "cuda",
+    run=simulate_run,
+) -> SimulationResult:
     base = extrapolate_from(plan)
     if extrap:
         la, lb_ = base[0] * period, base[1] * period
@@ -350,7 +406,13 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         _report_run(spec, n, "", None, None)
         r = run(spec, plan, None, timeline=timeline, round_to=round_to)
         runs = (r,)
-        phase_peaks, phase_cats, external, adapter, ref = r.phase_peaks, r.phase_categories, r.external, r.adapter_bytes, r
+        phase_peaks, phase_cats, external, adapter, ref = (
+            r.phase_peaks,
+            r.phase_categories,
+            r.external,
+            r.adapter_bytes,
+            r,
+        )
         trainable, stored = r.trainable_bytes, r.param_bytes
     tl_run = ref
     if timeline and extrap and timeline_layers == "full":
@@ -365,17 +427,23 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
         phase_peaks, phase_cats = _with_ddp_bucket(phase_peaks, phase_cats, trainable)
         bucket = tl_run.trainable_bytes  # of the model the timeline comes from
         timeline_samples = [(ev, ph, dict(c, gradients=c["gradients"] + bucket)) for ev, ph, c in tl_run.timeline]
-        notes.append(f"ddp: the single-GPU step simulated + one gradient-sized all-reduce bucket set "
-                     f"({format_bytes(trainable)}, allocated when DDP wraps the model); DDP itself cannot run on "
-                     "fake tensors")
+        notes.append(
+            f"ddp: the single-GPU step simulated + one gradient-sized all-reduce bucket set "
+            f"({format_bytes(trainable)}, allocated when DDP wraps the model); DDP itself cannot run on "
+            "fake tensors"
+        )
     elif plan.strategy == "fsdp":
         mesh = "x".join(map(str, mesh_shape(plan)))
-        notes.append(f"fsdp: rank 0 of {plan.world_size} simulated with a fake process group (mesh {mesh}); "
-                     "bytes per rank; NCCL's own buffers are the runtime model's constant, not simulated")
+        notes.append(
+            f"fsdp: rank 0 of {plan.world_size} simulated with a fake process group (mesh {mesh}); "
+            "bytes per rank; NCCL's own buffers are the runtime model's constant, not simulated"
+        )
         if plan.quant is not None:
-            notes.append("fsdp + bitsandbytes: the packed quantized weights are sharded like any parameter (FSDP-QLoRA "
-                         "with bnb_4bit_quant_storage), quantization constants replicated; not checked against a "
-                         "real bitsandbytes FSDP run")
+            notes.append(
+                "fsdp + bitsandbytes: the packed quantized weights are sharded like any parameter (FSDP-QLoRA "
+                "with bnb_4bit_quant_storage), quantization constants replicated; not checked against a "
+                "real bitsandbytes FSDP run"
+            )
     peak_phase = max(PHASES, key=lambda ph: phase_peaks.get(ph, -1))
     cats = phase_cats[peak_phase]
     peak = phase_peaks[peak_phase]
@@ -396,8 +464,9 @@ def _simulate_plan(spec, plan, n: int, extrap: bool, timeline: bool, round_to: i
     elif plan.strategy == "fsdp":
         # gathered units (and bf16 all-gather inputs) = the weights at the peak beyond the stored shards
         comm, load = max(cats["parameters"] + cats["master_weights"] - stored, 0), stored
-    bd = breakdown_from(cats, peak, peak_phase, phase_peaks, adapter, external, spec, plan, notes, comm=comm,
-                        load=load, device=device)
+    bd = breakdown_from(
+        cats, peak, peak_phase, phase_peaks, adapter, external, spec, plan, notes, comm=comm, load=load, device=device
+    )
     return SimulationResult(
         breakdown=bd,
         timeline=timeline_samples,
@@ -421,9 +490,21 @@ def _with_ddp_bucket(phase_peaks: dict, phase_cats: dict, bucket: int) -> tuple[
     return peaks, cats
 
 
-def breakdown_from(cats: dict, peak: int, peak_phase: str, phase_peaks: dict, adapter: int, external: dict,
-                   spec, plan, notes: list[str], *, comm: int = 0, load: int | None = None,
-                   device: str = "cuda") -> MemoryBreakdown:
+def breakdown_from(
+    cats: dict,
+    peak: int,
+    peak_phase: str,
+    phase_peaks: dict,
+    adapter: int,
+    external: dict,
+    spec,
+    plan,
+    notes: list[str],
+    *,
+    comm: int = 0,
+    load: int | None = None,
+    device: str = "cuda",
+) -> MemoryBreakdown:
     """Fill a MemoryBreakdown from tensor categories at the peak plus the device-level model of ``device`` (runtime
     constants).
     ``comm``: of the tensor bytes at the peak, the communication buffers (``MemoryBreakdown.comm_buffers``);
@@ -472,8 +553,9 @@ def device_overheads(spec, plan, transient_bytes: int, device: str = "cuda") -> 
 
     c = make_ctx(spec, plan, device)
     return {
-        "allocator_slack": int(rt.allocator_slack_bytes(c, _persistent_tensors(c, optm.optimizer_memory(c)),
-                                                        transient_bytes)),
+        "allocator_slack": int(
+            rt.allocator_slack_bytes(c, _persistent_tensors(c, optm.optimizer_memory(c)), transient_bytes)
+        ),
         "cuda_context": int(rt.cuda_context_bytes(c)),
         "cublas_workspace": int(rt.cublas_workspace_bytes(c)),
         "nccl_buffers": int(rt.nccl_buffer_bytes(c)),
@@ -504,5 +586,15 @@ def analytic_with_note(spec: "ModelSpec", plan: "Plan", why: str, device: str = 
     return dataclasses.replace(bd, notes=bd.notes + (f"{why}: analytic estimate",))
 
 
-__all__ = ["analytic_with_note", "simulate_plan", "estimate_simulated", "SimulationResult", "simulate_run",
-           "real_cpu_run", "random_sharded_model", "fake_process_group", "extrapolate_from", "not_simulated"]
+__all__ = [
+    "analytic_with_note",
+    "simulate_plan",
+    "estimate_simulated",
+    "SimulationResult",
+    "simulate_run",
+    "real_cpu_run",
+    "random_sharded_model",
+    "fake_process_group",
+    "extrapolate_from",
+    "not_simulated",
+]

@@ -70,8 +70,7 @@ def cuda_kernel_defaults():
         return fused, not fused
 
     def has(tensors, device):
-        return fu._device_has_foreach_support(device) and all(t is None or isinstance(t, torch.Tensor)
-                                                              for t in tensors)
+        return fu._device_has_foreach_support(device) and all(t is None or isinstance(t, torch.Tensor) for t in tensors)
 
     restore = _patch_everywhere(orig_default, default) + _patch_everywhere(orig_has, has)
     try:
@@ -96,8 +95,12 @@ def bnb_optimizers(lb):
 
     orig = Optimizer8bit.get_state_buffer
     mng = GlobalOptimManager.get_instance()
-    saved = (dict(mng.pid2config), dict(mng.index2config), list(mng.module_weight_config_triple),
-             mng.uses_config_override)
+    saved = (
+        dict(mng.pid2config),
+        dict(mng.index2config),
+        list(mng.module_weight_config_triple),
+        mng.uses_config_override,
+    )
 
     def get_state_buffer(self, p, dtype=None):
         import torch
@@ -157,9 +160,14 @@ def trl_cuda_paths(lb):
         else:
             acc.addmm_(a, b)
 
-    saved = {(cl, "_use_triton"): cl._use_triton, (tu, "_use_triton"): tu._use_triton,
-             (cl, "_forward_kernel"): cl._forward_kernel, (cl, "_backward_kernel"): cl._backward_kernel,
-             (cl, "_addmm_fp32"): cl._addmm_fp32, (cl, "triton"): getattr(cl, "triton", None)}
+    saved = {
+        (cl, "_use_triton"): cl._use_triton,
+        (tu, "_use_triton"): tu._use_triton,
+        (cl, "_forward_kernel"): cl._forward_kernel,
+        (cl, "_backward_kernel"): cl._backward_kernel,
+        (cl, "_addmm_fp32"): cl._addmm_fp32,
+        (cl, "triton"): getattr(cl, "triton", None),
+    }
     cl._use_triton = tu._use_triton = lambda device: True
     cl._forward_kernel, cl._backward_kernel = _Launch(_fold_forward), _Launch()
     cl._addmm_fp32 = addmm_fp32

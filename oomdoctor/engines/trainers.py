@@ -93,8 +93,15 @@ def _overrides(plan: "Plan", output_dir: str) -> dict[str, Any]:
     output directory, nothing saved or logged, ``min(grad_accum, 2)`` micro-batches per step."""
     from oomdoctor.engines.replay import replayed_micro_batches
 
-    return {"use_cpu": True, "output_dir": output_dir, "save_strategy": "no", "logging_strategy": "no",
-            "disable_tqdm": True, "report_to": "none", "gradient_accumulation_steps": replayed_micro_batches(plan)}
+    return {
+        "use_cpu": True,
+        "output_dir": output_dir,
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+        "report_to": "none",
+        "gradient_accumulation_steps": replayed_micro_batches(plan),
+    }
 
 
 def _tokenizer():
@@ -113,8 +120,9 @@ def _rows(plan: "Plan"):
     return Dataset.from_dict({"input_ids": [[FILL_TOKEN] * plan.seq_len] * plan.micro_batch})
 
 
-def model_loader(spec: "ModelSpec", plan: "Plan", num_layers: int | None, device: str, seed: int | None,
-                 notes: list[str]) -> Callable[[str, dict[str, Any]], Any]:
+def model_loader(
+    spec: "ModelSpec", plan: "Plan", num_layers: int | None, device: str, seed: int | None, notes: list[str]
+) -> Callable[[str, dict[str, Any]], Any]:
     """``load(model_id, from_pretrained_kwargs)`` for the trainers' builders: the spec's model (``num_layers``
     blocks) on ``device`` (``meta``, or ``cpu`` with random weights) as ``from_pretrained`` would load it with those
     kwargs — dtype (``"auto"``: the config's), attention implementation (``flash_attention_2`` built as SDPA), the
@@ -143,20 +151,27 @@ def model_loader(spec: "ModelSpec", plan: "Plan", num_layers: int | None, device
         try:
             with torch.device(device):
                 try:
-                    model = auto_model_class(config).from_config(config, dtype=dtype, attn_implementation=attn,
-                                                                 **experts_kwargs(plan, config))
+                    model = auto_model_class(config).from_config(
+                        config, dtype=dtype, attn_implementation=attn, **experts_kwargs(plan, config)
+                    )
                 except ValueError as exc:
                     if attn == "eager" or "attention implementation" not in str(exc):
                         raise
-                    model = auto_model_class(config).from_config(config, dtype=dtype, attn_implementation="eager",
-                                                                 **experts_kwargs(plan, config))
+                    model = auto_model_class(config).from_config(
+                        config, dtype=dtype, attn_implementation="eager", **experts_kwargs(plan, config)
+                    )
         finally:
             torch.set_default_dtype(prev)
         q = kwargs.get("quantization_config")
         if q is not None:
             quant = "int8" if q.load_in_8bit else q.bnb_4bit_quant_type
-            quantize_standin(model, quant=quant, compute_dtype=q.bnb_4bit_compute_dtype,
-                             double_quant=q.bnb_4bit_use_double_quant, device=device)
+            quantize_standin(
+                model,
+                quant=quant,
+                compute_dtype=q.bnb_4bit_compute_dtype,
+                double_quant=q.bnb_4bit_use_double_quant,
+                device=device,
+            )
             _flag_bnb_loaded(model, q)
         return model
 
@@ -173,8 +188,16 @@ def _flag_bnb_loaded(model, quantization_config) -> None:
     model.config.quantization_config = quantization_config
 
 
-def build(spec: "ModelSpec", plan: "Plan", num_layers: int | None, *, device: str, output_dir: str,
-          seed: int | None = None, notes: list[str] | None = None):
+def build(
+    spec: "ModelSpec",
+    plan: "Plan",
+    num_layers: int | None,
+    *,
+    device: str,
+    output_dir: str,
+    seed: int | None = None,
+    notes: list[str] | None = None,
+):
     """``plan.trainer``'s trainer built from its document, with the spec's model (``num_layers`` blocks) on
     ``device`` in place of ``from_pretrained``."""
     from oomdoctor.execute.trainers import hf, trl
@@ -240,8 +263,9 @@ def simulate_trainer(spec: "ModelSpec", plan: "Plan", **kwargs):
     notes: list[str] = []
     res = simulate_plan(spec, plan, run=functools.partial(trainer_run, notes=notes), **kwargs)
     extra = (f"replayed {TRAINER_NAMES[plan.trainer]}'s own step, built from the emitted {plan.trainer} file",)
-    res.breakdown = dataclasses.replace(res.breakdown, notes=res.breakdown.notes + extra
-                                        + tuple(dict.fromkeys(notes)) + tuple(version_notes(plan)))
+    res.breakdown = dataclasses.replace(
+        res.breakdown, notes=res.breakdown.notes + extra + tuple(dict.fromkeys(notes)) + tuple(version_notes(plan))
+    )
     return res
 
 
@@ -259,9 +283,18 @@ def estimate_trainer(spec: "ModelSpec", plan: "Plan", device: str = "cuda"):
 # ============================================================================ the replay
 
 
-def trainer_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, *, real: bool = False,
-                steps: int = 2, round_to: int = ALLOC_BLOCK, timeline: bool = False, seed: int = 0,
-                notes: list[str] | None = None) -> "RunStats":
+def trainer_run(
+    spec: "ModelSpec",
+    plan: "Plan",
+    num_layers: int | None = None,
+    *,
+    real: bool = False,
+    steps: int = 2,
+    round_to: int = ALLOC_BLOCK,
+    timeline: bool = False,
+    seed: int = 0,
+    notes: list[str] | None = None,
+) -> "RunStats":
     """``steps`` optimizer steps of ``plan.trainer``'s own training loop on the spec's model (``num_layers``
     blocks), counted by ``LiveBytes`` as a CUDA run allocates (module docstring). ``real=True`` runs the same on real
     random CPU tensors (the reference the fake replay is checked against)."""
@@ -277,8 +310,15 @@ def trainer_run(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None, 
     with tempfile.TemporaryDirectory(prefix="oomdoctor-replay-") as out, ExitStack() as stack:
         # built on the meta device outside the fake mode (peft moves its new adapters next to the base weights,
         # which fake parameters refuse), then materialized inside it
-        trainer = build(spec, plan, num_layers, device="cpu" if real else "meta", output_dir=out,
-                        seed=seed if real else None, notes=notes)
+        trainer = build(
+            spec,
+            plan,
+            num_layers,
+            device="cpu" if real else "meta",
+            output_dir=out,
+            seed=seed if real else None,
+            notes=notes,
+        )
         model = trainer.model
         fake = None
         if not real:
@@ -373,8 +413,9 @@ class _TrainerLoop:
         self.step_peaks.append(self.lb.peak)
 
     # ------------------------------------------------------------------ the loop
-    def _inner_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None,
-                    ignore_keys_for_eval=None):
+    def _inner_loop(
+        self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None
+    ):
         """``Trainer._inner_training_loop`` (transformers 5.24) without the DataLoader and the final logging."""
         import torch
 
@@ -391,17 +432,27 @@ class _TrainerLoop:
             self.instruments.wrap_checkpoints()
         model.zero_grad()
         tr.control = tr.callback_handler.on_train_begin(args, tr.state, tr.control)
-        tr._run_epoch(model=model, epoch=0, train_dataloader=self.batches, steps_in_epoch=len(self.batches),
-                      num_update_steps_per_epoch=self.steps, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
-                      start_time=time.time(), resume_from_checkpoint=None, epochs_trained=0,
-                      steps_trained_in_current_epoch=0)
+        tr._run_epoch(
+            model=model,
+            epoch=0,
+            train_dataloader=self.batches,
+            steps_in_epoch=len(self.batches),
+            num_update_steps_per_epoch=self.steps,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            start_time=time.time(),
+            resume_from_checkpoint=None,
+            epochs_trained=0,
+            steps_trained_in_current_epoch=0,
+        )
         return None
 
     def run(self) -> "RunStats":
         from oomdoctor.engines.replay import Instruments
 
-        self.instruments = Instruments(self.model, self.plan, self.lb, target="cuda", head=self.head,
-                                       backbone=self.backbone)
+        self.instruments = Instruments(
+            self.model, self.plan, self.lb, target="cuda", head=self.head, backbone=self.backbone
+        )
         self._wrap()
         with ExitStack() as stack:
             stack.enter_context(warnings.catch_warnings())
@@ -412,8 +463,9 @@ class _TrainerLoop:
             if self.trl:
                 stack.enter_context(trl_cuda_paths(self.lb))
                 if self.plan.offload_activations:
-                    stack.enter_context(OffloadOnHost(self.trainer.maybe_activation_offload_context, self.model,
-                                                       self.lb))
+                    stack.enter_context(
+                        OffloadOnHost(self.trainer.maybe_activation_offload_context, self.model, self.lb)
+                    )
             stack.enter_context(self.instruments)
             self.trainer.train()
         return self.instruments.stats(self.step_peaks)
@@ -443,5 +495,14 @@ def _step_events_cls():
 
     return StepEvents
 
-__all__ = ["REPLAYED", "build", "document_data", "estimate_trainer", "model_loader", "not_replayed", "simulate_trainer",
-           "trainer_run"]
+
+__all__ = [
+    "REPLAYED",
+    "build",
+    "document_data",
+    "estimate_trainer",
+    "model_loader",
+    "not_replayed",
+    "simulate_trainer",
+    "trainer_run",
+]

@@ -39,7 +39,9 @@ BLOCKSIZE_NESTED = 256
 INT8_THRESHOLD = 6.0
 
 
-def quant_bytes_4bit(out_features: int, in_features: int, double_quant: bool, blocksize: int = BLOCKSIZE_4BIT) -> dict[str, int]:
+def quant_bytes_4bit(
+    out_features: int, in_features: int, double_quant: bool, blocksize: int = BLOCKSIZE_4BIT
+) -> dict[str, int]:
     """Exact bytes of one bnb 4-bit linear's storage, by tensor (unrounded)."""
     n = out_features * in_features
     blocks = math.ceil(n / blocksize)
@@ -108,8 +110,19 @@ def _make_classes():
     class Linear4bitStandIn(bnb.nn.Linear4bit):
         """A ``bnb.nn.Linear4bit`` whose quantized storage is plain tensors (fake-tensor friendly)."""
 
-        def __init__(self, in_features, out_features, bias, *, compute_dtype, quant_type, double_quant, quant_dtype,
-                     device="meta", decompose=True):
+        def __init__(
+            self,
+            in_features,
+            out_features,
+            bias,
+            *,
+            compute_dtype,
+            quant_type,
+            double_quant,
+            quant_dtype,
+            device="meta",
+            decompose=True,
+        ):
             torch.nn.Module.__init__(self)
             self.in_features, self.out_features = in_features, out_features
             self.compute_dtype = compute_dtype
@@ -122,7 +135,9 @@ def _make_classes():
             self.support_avx512bf16_for_cpu = False
             n = in_features * out_features
             blocks = math.ceil(n / BLOCKSIZE_4BIT)
-            w = torch.nn.Parameter(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=device), requires_grad=False)
+            w = torch.nn.Parameter(
+                torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=device), requires_grad=False
+            )
             # attributes peft's dispatcher reads (lost on to_empty, not needed after wrapping)
             w.compress_statistics = double_quant
             w.quant_type = quant_type
@@ -132,11 +147,16 @@ def _make_classes():
                 if bias
                 else None
             )
-            self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8 if double_quant else torch.float32, device=device))
+            self.register_buffer(
+                "absmax", torch.empty(blocks, dtype=torch.uint8 if double_quant else torch.float32, device=device)
+            )
             self.register_buffer("code", torch.empty(16, dtype=torch.float32, device=device))
             if double_quant:
                 self.register_buffer("offset", torch.empty((), dtype=torch.float32, device=device))
-                self.register_buffer("state2_absmax", torch.empty(math.ceil(blocks / BLOCKSIZE_NESTED), dtype=torch.float32, device=device))
+                self.register_buffer(
+                    "state2_absmax",
+                    torch.empty(math.ceil(blocks / BLOCKSIZE_NESTED), dtype=torch.float32, device=device),
+                )
                 self.register_buffer("state2_code", torch.empty(256, dtype=torch.float32, device=device))
             if torch.device(device).type != "meta":  # real tensors (CPU cross-checks, GPU runs): sane values
                 with torch.no_grad():
@@ -151,7 +171,9 @@ def _make_classes():
         def quant_state(self):
             state2 = None
             if self.double_quant:
-                state2 = QuantState(absmax=self.state2_absmax, code=self.state2_code, blocksize=BLOCKSIZE_NESTED, dtype=torch.float32)
+                state2 = QuantState(
+                    absmax=self.state2_absmax, code=self.state2_code, blocksize=BLOCKSIZE_NESTED, dtype=torch.float32
+                )
             return QuantState(
                 absmax=self.absmax,
                 shape=torch.Size([self.out_features, self.in_features]),
@@ -272,12 +294,19 @@ def quantize_model_standin(model, plan, *, device: str = "meta", decompose: bool
     """
     from oomdoctor.execute.dtypes import torch_dtype
 
-    return quantize_standin(model, quant=plan.quant, compute_dtype=torch_dtype(plan.compute_dtype),
-                            double_quant=plan.double_quant, device=device, decompose=decompose)
+    return quantize_standin(
+        model,
+        quant=plan.quant,
+        compute_dtype=torch_dtype(plan.compute_dtype),
+        double_quant=plan.double_quant,
+        device=device,
+        decompose=decompose,
+    )
 
 
-def quantize_standin(model, *, quant: str, compute_dtype, double_quant: bool, device: str = "meta",
-                     decompose: bool = True) -> int:
+def quantize_standin(
+    model, *, quant: str, compute_dtype, double_quant: bool, device: str = "meta", decompose: bool = True
+) -> int:
     """:func:`quantize_model_standin` from the quantization settings themselves (``quant``: int8, nf4 or fp4;
     ``compute_dtype``: the torch dtype 4-bit layers compute and dequantize in), as a ``BitsAndBytesConfig`` gives
     them to ``from_pretrained``; returns how many modules were replaced."""
@@ -288,8 +317,17 @@ def quantize_standin(model, *, quant: str, compute_dtype, double_quant: bool, de
         if quant == "int8":
             new = L8(fin, fout, child.bias is not None, device=device)
         else:
-            new = L4(fin, fout, child.bias is not None, compute_dtype=compute_dtype, quant_type=quant,
-                     double_quant=double_quant, quant_dtype=compute_dtype, device=device, decompose=decompose)
+            new = L4(
+                fin,
+                fout,
+                child.bias is not None,
+                compute_dtype=compute_dtype,
+                quant_type=quant,
+                double_quant=double_quant,
+                quant_dtype=compute_dtype,
+                device=device,
+                decompose=decompose,
+            )
         model.set_submodule(name, new)
     _mark_quantized(model, quant)
     return len(targets)
@@ -380,15 +418,29 @@ def quantize_model_real(model, plan, *, device: str = "cuda", std: float = 0.02)
         fin, fout = linear_features(child)
         w = torch.empty(fout, fin, dtype=torch.float16, device=device).normal_(0, std)
         if plan.quant == "int8":
-            new = bnb.nn.Linear8bitLt(fin, fout, child.bias is not None, has_fp16_weights=False,
-                                      threshold=INT8_THRESHOLD, device="meta")
+            new = bnb.nn.Linear8bitLt(
+                fin, fout, child.bias is not None, has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta"
+            )
             new.weight = bnb.nn.Int8Params(w.cpu(), requires_grad=False, has_fp16_weights=False)
         else:
-            new = bnb.nn.Linear4bit(fin, fout, child.bias is not None, compute_dtype=compute,
-                                    compress_statistics=plan.double_quant, quant_type=plan.quant,
-                                    quant_storage=torch.uint8, device="meta")
-            new.weight = bnb.nn.Params4bit(w.to(compute), requires_grad=False, compress_statistics=plan.double_quant,
-                                           quant_type=plan.quant, quant_storage=torch.uint8, module=new)
+            new = bnb.nn.Linear4bit(
+                fin,
+                fout,
+                child.bias is not None,
+                compute_dtype=compute,
+                compress_statistics=plan.double_quant,
+                quant_type=plan.quant,
+                quant_storage=torch.uint8,
+                device="meta",
+            )
+            new.weight = bnb.nn.Params4bit(
+                w.to(compute),
+                requires_grad=False,
+                compress_statistics=plan.double_quant,
+                quant_type=plan.quant,
+                quant_storage=torch.uint8,
+                module=new,
+            )
         del w
         if child.bias is not None:
             new.bias = torch.nn.Parameter(torch.zeros(fout, device=device), requires_grad=False)

@@ -130,8 +130,7 @@ def hf_config(spec: "ModelSpec", plan: "Plan", num_layers: int | None = None):
         config = AutoConfig.for_model(mt, **cfg)
     except Exception as exc:  # noqa: BLE001 - ValueError, KeyError, huggingface_hub's StrictDataclassError...
         raise BadInput(
-            f"{spec.name}: transformers cannot build model_type {mt!r}: {exc}",
-            "use --engine analytic for this model",
+            f"{spec.name}: transformers cannot build model_type {mt!r}: {exc}", "use --engine analytic for this model"
         ) from None
     config.use_cache = False
     return config
@@ -191,8 +190,11 @@ def lora_targets_of_model(model, plan: "Plan") -> str | list[str]:
     towers = tower_prefixes(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     heads = {n.split(".")[-1] for n, m in model.named_modules() if head is not None and m is head}
-    linears = {name.split(".")[-1] for name, mod in model.named_modules()
-               if name and _is_linear(mod) and not in_tower(name, towers)}
+    linears = {
+        name.split(".")[-1]
+        for name, mod in model.named_modules()
+        if name and _is_linear(mod) and not in_tower(name, towers)
+    }
     return peft_target_modules(plan, model_type, linears, heads)
 
 
@@ -255,9 +257,15 @@ def apply_plan_techniques(model, plan: "Plan", lora_targets: str | list[str]):
     if plan.uses_lora:
         from peft import LoraConfig, get_peft_model
 
-        lcfg = LoraConfig(r=plan.lora_r, lora_alpha=plan.lora_alpha, lora_dropout=plan.lora_dropout,
-                          target_modules=lora_targets, exclude_modules=towers_pattern(towers), bias="none",
-                          task_type="CAUSAL_LM")
+        lcfg = LoraConfig(
+            r=plan.lora_r,
+            lora_alpha=plan.lora_alpha,
+            lora_dropout=plan.lora_dropout,
+            target_modules=lora_targets,
+            exclude_modules=towers_pattern(towers),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
         model = get_peft_model(model, lcfg)
         if plan.adapter_dtype == "bf16":
             import torch
@@ -297,8 +305,9 @@ def _dense_of_bnb(base, dtype=None, deltas=()):
         w = w.to(dtype or w.dtype)
         for d in deltas:
             w += d.to(w.dtype)
-        dense = torch.nn.Linear(base.in_features, base.out_features, bias=base.bias is not None, device=w.device,
-                                dtype=w.dtype)
+        dense = torch.nn.Linear(
+            base.in_features, base.out_features, bias=base.bias is not None, device=w.device, dtype=w.dtype
+        )
         dense.weight.copy_(w)
         if base.bias is not None:
             dense.bias.copy_(base.bias.to(w.dtype))
@@ -408,7 +417,9 @@ def build_model(
 
     model = apply_plan_techniques(model, plan, target_modules(spec, plan))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = getattr(base, spec.head_name, None) or (base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None)
+    head = getattr(base, spec.head_name, None) or (
+        base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    )
     layers = find_layers(base)
     return BuiltModel(
         attn_implementation=attn,
@@ -482,5 +493,15 @@ def make_batch(spec: "ModelSpec", plan: "Plan", device: str = "cpu", *, fake_ok:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-__all__ = ["BuiltModel", "build_model", "find_layers", "materialize_meta", "make_batch", "config_with_layers", "hf_config", "lora_targets_of_model", "apply_plan_techniques",
-           "enable_gradient_checkpointing"]
+__all__ = [
+    "BuiltModel",
+    "build_model",
+    "find_layers",
+    "materialize_meta",
+    "make_batch",
+    "config_with_layers",
+    "hf_config",
+    "lora_targets_of_model",
+    "apply_plan_techniques",
+    "enable_gradient_checkpointing",
+]

@@ -88,8 +88,9 @@ def init(info: DistInfo, device_type: str, *, one_rank_group: bool = False, shar
         one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(info.world_size)
         where = tempfile.gettempdir() if one_node or not shared_dir else shared_dir
         store = os.path.join(where, f".oomdoctor-pg-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}-{info.restarts}")
-        dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=info.rank,
-                                world_size=info.world_size, timeout=timeout)
+        dist.init_process_group(
+            backend=backend, init_method=f"file://{store}", rank=info.rank, world_size=info.world_size, timeout=timeout
+        )
         _store_files.append(store)
     elif info.enabled:
         dist.init_process_group(backend=backend, timeout=timeout)
@@ -154,5 +155,17 @@ def shutdown() -> None:
             pass
 
 
-__all__ = ["DistInfo", "from_env", "init", "timeout_s", "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "wrap", "no_sync", "all_reduce_sum", "all_reduce_grads", "barrier",
-           "shutdown"]
+__all__ = [
+    "DistInfo",
+    "from_env",
+    "init",
+    "timeout_s",
+    "TIMEOUT_ENV",
+    "DEFAULT_TIMEOUT_S",
+    "wrap",
+    "no_sync",
+    "all_reduce_sum",
+    "all_reduce_grads",
+    "barrier",
+    "shutdown",
+]

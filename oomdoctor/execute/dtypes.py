@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from oomdoctor.plan import Plan
 
 
-
 def torch_dtype(name: str) -> "torch.dtype":
     """``"bfloat16"`` -> ``torch.bfloat16`` (one of :data:`DTYPE_NAMES`)."""
     import torch

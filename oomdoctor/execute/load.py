@@ -82,8 +82,10 @@ def load_tokenizer(source: ModelSource):
     try:
         tok = AutoTokenizer.from_pretrained(src)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad path
-        raise BadInput(f"cannot load the tokenizer from {src!r}: {exc}",
-                       "set model.tokenizer to a directory holding tokenizer.json") from None
+        raise BadInput(
+            f"cannot load the tokenizer from {src!r}: {exc}",
+            "set model.tokenizer to a directory holding tokenizer.json",
+        ) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     return tok
@@ -153,10 +155,14 @@ def _from_pretrained(path: str, plan: "Plan", device: "torch.device", qconf):
     from oomdoctor.model.inventory import auto_model_class
 
     hcfg = AutoConfig.from_pretrained(path)
-    return auto_model_class(hcfg).from_pretrained(path, dtype=weight_dtype(plan), device_map={"": str(device)},
-                                                  quantization_config=qconf,
-                                                  attn_implementation=hf_attn_implementation(plan),
-                                                  **experts_kwargs(plan, hcfg))
+    return auto_model_class(hcfg).from_pretrained(
+        path,
+        dtype=weight_dtype(plan),
+        device_map={"": str(device)},
+        quantization_config=qconf,
+        attn_implementation=hf_attn_implementation(plan),
+        **experts_kwargs(plan, hcfg),
+    )
 
 
 def _from_config(hcfg, plan: "Plan", device: "torch.device | str"):
@@ -168,13 +174,23 @@ def _from_config(hcfg, plan: "Plan", device: "torch.device | str"):
     from oomdoctor.model.inventory import auto_model_class
 
     with torch.device(device):
-        return auto_model_class(hcfg).from_config(hcfg, dtype=weight_dtype(plan),
-                                                  attn_implementation=hf_attn_implementation(plan),
-                                                  **experts_kwargs(plan, hcfg))
+        return auto_model_class(hcfg).from_config(
+            hcfg,
+            dtype=weight_dtype(plan),
+            attn_implementation=hf_attn_implementation(plan),
+            **experts_kwargs(plan, hcfg),
+        )
 
 
-def _random_model(source: ModelSource, plan: "Plan", device: "torch.device", qconf, vocab_size: int, seed: int,
-                  compute_dtype: str | None):
+def _random_model(
+    source: ModelSource,
+    plan: "Plan",
+    device: "torch.device",
+    qconf,
+    vocab_size: int,
+    seed: int,
+    compute_dtype: str | None,
+):
     import torch
 
     from oomdoctor.execute.dtypes import torch_dtype
@@ -183,8 +199,10 @@ def _random_model(source: ModelSource, plan: "Plan", device: "torch.device", qco
     hcfg = hf_config(source)
     model_vocab = hcfg.get_text_config().vocab_size
     if vocab_size > model_vocab:
-        raise BadInput(f"the tokenizer has {vocab_size} tokens but the model config's vocab_size is "
-                       f"{model_vocab}", "use the model's own tokenizer or a config with a larger vocab")
+        raise BadInput(
+            f"the tokenizer has {vocab_size} tokens but the model config's vocab_size is {model_vocab}",
+            "use the model's own tokenizer or a config with a larger vocab",
+        )
     hcfg.use_cache = False
     torch.manual_seed(seed)
     if qconf is None:
@@ -200,8 +218,15 @@ def _random_model(source: ModelSource, plan: "Plan", device: "torch.device", qco
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_model(source: ModelSource, plan: "Plan", device: "torch.device", *, vocab_size: int = 0, seed: int = 0,
-               compute_dtype: str | None = None) -> LoadedModel:
+def load_model(
+    source: ModelSource,
+    plan: "Plan",
+    device: "torch.device",
+    *,
+    vocab_size: int = 0,
+    seed: int = 0,
+    compute_dtype: str | None = None,
+) -> LoadedModel:
     """The model on ``device`` with every technique of ``plan`` applied (quantization, GC, LoRA).
 
     ``compute_dtype``: bitsandbytes 4-bit compute dtype when it differs from the plan's (``bnb_4bit_compute_dtype``)."""
@@ -212,16 +237,19 @@ def load_model(source: ModelSource, plan: "Plan", device: "torch.device", *, voc
         try:
             model = _from_pretrained(source.path, plan, device, qconf)
         except OSError as exc:
-            raise BadInput(f"cannot load model weights from {source.path!r}: {exc}",
-                           "model.path must hold config.json + *.safetensors (or use init: random)") from None
+            raise BadInput(
+                f"cannot load model weights from {source.path!r}: {exc}",
+                "model.path must hold config.json + *.safetensors (or use init: random)",
+            ) from None
     else:
         model = _random_model(source, plan, device, qconf, vocab_size, seed, compute_dtype)
     model.config.use_cache = False
     try:
         model = apply_plan_techniques(model, plan, lora_targets_of_model(model, plan))
     except ValueError as exc:
-        raise BadInput(f"target_modules: {exc}", "name modules of this model (q_proj, v_proj...) or all-linear") \
-            from None
+        raise BadInput(
+            f"target_modules: {exc}", "name modules of this model (q_proj, v_proj...) or all-linear"
+        ) from None
     return _loaded(model, plan)
 
 
@@ -229,12 +257,25 @@ def _loaded(model, plan: "Plan") -> LoadedModel:
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise BadInput("no trainable parameters after applying the method", "check method / target_modules")
-    return LoadedModel(model=model, trainable=trainable, num_params=sum(p.numel() for p in model.parameters()),
-                       num_trainable=sum(p.numel() for p in trainable), is_peft=plan.uses_lora)
+    return LoadedModel(
+        model=model,
+        trainable=trainable,
+        num_params=sum(p.numel() for p in model.parameters()),
+        num_trainable=sum(p.numel() for p in trainable),
+        is_peft=plan.uses_lora,
+    )
 
 
-def load_sharded_model(source: ModelSource, plan: "Plan", device: "torch.device", mesh, *, is_main: bool,
-                       vocab_size: int = 0, seed: int = 0) -> LoadedModel:
+def load_sharded_model(
+    source: ModelSource,
+    plan: "Plan",
+    device: "torch.device",
+    mesh,
+    *,
+    is_main: bool,
+    vocab_size: int = 0,
+    seed: int = 0,
+) -> LoadedModel:
     """The model FSDP2-sharded over ``mesh`` without a full copy on any device (torchtitan's / torchtune's recipe).
 
     Every rank builds the model on the meta device, applies the plan's techniques (GC, LoRA), shards it
@@ -268,11 +309,24 @@ def load_sharded_model(source: ModelSource, plan: "Plan", device: "torch.device"
     with torch.no_grad():
         for n, b in model.named_buffers():
             b.copy_(buffers[0][n])
-    set_model_state_dict(model, full if full is not None else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model,
+        full if full is not None else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
     del full
     return _loaded(model, plan)
 
 
-__all__ = ["ModelSource", "LoadedModel", "load_model", "load_sharded_model", "load_tokenizer", "resolve_device", "quiet_hf", "hf_config",
-           "bnb_config", "hf_attn_implementation"]
+__all__ = [
+    "ModelSource",
+    "LoadedModel",
+    "load_model",
+    "load_sharded_model",
+    "load_tokenizer",
+    "resolve_device",
+    "quiet_hf",
+    "hf_config",
+    "bnb_config",
+    "hf_attn_implementation",
+]

@@ -75,14 +75,15 @@ def _chunked_loss(model: Any, batch: dict, num_items_in_batch: int | None):
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1).to(h.device)
     softcap = getattr(base.config, "final_logit_softcapping", None)
-    c = chunk_tokens(h.shape[0], h.shape[-1], head.weight.shape[0] if hasattr(head, "weight") else
-                     base.config.vocab_size)
+    c = chunk_tokens(
+        h.shape[0], h.shape[-1], head.weight.shape[0] if hasattr(head, "weight") else base.config.vocab_size
+    )
     total = None
     for i in range(0, h.shape[0], c):
         if torch.is_grad_enabled():
-            part = checkpoint(_chunk_loss, head, softcap, h[i:i + c], y[i:i + c], use_reentrant=False)
+            part = checkpoint(_chunk_loss, head, softcap, h[i : i + c], y[i : i + c], use_reentrant=False)
         else:  # eval: nothing to recompute
-            part = _chunk_loss(head, softcap, h[i:i + c], y[i:i + c])
+            part = _chunk_loss(head, softcap, h[i : i + c], y[i : i + c])
         total = part if total is None else total + part
     if num_items_in_batch is None:
         return total / (y != IGNORE_INDEX).sum().clamp(min=1)

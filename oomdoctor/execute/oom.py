@@ -42,8 +42,15 @@ def is_oom(exc: BaseException) -> bool:
         return True
     if isinstance(exc, RuntimeError):
         msg = str(exc)
-        return any(s in msg for s in ("out of memory", "CUDNN_STATUS_NOT_SUPPORTED",
-                                      "DefaultCPUAllocator: can't allocate memory", "CUBLAS_STATUS_ALLOC_FAILED"))
+        return any(
+            s in msg
+            for s in (
+                "out of memory",
+                "CUDNN_STATUS_NOT_SUPPORTED",
+                "DefaultCPUAllocator: can't allocate memory",
+                "CUBLAS_STATUS_ALLOC_FAILED",
+            )
+        )
     return False
 
 
@@ -76,9 +83,14 @@ class Recovery:
     message: str
 
     def to_dict(self) -> dict:
-        return {"step": self.step, "failed_micro_batch": self.failed_micro_batch,
-                "new_micro_batch": self.new_micro_batch, "phase": self.phase, "replayed": self.replayed,
-                "message": self.message.splitlines()[0][:300]}
+        return {
+            "step": self.step,
+            "failed_micro_batch": self.failed_micro_batch,
+            "new_micro_batch": self.new_micro_batch,
+            "phase": self.phase,
+            "replayed": self.replayed,
+            "message": self.message.splitlines()[0][:300],
+        }
 
 
 @dataclass
@@ -109,8 +121,14 @@ class OOMGuard:
     on_recovery: Callable[[Recovery], None] | None = None
     """Called with each recovery, before the retry (or the :class:`Replay`)."""
 
-    def run_step(self, step: int, samples: list, run_chunk: Callable[[list], float], zero_grads: Callable[[], None],
-                 touch: GradTouch) -> tuple[float, int]:
+    def run_step(
+        self,
+        step: int,
+        samples: list,
+        run_chunk: Callable[[list], float],
+        zero_grads: Callable[[], None],
+        touch: GradTouch,
+    ) -> tuple[float, int]:
         """Forward+backward every sample of the step; returns (loss of the step, micro-batches run). A partial
         gradient replays the step's micro-batches from the first after ``zero_grads``."""
         while True:
@@ -152,8 +170,14 @@ class OOMGuard:
             reason = "micro-batch 1" if rows <= 1 else f"retry cap ({self.max_retries}) reached"
             raise OOMAtMicroBatchOne(failure or "out of memory", phase, reason)
         new = (rows + 1) // 2
-        rec = Recovery(step=step, failed_micro_batch=rows, new_micro_batch=new, phase=phase, replayed=touch.touched,
-                       message=failure)
+        rec = Recovery(
+            step=step,
+            failed_micro_batch=rows,
+            new_micro_batch=new,
+            phase=phase,
+            replayed=touch.touched,
+            message=failure,
+        )
         self.recoveries.append(rec)
         self.micro_batch = new if self.micro_batch is None else min(self.micro_batch, new)
         if self.on_recovery:

@@ -66,8 +66,9 @@ def param_groups(params: list, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def make_optimizer(params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *, target: str = "cpu",
-                   lb: Any = None):
+def make_optimizer(
+    params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *, target: str = "cpu", lb: Any = None
+):
     """The optimizer ``plan.optimizer`` over ``params`` (see the module docstring for ``target`` and ``lb``)."""
     import torch
 
@@ -82,11 +83,13 @@ def make_optimizer(params: list, plan: "Plan", args: OptimizerArgs = OptimizerAr
             "on CPU use adamw-8bit (optim: adamw_bnb_8bit), adamw or adafactor",
         )
     if kind == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=args.adam_epsilon,
-                                 foreach=impl == "foreach", fused=impl == "fused")
+        return torch.optim.AdamW(
+            groups, lr=lr, betas=betas, eps=args.adam_epsilon, foreach=impl == "foreach", fused=impl == "fused"
+        )
     if kind == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=plan.sgd_momentum, foreach=impl == "foreach",
-                               fused=impl == "fused" or None)
+        return torch.optim.SGD(
+            groups, lr=lr, momentum=plan.sgd_momentum, foreach=impl == "foreach", fused=impl == "fused" or None
+        )
     if kind == "adafactor":
         from transformers.optimization import Adafactor
 
@@ -164,8 +167,14 @@ class CPUOffloadOptimizer:
     ``paused`` (tensors stay fake, nothing is counted).
     """
 
-    def __init__(self, params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *,
-                 host_scope: Callable[[], AbstractContextManager] = _disable_modes):
+    def __init__(
+        self,
+        params: list,
+        plan: "Plan",
+        args: OptimizerArgs = OptimizerArgs(),
+        *,
+        host_scope: Callable[[], AbstractContextManager] = _disable_modes,
+    ):
         import torch
 
         self.params = list(params)
@@ -222,8 +231,15 @@ class CPUOffloadOptimizer:
                 h.copy_(src)
 
 
-def make_plan_optimizer(params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *, target: str = "cpu",
-                        lb: Any = None, host_scope: Callable[[], AbstractContextManager] | None = None):
+def make_plan_optimizer(
+    params: list,
+    plan: "Plan",
+    args: OptimizerArgs = OptimizerArgs(),
+    *,
+    target: str = "cpu",
+    lb: Any = None,
+    host_scope: Callable[[], AbstractContextManager] | None = None,
+):
     """The optimizer a run of ``plan`` steps with: :class:`CPUOffloadOptimizer` when the plan offloads it,
     :class:`OptimizerInBackward` when it steps in backward, else :func:`make_optimizer`. Sharded strategies take
     the plain optimizer: FSDP2's CPUOffloadPolicy keeps the states with the offloaded shards, DeepSpeed wraps (and
@@ -248,8 +264,9 @@ def make_scheduler(name: str, optimizer, *, warmup_steps: int, total_steps: int)
     """``transformers.get_scheduler`` over the optimizer (the host optimizer when offloading)."""
     from transformers import get_scheduler
 
-    return get_scheduler(name, optimizer=scheduler_target(optimizer), num_warmup_steps=warmup_steps,
-                         num_training_steps=total_steps)
+    return get_scheduler(
+        name, optimizer=scheduler_target(optimizer), num_warmup_steps=warmup_steps, num_training_steps=total_steps
+    )
 
 
 class HostActivationOffload:
@@ -300,9 +317,19 @@ def activation_offload(enabled: bool, device_type: str) -> AbstractContextManage
     return HostActivationOffload()()
 
 
-__all__ = ["OptimizerArgs", "PAGED_MIN_NUMEL", "make_optimizer", "make_plan_optimizer", "param_groups",
-           "replayed_state_buffer", "CPUOffloadOptimizer", "make_scheduler", "activation_offload",
-           "HostActivationOffload", "scheduler_target"]
+__all__ = [
+    "OptimizerArgs",
+    "PAGED_MIN_NUMEL",
+    "make_optimizer",
+    "make_plan_optimizer",
+    "param_groups",
+    "replayed_state_buffer",
+    "CPUOffloadOptimizer",
+    "make_scheduler",
+    "activation_offload",
+    "HostActivationOffload",
+    "scheduler_target",
+]
 
 
 def _optimizer_base():
@@ -348,8 +375,9 @@ class OptimizerInBackward:
             o.load_state_dict(s)
 
 
-def optimizer_in_backward(params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *, target: str = "cpu",
-                          lb: Any = None):
+def optimizer_in_backward(
+    params: list, plan: "Plan", args: OptimizerArgs = OptimizerArgs(), *, target: str = "cpu", lb: Any = None
+):
     """An :class:`OptimizerInBackward` (a ``torch.optim.Optimizer`` for LR schedulers) over ``params``."""
     cls = type("OptimizerInBackward", (OptimizerInBackward, _optimizer_base()), {})
     inner = {p: make_optimizer([p], plan, args, target=target, lb=lb) for p in params}

@@ -120,8 +120,11 @@ def clip_grad_norm(params: list, max_norm: float):
         return torch.zeros(())
     mesh = grads[0].device_mesh
     local = [g.to_local() for g in grads]
-    comm = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
-        torch.device("cpu")
+    comm = (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device("cpu")
+    )
     sq = torch.stack([n.to(comm, torch.float64) for n in torch._foreach_norm(local)]).pow(2).sum()
     group = mesh.get_group("shard") if mesh.ndim == 2 else mesh.get_group()
     dist.all_reduce(sq, group=group)
@@ -133,5 +136,4 @@ def clip_grad_norm(params: list, max_norm: float):
     return total
 
 
-__all__ = ["apply_fsdp", "clip_grad_norm", "device_mesh", "gathered_buffers", "mesh_shape",
-           "reset_after_error"]
+__all__ = ["apply_fsdp", "clip_grad_norm", "device_mesh", "gathered_buffers", "mesh_shape", "reset_after_error"]

@@ -209,8 +209,9 @@ class TrainStep:
                 if self.clip is not None:
                     self.clip(params, self.max_grad_norm)
                 else:
-                    torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm,
-                                                   foreach=self.plan.optimizer_impl != "for-loop")
+                    torch.nn.utils.clip_grad_norm_(
+                        params, self.max_grad_norm, foreach=self.plan.optimizer_impl != "for-loop"
+                    )
                 del params
             applied = True
             if self.scaler is not None:

@@ -106,7 +106,7 @@ def _no_grad_tiles(mlp_forward, x, tiles: int, before_tile=None):
         if out is None:
             out = y.new_empty((flat.shape[0], y.shape[-1]))
         start = k * len(parts[0])
-        out[start:start + len(y)].copy_(y)
+        out[start : start + len(y)].copy_(y)
         del y
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -114,7 +114,7 @@ def _no_grad_tiles(mlp_forward, x, tiles: int, before_tile=None):
 def _tiles(t, n: int) -> list:
     """``n`` row slices (views) of a 2-D ``t``: ``ceil(rows / n)`` rows each, the last one shorter."""
     step = max(1, math.ceil(t.shape[0] / n))
-    return [t[i:i + step] for i in range(0, t.shape[0], step)]
+    return [t[i : i + step] for i in range(0, t.shape[0], step)]
 
 
 def _cuda_devices(device_type: str) -> list:
@@ -176,8 +176,10 @@ def tile_mlps(layers: list) -> int:
             n += 1
             break
     if not n:
-        raise BadInput("tiled_mlp: this model's blocks have no dense MLP to tile",
-                       "drop tiled_mlp (set it false / remove --tiled-mlp)")
+        raise BadInput(
+            "tiled_mlp: this model's blocks have no dense MLP to tile",
+            "drop tiled_mlp (set it false / remove --tiled-mlp)",
+        )
     return n
 
 

@@ -64,7 +64,12 @@ from oomdoctor.units import format_bytes
 
 #: The tensor categories are the tensor components of a MemoryBreakdown.
 CATEGORIES: tuple[str, ...] = TENSOR_COMPONENTS
-_ALIASES = {"optimizer_state": "optimizer_states", "params": "parameters", "grads": "gradients", "activation": "activations"}
+_ALIASES = {
+    "optimizer_state": "optimizer_states",
+    "params": "parameters",
+    "grads": "gradients",
+    "activation": "activations",
+}
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
@@ -326,8 +331,9 @@ class LiveBytes(TorchDispatchMode):
         if self._paused or key in self._ignored:
             return orig(st, size)
         rec = self.records.get(key)
-        if rec is None and (st.nbytes() != 0 or (self.device_type is not None
-                                                 and st.device.type not in (self.device_type, "meta"))):
+        if rec is None and (
+            st.nbytes() != 0 or (self.device_type is not None and st.device.type not in (self.device_type, "meta"))
+        ):
             return orig(st, size)  # a pre-existing storage this tracker never counted (or another device)
         nb = self._count(int(size))  # an UntypedStorage's size is in bytes
         grow = nb - (rec.nbytes if rec is not None else 0)

@@ -45,24 +45,44 @@ def zero_config(plan: "Plan", hidden_size: int, run: ZeroRun | None = None) -> d
     fp32 otherwise (``train`` refuses fp16), the caller's optimizer kept."""
     b = plan.bucket_elems(hidden_size)
     pin = run is None or run.device_type == "cuda"
-    zero: dict[str, Any] = {"stage": 3 if plan.strategy == "zero3" else 2, "overlap_comm": True,
-                            "contiguous_gradients": True, "reduce_bucket_size": b, "allgather_bucket_size": b}
+    zero: dict[str, Any] = {
+        "stage": 3 if plan.strategy == "zero3" else 2,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": b,
+        "allgather_bucket_size": b,
+    }
     if plan.strategy == "zero3":
-        zero.update(stage3_prefetch_bucket_size=int(0.9 * b), stage3_param_persistence_threshold=10 * hidden_size,
-                    stage3_gather_16bit_weights_on_model_save=True)
+        zero.update(
+            stage3_prefetch_bucket_size=int(0.9 * b),
+            stage3_param_persistence_threshold=10 * hidden_size,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
     if plan.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if plan.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     if run is None:
-        return {"zero_optimization": zero, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-                "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                "gradient_clipping": "auto"}
-    return {"zero_optimization": zero, "bf16": {"enabled": plan.precision in ("bf16", "bf16-mixed")},
-            "train_micro_batch_size_per_gpu": run.micro_batch, "gradient_accumulation_steps": run.grad_accum,
-            "gradient_clipping": float(run.max_grad_norm or 0.0), "managed_gradient_accumulation": False,
-            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
-            "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+        return {
+            "zero_optimization": zero,
+            "bf16": {"enabled": "auto"},
+            "fp16": {"enabled": "auto"},
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+        }
+    return {
+        "zero_optimization": zero,
+        "bf16": {"enabled": plan.precision in ("bf16", "bf16-mixed")},
+        "train_micro_batch_size_per_gpu": run.micro_batch,
+        "gradient_accumulation_steps": run.grad_accum,
+        "gradient_clipping": float(run.max_grad_norm or 0.0),
+        "managed_gradient_accumulation": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
 
 
 def require_deepspeed() -> Any:
@@ -70,8 +90,10 @@ def require_deepspeed() -> Any:
     try:
         import deepspeed
     except ImportError as exc:
-        raise BadInput(f"strategy zero2/zero3 runs DeepSpeed, which is not importable ({exc})",
-                       "pip install 'oomdoctor[deepspeed]' (or use strategy fsdp, torch's own sharding)") from None
+        raise BadInput(
+            f"strategy zero2/zero3 runs DeepSpeed, which is not importable ({exc})",
+            "pip install 'oomdoctor[deepspeed]' (or use strategy fsdp, torch's own sharding)",
+        ) from None
     return deepspeed
 
 
@@ -129,5 +151,4 @@ def full_state_dict(engine: Any, stage: int) -> dict | None:
     return None
 
 
-__all__ = ["EngineOptimizer", "ZeroRun", "full_state_dict", "initialize", "require_deepspeed",
-           "zero_config"]
+__all__ = ["EngineOptimizer", "ZeroRun", "full_state_dict", "initialize", "require_deepspeed", "zero_config"]

@@ -16,12 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from oomdoctor.explain.fixes import (
-    capacity_fixes,
-    fragmentation_fixes,
-    huge_allocation_fixes,
-    other_process_fixes,
-)
+from oomdoctor.explain.fixes import capacity_fixes, fragmentation_fixes, huge_allocation_fixes, other_process_fixes
 from oomdoctor.explain.logits import LogitsShape, logits_match
 from oomdoctor.explain.pricing import PricedPlan
 from oomdoctor.explain.report import Cause, OomReport
@@ -110,15 +105,23 @@ def fragmentation_term(r: OomReport, free: int | None, roomy: bool) -> Term | No
     """
     U, R, T = r.reserved_unallocated_bytes, r.requested_bytes, r.total_bytes
     if U >= R:
-        return Term(f"PyTorch held {fb(U)} reserved but unallocated, more than the {fb(R)} requested: the allocation "
-                    "would fit in the cached blocks if they were not fragmented (none of them is big enough)",
-                    floor=FRAGMENTATION_FIRST)
+        return Term(
+            f"PyTorch held {fb(U)} reserved but unallocated, more than the {fb(R)} requested: the allocation "
+            "would fit in the cached blocks if they were not fragmented (none of them is big enough)",
+            floor=FRAGMENTATION_FIRST,
+        )
     if free is not None and U + free >= R:
-        return Term(f"{fb(U)} reserved-but-unallocated + {fb(free)} free = {fb(U + free)} >= the {fb(R)} "
-                    "requested: enough memory existed, only not in one piece", floor=0.75 if roomy else 0.55)
+        return Term(
+            f"{fb(U)} reserved-but-unallocated + {fb(free)} free = {fb(U + free)} >= the {fb(R)} "
+            "requested: enough memory existed, only not in one piece",
+            floor=0.75 if roomy else 0.55,
+        )
     if U >= max(0.05 * (T or 0), 512 * MiB):
-        return Term(f"{fb(U)} ({pct(U, T) or 'of the card'}) is reserved by PyTorch but unallocated: "
-                    "fragmentation adds to the shortage", floor=0.3)
+        return Term(
+            f"{fb(U)} ({pct(U, T) or 'of the card'}) is reserved by PyTorch but unallocated: "
+            "fragmentation adds to the shortage",
+            floor=0.3,
+        )
     return None
 
 
@@ -133,8 +136,12 @@ def fragmentation(r: OomReport, free: int | None) -> Cause | None:
     terms = [term]
     slack = slack_after(r, free)
     if not roomy(r, free) and term.floor > 0.3 and U < R:
-        terms.append(Term(f"but only {fb(max(0, slack))} would be left after serving it ({pct(max(0, slack), T)}): "
-                          "the rest of the step would likely fail next"))
+        terms.append(
+            Term(
+                f"but only {fb(max(0, slack))} would be left after serving it ({pct(max(0, slack), T)}): "
+                "the rest of the step would likely fail next"
+            )
+        )
     return _cause("fragmentation", combine(0.0, terms), terms, fragmentation_fixes(r))
 
 
@@ -147,8 +154,11 @@ def listed_processes_term(r: OomReport) -> Term | None:
     listed = ", ".join(f"PID {p.pid}: {fb(p.bytes)}" for p in r.processes if not p.is_self and p.bytes)
     deficit = (R - F) if (R is not None and F is not None) else None
     if deficit is not None and O >= deficit and O >= (0.05 * T if T else 1 * GiB):
-        return Term(f"other processes hold {fb(O)}{' (' + pct(O, T) + ')' if T else ''} ({listed}); without them "
-                    f"the {fb(R)} request would have fit ({fb(F)} free + {fb(O)})", floor=0.8)
+        return Term(
+            f"other processes hold {fb(O)}{' (' + pct(O, T) + ')' if T else ''} ({listed}); without them "
+            f"the {fb(R)} request would have fit ({fb(F)} free + {fb(O)})",
+            floor=0.8,
+        )
     if T and O >= 0.1 * T:
         return Term(f"other processes hold {fb(O)} ({pct(O, T)}): {listed}", floor=0.5)
     if O >= 256 * MiB:
@@ -160,18 +170,30 @@ def unlisted_processes_term(r: OomReport) -> Term | None:
     """No process list, but the numbers (or the kind of message) point to memory held by someone else."""
     T, N = r.total_bytes, r.non_pytorch_bytes
     if r.other_processes_bytes is None and N is not None and T and N >= max(2 * GiB, 0.1 * T):
-        return Term(f"total - free - reserved = {fb(N)} ({pct(N, T)}) is held outside PyTorch's allocator; a CUDA "
-                    "context takes ~0.3-1 GiB, so the rest is likely other processes or libraries (the message does "
-                    "not list processes)", floor=0.45)
+        return Term(
+            f"total - free - reserved = {fb(N)} ({pct(N, T)}) is held outside PyTorch's allocator; a CUDA "
+            "context takes ~0.3-1 GiB, so the rest is likely other processes or libraries (the message does "
+            "not list processes)",
+            floor=0.45,
+        )
     if r.kind == "cuda-error" and r.format == "cudnn":
-        return Term("cuDNN allocates its workspace outside the caching allocator: memory other processes hold "
-                    "leaves less for it", floor=0.4)
+        return Term(
+            "cuDNN allocates its workspace outside the caching allocator: memory other processes hold "
+            "leaves less for it",
+            floor=0.4,
+        )
     if r.kind == "cuda-error":
-        return Term("'CUDA error: out of memory' is raised outside the caching allocator, typically when creating "
-                    "the CUDA context or a cuBLAS/NCCL workspace on a card another process already fills", floor=0.6)
+        return Term(
+            "'CUDA error: out of memory' is raised outside the caching allocator, typically when creating "
+            "the CUDA context or a cuBLAS/NCCL workspace on a card another process already fills",
+            floor=0.6,
+        )
     if r.kind == "quantized-offload":
-        return Term("device_map='auto' sizes the GPU share by the memory free at load time: memory held by other "
-                    "processes pushes modules to the CPU/disk", floor=0.4)
+        return Term(
+            "device_map='auto' sizes the GPU share by the memory free at load time: memory held by other "
+            "processes pushes modules to the CPU/disk",
+            floor=0.4,
+        )
     return None
 
 
@@ -198,17 +220,25 @@ def request_size_term(r: OomReport) -> Term | None:
             return Term(f"one host allocation of {fb(R)}", floor=0.6)
         return None
     if r.format == "torch-mps-buffer":
-        return Term(f"one tensor of {fb(R)} is larger than the largest single buffer Metal allows: no memory setting "
-                    "serves it, the tensor itself must shrink", floor=0.95)
+        return Term(
+            f"one tensor of {fb(R)} is larger than the largest single buffer Metal allows: no memory setting "
+            "serves it, the tensor itself must shrink",
+            floor=0.95,
+        )
     if T:
         frac = R / T
         if frac > 1:
-            return Term(f"{fb(R)} requested is more than the whole card ({fb(T)}): no allocator setting can serve "
-                        "it; look for a shape bug (packing, missing truncation) or an enormous logits tensor",
-                        floor=0.95)
+            return Term(
+                f"{fb(R)} requested is more than the whole card ({fb(T)}): no allocator setting can serve "
+                "it; look for a shape bug (packing, missing truncation) or an enormous logits tensor",
+                floor=0.95,
+            )
         if frac >= 0.25:
-            return Term(f"one request of {fb(R)} is {pct(R, T)} ({fb(T)}): a single tensor that size is a problem "
-                        "of its own (logits, an eval batch's outputs, a whole model's weights at once)", floor=0.85)
+            return Term(
+                f"one request of {fb(R)} is {pct(R, T)} ({fb(T)}): a single tensor that size is a problem "
+                "of its own (logits, an eval batch's outputs, a whole model's weights at once)",
+                floor=0.85,
+            )
         if frac >= 0.10:
             return Term(f"one request of {fb(R)} is {pct(R, T)} ({fb(T)})", floor=0.6)
         return None
@@ -228,8 +258,12 @@ def remaining_term(r: OomReport, free: int | None) -> Term | None:
     if R < 2 * left or R < (0.05 * T if T else 1 * GiB):
         return None
     times = f"{R / left:.1f}x" if left else "far more than"
-    return Term(f"the {fb(R)} request is {times} what remained ({fb(free)} free + {fb(U)} reserved-but-unallocated "
-                f"= {fb(left)}): one tensor this size, not the step's many smaller ones, ran out", floor=0.5, bonus=0.2)
+    return Term(
+        f"the {fb(R)} request is {times} what remained ({fb(free)} free + {fb(U)} reserved-but-unallocated "
+        f"= {fb(left)}): one tensor this size, not the step's many smaller ones, ran out",
+        floor=0.5,
+        bonus=0.2,
+    )
 
 
 def large_request_terms(r: OomReport, free: int | None) -> list[Term]:
@@ -259,8 +293,11 @@ def failing_line_term(r: OomReport) -> Term | None:
 def logits_phase_term(r: OomReport) -> Term | None:
     """The OOM happened where the logits are the largest tensors."""
     if r.phase in ("loss", "evaluation"):
-        return Term(f"it happened in the {r.phase} phase, where the [batch, seq, vocab] logits (and their fp32 "
-                    "copies) are the largest tensors", bonus=0.1)
+        return Term(
+            f"it happened in the {r.phase} phase, where the [batch, seq, vocab] logits (and their fp32 "
+            "copies) are the largest tensors",
+            bonus=0.1,
+        )
     return None
 
 
@@ -291,23 +328,34 @@ def kind_term(r: OomReport) -> Term | None:
     if r.kind == "cpu-allocator":
         return Term(f"the host could not provide {fb(r.requested_bytes)} of RAM", floor=0.7)
     if r.kind == "cpu-oom-killer":
-        return Term("the Linux OOM killer ended the process: host RAM (plus swap) was exhausted"
-                    + (f"; the process held {fb(r.this_process_bytes)} resident" if r.this_process_bytes else ""),
-                    floor=0.8)
+        return Term(
+            "the Linux OOM killer ended the process: host RAM (plus swap) was exhausted"
+            + (f"; the process held {fb(r.this_process_bytes)} resident" if r.this_process_bytes else ""),
+            floor=0.8,
+        )
     if r.kind == "quantized-offload":
         return Term("the quantized model did not fit in the GPU memory that was free when it was loaded", floor=0.8)
     if r.kind == "cuda-error" and r.format == "cudnn":
-        return Term("cuDNN found no algorithm whose workspace fits in the memory left: the batch's activations "
-                    "fill the card (no numbers are printed; check the plan with `oomdoctor diagnose`)", floor=0.6)
+        return Term(
+            "cuDNN found no algorithm whose workspace fits in the memory left: the batch's activations "
+            "fill the card (no numbers are printed; check the plan with `oomdoctor diagnose`)",
+            floor=0.6,
+        )
     if r.kind == "cuda-error":
         return Term("no numbers are printed; check the plan against the card with `oomdoctor diagnose`")
     if r.format == "torch-mps-buffer":
-        return Term("Metal refuses one buffer above its size limit however much memory is free: the tensor, not the "
-                    "card's capacity, is the problem", ceiling=0.3)
+        return Term(
+            "Metal refuses one buffer above its size limit however much memory is free: the tensor, not the "
+            "card's capacity, is the problem",
+            ceiling=0.3,
+        )
     if r.kind == "batch-size-exhausted":
-        return Term("even a batch of 1 ran out of memory: the model and plan need more than the card at any batch size "
-                    "(or the OOM came from evaluation: auto_find_batch_size shrinks the train batch for eval OOMs "
-                    "too, transformers#32215)", floor=0.8)
+        return Term(
+            "even a batch of 1 ran out of memory: the model and plan need more than the card at any batch size "
+            "(or the OOM came from evaluation: auto_find_batch_size shrinks the train batch for eval OOMs "
+            "too, transformers#32215)",
+            floor=0.8,
+        )
     return None
 
 
@@ -316,8 +364,11 @@ def memory_cap_term(r: OomReport) -> Term | None:
     R, F, cap, reserved = r.requested_bytes, r.free_bytes, r.allowed_bytes, r.reserved_bytes
     if None in (cap, R, reserved, F) or not (reserved + R > cap and F >= R):
         return None
-    return Term(f"the process is capped at {fb(cap)} (torch.cuda.set_per_process_memory_fraction) "
-                f"and had reserved {fb(reserved)}; the card itself still had {fb(F)} free", floor=0.9)
+    return Term(
+        f"the process is capped at {fb(cap)} (torch.cuda.set_per_process_memory_fraction) "
+        f"and had reserved {fb(reserved)}; the card itself still had {fb(F)} free",
+        floor=0.9,
+    )
 
 
 def outside_pytorch_term(r: OomReport) -> Term | None:
@@ -328,10 +379,12 @@ def outside_pytorch_term(r: OomReport) -> Term | None:
     extra = used - reserved
     if extra < max(2 * GiB, 0.1 * T):
         return None
-    return Term(f"this process holds {fb(extra)} outside PyTorch's allocator ({fb(used)} in "
-                f"use, {fb(reserved)} reserved by PyTorch): beyond the ~0.5 GiB CUDA context that is "
-                "bitsandbytes paged state, NCCL buffers, or another framework (TensorFlow/JAX) preallocating",
-                floor=0.6)
+    return Term(
+        f"this process holds {fb(extra)} outside PyTorch's allocator ({fb(used)} in "
+        f"use, {fb(reserved)} reserved by PyTorch): beyond the ~0.5 GiB CUDA context that is "
+        "bitsandbytes paged state, NCCL buffers, or another framework (TensorFlow/JAX) preallocating",
+        floor=0.6,
+    )
 
 
 def live_tensors_term(r: OomReport) -> Term | None:
@@ -341,8 +394,9 @@ def live_tensors_term(r: OomReport) -> Term | None:
         return None
     share = A / T
     floor = 0.75 if share >= 0.9 else (0.65 if share >= 0.75 else None)
-    return Term(f"PyTorch's live tensors held {fb(A)} ({pct(A, T)}) when the {fb(R) if R else 'new'} request came",
-                floor=floor)
+    return Term(
+        f"PyTorch's live tensors held {fb(A)} ({pct(A, T)}) when the {fb(R) if R else 'new'} request came", floor=floor
+    )
 
 
 def headroom_term(r: OomReport, free: int | None) -> Term | None:
@@ -355,24 +409,35 @@ def headroom_term(r: OomReport, free: int | None) -> Term | None:
         return None
     if U >= R:
         left, tight = slack_after(r, free), not roomy(r, free)
-        return Term(f"headroom: {fb(U)} reserved but unallocated vs the {fb(R)} request: it would fit in the cached "
-                    f"blocks with {fb(U - R)} to spare, leaving {fb(left)}{' (' + pct(left, T) + ')' if T else ''} on "
-                    "the card after it" + ("; the next allocations of the step would likely fail anyway" if tight
-                                           else ""), floor=0.85 if tight else None)
+        return Term(
+            f"headroom: {fb(U)} reserved but unallocated vs the {fb(R)} request: it would fit in the cached "
+            f"blocks with {fb(U - R)} to spare, leaving {fb(left)}{' (' + pct(left, T) + ')' if T else ''} on "
+            "the card after it" + ("; the next allocations of the step would likely fail anyway" if tight else ""),
+            floor=0.85 if tight else None,
+        )
     if free is None:
         return None
     if U + free >= R:
-        return Term(f"headroom: {fb(U)} reserved but unallocated + {fb(free)} free = {fb(U + free)} vs the {fb(R)} "
-                    f"request: {fb(U + free - R)} to spare, only not in one piece")
+        return Term(
+            f"headroom: {fb(U)} reserved but unallocated + {fb(free)} free = {fb(U + free)} vs the {fb(R)} "
+            f"request: {fb(U + free - R)} to spare, only not in one piece"
+        )
     could = free + U + (O or 0)
     if R <= could:
-        return Term(f"headroom: {fb(free)} free + {fb(U)} reserved but unallocated = {fb(free + U)} vs the {fb(R)} "
-                    f"request: short by {fb(R - free - U)}, less than the {fb(O)} other processes hold")
+        return Term(
+            f"headroom: {fb(free)} free + {fb(U)} reserved but unallocated = {fb(free + U)} vs the {fb(R)} "
+            f"request: short by {fb(R - free - U)}, less than the {fb(O)} other processes hold"
+        )
     if large_request_terms(r, free):
-        return Term(f"headroom: only {fb(could)} could have served the {fb(R)} request (short by {fb(R - could)}): "
-                    "one large request ran out, not the plan as a whole (see huge-allocation)")
-    return Term(f"headroom: even with no fragmentation and no other processes, only {fb(could)} could have served the "
-                f"{fb(R)} request (short by {fb(R - could)}): the plan needs more than this card", floor=0.85)
+        return Term(
+            f"headroom: only {fb(could)} could have served the {fb(R)} request (short by {fb(R - could)}): "
+            "one large request ran out, not the plan as a whole (see huge-allocation)"
+        )
+    return Term(
+        f"headroom: even with no fragmentation and no other processes, only {fb(could)} could have served the "
+        f"{fb(R)} request (short by {fb(R - could)}): the plan needs more than this card",
+        floor=0.85,
+    )
 
 
 def plan_term(priced: PricedPlan | None, capacity: int | None) -> Term | None:
@@ -382,23 +447,43 @@ def plan_term(priced: PricedPlan | None, capacity: int | None) -> Term | None:
         return None
     need, phase = priced.peak_bytes, priced.peak_phase
     if need > capacity:
-        return Term(f"the memory model puts your plan's peak at {fb(need)} ({phase}), more than the "
-                    f"{fb(capacity)} card", floor=0.9)
-    return Term(f"the memory model puts your plan's peak at {fb(need)} ({phase}), within the "
-                f"{fb(capacity)} card: look at the other causes and at phases it does not model (eval, save)",
-                ceiling=0.4)
+        return Term(
+            f"the memory model puts your plan's peak at {fb(need)} ({phase}), more than the {fb(capacity)} card",
+            floor=0.9,
+        )
+    return Term(
+        f"the memory model puts your plan's peak at {fb(need)} ({phase}), within the "
+        f"{fb(capacity)} card: look at the other causes and at phases it does not model (eval, save)",
+        ceiling=0.4,
+    )
 
 
-def capacity(r: OomReport, free: int | None, others: Sequence[Cause], priced: PricedPlan | None,
-             capacity_bytes: int | None, plan: Plan | None = None) -> Cause:
+def capacity(
+    r: OomReport,
+    free: int | None,
+    others: Sequence[Cause],
+    priced: PricedPlan | None,
+    capacity_bytes: int | None,
+    plan: Plan | None = None,
+) -> Cause:
     """The plan needs more than the card: always a candidate, weighted by the numbers.
 
     ``others``: the causes found so far (a strong one weakens capacity unless the numbers or the plan insist);
     ``priced``: the user's plan priced by the memory model; ``plan``: the user's plan, when known without a model.
     """
     outside = outside_pytorch_term(r)
-    terms = [t for t in (kind_term(r), memory_cap_term(r), outside, live_tensors_term(r),
-                         headroom_term(r, free), plan_term(priced, capacity_bytes)) if t]
+    terms = [
+        t
+        for t in (
+            kind_term(r),
+            memory_cap_term(r),
+            outside,
+            live_tensors_term(r),
+            headroom_term(r, free),
+            plan_term(priced, capacity_bytes),
+        )
+        if t
+    ]
     score = combine(0.5, terms)
     if priced is None and score < 0.85 and any(c.score >= 0.8 for c in others):
         score = min(score, 0.4)

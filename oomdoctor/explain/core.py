@@ -24,13 +24,25 @@ if TYPE_CHECKING:
     from oomdoctor.plan import Plan
 
 
-def explain(text: str, spec: ModelSpec | None = None, plan: Plan | None = None,
-            capacity_bytes: int | None = None) -> Diagnosis:
+def explain(
+    text: str, spec: ModelSpec | None = None, plan: Plan | None = None, capacity_bytes: int | None = None
+) -> Diagnosis:
     """Parse ``text`` and diagnose the OOM it holds (raises BadInput when it holds none)."""
     return diagnose(parse_oom(text), spec=spec, plan=plan, capacity_bytes=capacity_bytes)
 
 
 __all__ = [
-    "CAUSE_IDS", "PHASES", "ProcessUse", "OomReport", "Fix", "Cause", "Diagnosis",
-    "parse_oom", "detect_phase", "diagnose", "explain", "rank_plan_fixes", "_logits_match",
+    "CAUSE_IDS",
+    "PHASES",
+    "ProcessUse",
+    "OomReport",
+    "Fix",
+    "Cause",
+    "Diagnosis",
+    "parse_oom",
+    "detect_phase",
+    "diagnose",
+    "explain",
+    "rank_plan_fixes",
+    "_logits_match",
 ]

@@ -33,16 +33,24 @@ def logits_shape(spec: ModelSpec | None, plan: Plan | None) -> LogitsShape:
     return shape
 
 
-def diagnose(report: OomReport, spec: ModelSpec | None = None, plan: Plan | None = None,
-             capacity_bytes: int | None = None) -> Diagnosis:
+def diagnose(
+    report: OomReport, spec: ModelSpec | None = None, plan: Plan | None = None, capacity_bytes: int | None = None
+) -> Diagnosis:
     """Order the likely causes of ``report``; with ``spec`` and ``plan``, price the plan fixes with the memory model."""
     r = report
     cap = capacity_bytes if capacity_bytes is not None else r.total_bytes
     mem = card_label(cap, given=capacity_bytes is not None)
     priced = rank_plan_fixes(spec, plan, cap, capacity_label=mem) if spec is not None and plan is not None else None
     free = causes.usable_free(r)
-    found = [c for c in (causes.fragmentation(r, free), causes.other_processes(r),
-                         causes.huge_allocation(r, free, logits_shape(spec, plan))) if c]
+    found = [
+        c
+        for c in (
+            causes.fragmentation(r, free),
+            causes.other_processes(r),
+            causes.huge_allocation(r, free, logits_shape(spec, plan)),
+        )
+        if c
+    ]
     found.append(causes.capacity(r, free, found, priced, cap, plan))
     found.sort(key=lambda c: -c.score)
     nxt = None

@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from oomdoctor.plan import Plan
 
 
-
 def _said(change_id: str) -> str:
     """A plan change as advice words it (``oomdoctor.plan.changes``), as a sentence."""
     text = CHANGES[change_id]
@@ -39,9 +38,7 @@ EMPTY_CACHE_STEPS = Fix(
     "TrainingArguments(torch_empty_cache_steps=50)",
 )
 PICK_FREE_GPU = Fix(
-    "pick-free-gpu",
-    "Run on a GPU nobody else uses.",
-    "CUDA_VISIBLE_DEVICES=<free gpu index> python train.py",
+    "pick-free-gpu", "Run on a GPU nobody else uses.", "CUDA_VISIBLE_DEVICES=<free gpu index> python train.py"
 )
 CHUNKED_LOSS = Fix(
     "loss:chunked",
@@ -76,11 +73,7 @@ EVAL_FIXES: tuple[Fix, ...] = (
         "TrainingArguments(eval_accumulation_steps=4) or prediction_loss_only=True; "
         "Lightning / plain PyTorch: keep logits.argmax(-1).cpu() per batch, or update a torchmetrics metric",
     ),
-    Fix(
-        "eval-half-precision",
-        "Evaluate in bf16/fp16 instead of upcasting.",
-        "TrainingArguments(bf16_full_eval=True)",
-    ),
+    Fix("eval-half-precision", "Evaluate in bf16/fp16 instead of upcasting.", "TrainingArguments(bf16_full_eval=True)"),
 )
 SAVE_FIXES: tuple[Fix, ...] = (
     Fix(
@@ -166,8 +159,7 @@ GRADIENT_CHECKPOINTING = Fix(
 MICRO_BATCH = Fix(
     "micro-batch",
     "Halve the micro-batch and double gradient accumulation: " + CHANGES["micro-batch"] + ".",
-    "TrainingArguments(per_device_train_batch_size=B/2, gradient_accumulation_steps=2*G); "
-    "oomdoctor: --micro-batch",
+    "TrainingArguments(per_device_train_batch_size=B/2, gradient_accumulation_steps=2*G); oomdoctor: --micro-batch",
 )
 SEQ_LEN = Fix(
     "seq-len",
@@ -245,8 +237,11 @@ def expandable_segments(alloc_conf_var: str) -> Fix:
         "Let the allocator grow segments instead of caching fixed-size blocks, so reserved-but-unallocated memory can "
         "serve big requests. Set it before the first CUDA allocation (before `import torch`); if it was already set, "
         "fragmentation is not the cause (torch prints this hint regardless, pytorch#173049)."
-        + (" Newer torch also reads the name PYTORCH_ALLOC_CONF." if alloc_conf_var == "PYTORCH_CUDA_ALLOC_CONF"
-           else ""),
+        + (
+            " Newer torch also reads the name PYTORCH_ALLOC_CONF."
+            if alloc_conf_var == "PYTORCH_CUDA_ALLOC_CONF"
+            else ""
+        ),
         f"export {alloc_conf_var}={ALLOC_CONF}",
     )
 
@@ -343,8 +338,7 @@ def already_applied(plan: Plan, fix_id: str) -> bool:
     )
 
 
-def capacity_fixes(r: OomReport, outside_pytorch: bool, priced: tuple[Fix, ...],
-                   plan: Plan | None) -> tuple[Fix, ...]:
+def capacity_fixes(r: OomReport, outside_pytorch: bool, priced: tuple[Fix, ...], plan: Plan | None) -> tuple[Fix, ...]:
     """Fixes for "the plan needs more than the card", best first.
 
     ``outside_pytorch``: this process holds much memory outside PyTorch's allocator. ``priced``: the plan changes

@@ -12,8 +12,7 @@ MiB = 2**20
 # Common vocabulary sizes (for "this request is the logits"), most used first: Llama-3 128256, Llama-2/Mistral 32000,
 # Qwen2 151936/152064, Gemma 256000, Gemma-3 262144, GPT-2 50257, Pythia 50304, Phi-2 51200, Phi-3 32064. Power-of-two
 # vocabularies (Mistral-Nemo 131072, Gemma-3 262144) are left out: they match every power-of-two sized tensor.
-COMMON_VOCABS: tuple[int, ...] = (
-    128256, 32000, 151936, 152064, 256000, 50257, 50304, 51200, 32064)
+COMMON_VOCABS: tuple[int, ...] = (128256, 32000, 151936, 152064, 256000, 50257, 50304, 51200, 32064)
 #: Whole sequences tried when the sequence length is known: up to this many (an eval batch, or the eval batches the
 #: Trainer has gathered so far).
 MAX_SEQUENCES = 256
@@ -38,8 +37,9 @@ def token_counts(shape: LogitsShape) -> list[tuple[int, str]]:
     the user's length, and powers of two >= 512 (micro-batch and sequence length usually are)."""
     counts = [(shape.tokens, "your micro-batch x sequence length")] if shape.tokens else []
     if shape.seq_len:
-        counts += [(b * shape.seq_len, f"{b} sequence(s) of your {shape.seq_len} tokens")
-                   for b in range(1, MAX_SEQUENCES + 1)]
+        counts += [
+            (b * shape.seq_len, f"{b} sequence(s) of your {shape.seq_len} tokens") for b in range(1, MAX_SEQUENCES + 1)
+        ]
     return counts + [(2**k, "micro-batch x sequence length") for k in range(9, 21)]
 
 

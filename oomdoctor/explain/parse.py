@@ -43,5 +43,10 @@ def parse_oom(text: str) -> OomReport:
     phase, frame = detect_phase(frames)
     if found.message.kind == "fsdp-clone-warning":
         phase, frame = "checkpoint-save", frame or fsdp.clone_frame(found.message.tensor_name)
-    return OomReport.of(found.message, phase=phase, phase_frame=frame,
-                        failing_frame=frame_str(frames[-1]) if frames else None, ranks=_ranks(flat, line))
+    return OomReport.of(
+        found.message,
+        phase=phase,
+        phase_frame=frame,
+        failing_frame=frame_str(frames[-1]) if frames else None,
+        ranks=_ranks(flat, line),
+    )

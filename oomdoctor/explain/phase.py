@@ -96,48 +96,62 @@ _NEVER = re.compile(r"$^")
 PHASE_RULES: tuple[PhaseRule, ...] = (
     PhaseRule(
         "checkpoint-save",
-        re.compile(r"^(save_pretrained|save_model|_save_checkpoint|_save|save_state|save_checkpoint|"
-                   r"_save_optimizer_and_scheduler|merge_and_unload|save_file|save_torch_state_dict|"
-                   r"save_lora_weights|get_peft_model_state_dict|_full_post_state_dict_hook|full_state_dict|"
-                   r"state_dict|get_state_dict|get_model_state_dict|_get_model_state_dict|get_optimizer_state_dict|"
-                   r"_gather_state_dict|_offload_state_dict_to_cpu|save_fsdp_model|save_fsdp_optimizer|"
-                   r"_zero3_consolidated_16bit_state_dict|save_16bit_model|consolidate_state_dict|"
-                   r"dump_checkpoint)$"),
-        re.compile(r"torch\.save\(|save_pretrained\(|save_model\(|merge_and_unload\(|save_checkpoint\(|save_state\(|"
-                   r"get_(?:model_|optimizer_)?state_dict\(|\.state_dict\(\)|save_16bit_model\(|save_file\(|"
-                   r"dcp\.save\("),
+        re.compile(
+            r"^(save_pretrained|save_model|_save_checkpoint|_save|save_state|save_checkpoint|"
+            r"_save_optimizer_and_scheduler|merge_and_unload|save_file|save_torch_state_dict|"
+            r"save_lora_weights|get_peft_model_state_dict|_full_post_state_dict_hook|full_state_dict|"
+            r"state_dict|get_state_dict|get_model_state_dict|_get_model_state_dict|get_optimizer_state_dict|"
+            r"_gather_state_dict|_offload_state_dict_to_cpu|save_fsdp_model|save_fsdp_optimizer|"
+            r"_zero3_consolidated_16bit_state_dict|save_16bit_model|consolidate_state_dict|"
+            r"dump_checkpoint)$"
+        ),
+        re.compile(
+            r"torch\.save\(|save_pretrained\(|save_model\(|merge_and_unload\(|save_checkpoint\(|save_state\(|"
+            r"get_(?:model_|optimizer_)?state_dict\(|\.state_dict\(\)|save_16bit_model\(|save_file\(|"
+            r"dcp\.save\("
+        ),
         _NEVER,
     ),
     PhaseRule(
         "evaluation",
-        re.compile(r"^(evaluate|_evaluate|evaluation_loop|prediction_loop|prediction_step|predict|validation_step|"
-                   r"eval_step|evaluate_loop|run_evaluation|_run_evaluation|eval_loop|test_step|predict_step|"
-                   r"_evaluation_step|_predict_step|_on_evaluation_epoch_end|on_validation_epoch_end|"
-                   r"on_test_epoch_end|on_predict_epoch_end|on_validation_batch_end|validation_epoch_end|validate|"
-                   r"run_eval|eval_epoch|evaluate_model)$"),
+        re.compile(
+            r"^(evaluate|_evaluate|evaluation_loop|prediction_loop|prediction_step|predict|validation_step|"
+            r"eval_step|evaluate_loop|run_evaluation|_run_evaluation|eval_loop|test_step|predict_step|"
+            r"_evaluation_step|_predict_step|_on_evaluation_epoch_end|on_validation_epoch_end|"
+            r"on_test_epoch_end|on_predict_epoch_end|on_validation_batch_end|validation_epoch_end|validate|"
+            r"run_eval|eval_epoch|evaluate_model)$"
+        ),
         re.compile(r"\bevaluate\(|prediction_step\(|evaluation_loop\(|\.predict\(|validation_step\(|\.validate\("),
-        re.compile(r"/lightning/pytorch/loops/(?:evaluation|prediction)_loop\.py|"
-                   r"/pytorch_lightning/loops/(?:evaluation|prediction)_loop\.py"),
+        re.compile(
+            r"/lightning/pytorch/loops/(?:evaluation|prediction)_loop\.py|"
+            r"/pytorch_lightning/loops/(?:evaluation|prediction)_loop\.py"
+        ),
     ),
     PhaseRule(
         "model-load",
-        re.compile(r"^(from_pretrained|_from_pretrained|_load_pretrained_model|load_state_dict|"
-                   r"_load_state_dict_into_meta_model|_load_state_dict_into_zero3_model|"
-                   r"convert_and_load_state_dict_in_model|caching_allocator_warmup|set_param_for_module|"
-                   r"load_checkpoint_and_dispatch|load_checkpoint_in_model|dispatch_model|"
-                   r"set_module_tensor_to_device|set_module_quantized_tensor_to_device|replace_with_bnb_linear|"
-                   r"create_quantized_param|_move_model_to_device|prepare_model|prepare_model_for_kbit_training|"
-                   r"_load_from_checkpoint|_load_best_model|_load_optimizer_and_scheduler|load_state|"
-                   r"load_checkpoint|load_adapter|load_model|_quantize|quantize_4bit)$"),
-        re.compile(r"from_pretrained\(|\.load_state_dict\(|torch\.load\(|load_checkpoint_and_dispatch\(|"
-                   r"dispatch_model\(|prepare_model_for_kbit_training\(|"
-                   r"\b(?:model|module|self\.model)\.(?:to|cuda)\("),
+        re.compile(
+            r"^(from_pretrained|_from_pretrained|_load_pretrained_model|load_state_dict|"
+            r"_load_state_dict_into_meta_model|_load_state_dict_into_zero3_model|"
+            r"convert_and_load_state_dict_in_model|caching_allocator_warmup|set_param_for_module|"
+            r"load_checkpoint_and_dispatch|load_checkpoint_in_model|dispatch_model|"
+            r"set_module_tensor_to_device|set_module_quantized_tensor_to_device|replace_with_bnb_linear|"
+            r"create_quantized_param|_move_model_to_device|prepare_model|prepare_model_for_kbit_training|"
+            r"_load_from_checkpoint|_load_best_model|_load_optimizer_and_scheduler|load_state|"
+            r"load_checkpoint|load_adapter|load_model|_quantize|quantize_4bit)$"
+        ),
+        re.compile(
+            r"from_pretrained\(|\.load_state_dict\(|torch\.load\(|load_checkpoint_and_dispatch\(|"
+            r"dispatch_model\(|prepare_model_for_kbit_training\(|"
+            r"\b(?:model|module|self\.model)\.(?:to|cuda)\("
+        ),
         re.compile(r"/transformers/core_model_loading\.py|/transformers/quantizers/|/accelerate/big_modeling\.py"),
     ),
     PhaseRule(
         "optimizer-step",
-        re.compile(r"^(_multi_tensor_adamw?|_single_tensor_adamw?|_fused_adamw?|adamw?|_init_group|"
-                   r"optimizer_step|_multi_tensor_sgd|_single_tensor_sgd|update_step|init_state|prefetch_state)$"),
+        re.compile(
+            r"^(_multi_tensor_adamw?|_single_tensor_adamw?|_fused_adamw?|adamw?|_init_group|"
+            r"optimizer_step|_multi_tensor_sgd|_single_tensor_sgd|update_step|init_state|prefetch_state)$"
+        ),
         re.compile(r"\boptimizer\.step\(|\boptim\.step\(|scaler\.step\(|optimizer_step\(|\bopt\.step\("),
         re.compile(r"/torch/optim/|/bitsandbytes/optim/|/accelerate/optimizer\.py|/transformers/optimization\.py"),
     ),
@@ -149,9 +163,11 @@ PHASE_RULES: tuple[PhaseRule, ...] = (
     ),
     PhaseRule(
         "loss",
-        re.compile(r"^(cross_entropy|nll_loss|loss_function|ForCausalLMLoss|ForMaskedLMLoss|fixed_cross_entropy|"
-                   r"ForSequenceClassificationLoss|ForTokenClassification|chunked_cross_entropy|"
-                   r"LigerFusedLinearCrossEntropy\w*|selective_log_softmax|entropy_from_logits)$"),
+        re.compile(
+            r"^(cross_entropy|nll_loss|loss_function|ForCausalLMLoss|ForMaskedLMLoss|fixed_cross_entropy|"
+            r"ForSequenceClassificationLoss|ForTokenClassification|chunked_cross_entropy|"
+            r"LigerFusedLinearCrossEntropy\w*|selective_log_softmax|entropy_from_logits)$"
+        ),
         re.compile(r"cross_entropy\(|loss_function\(|loss_fct\(|CrossEntropyLoss|ForCausalLMLoss|nll_loss\("),
         re.compile(r"/transformers/loss/"),
     ),
@@ -165,6 +181,8 @@ PHASE_RULES: tuple[PhaseRule, ...] = (
 
 #: Phases shown by their innermost frame (the module that ran out); the others by their outermost (the user's call).
 INNERMOST_PHASES = ("forward", "loss")
+
+
 def frame_shows(rule: PhaseRule, frame: tuple[str, int, str, str]) -> bool:
     """True when ``frame`` shows ``rule``'s phase."""
     path, _, func, code = frame
@@ -175,8 +193,9 @@ def frame_shows(rule: PhaseRule, frame: tuple[str, int, str, str]) -> bool:
         return True  # nn.Module.to / .cuda: moving a model's weights onto the device
     if rule.func.match(func) or (code and rule.code.search(code)):
         # The Trainer's training_step/compute_loss frames tell "forward" only through the call on their line.
-        return not (rule.phase == "forward" and func in ("training_step", "compute_loss")
-                    and not rule.code.search(code))
+        return not (
+            rule.phase == "forward" and func in ("training_step", "compute_loss") and not rule.code.search(code)
+        )
     return bool(rule.path.search(p))
 
 

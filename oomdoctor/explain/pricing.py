@@ -25,8 +25,9 @@ class PricedPlan:
     """Plan changes that lower the peak, largest saving first; a combined fix first when no single one fits."""
 
 
-def rank_plan_fixes(spec: ModelSpec, plan: Plan, capacity: int | None, engine: str = "analytic",
-                    capacity_label: str | None = None) -> PricedPlan:
+def rank_plan_fixes(
+    spec: ModelSpec, plan: Plan, capacity: int | None, engine: str = "analytic", capacity_label: str | None = None
+) -> PricedPlan:
     """The device peak of ``plan``, its peak phase, and single-knob fixes sorted by bytes saved, largest first.
 
     The candidate changes and their prices come from ``oomdoctor.diagnose.advice`` (one knob each, priced as
@@ -41,8 +42,14 @@ def rank_plan_fixes(spec: ModelSpec, plan: Plan, capacity: int | None, engine: s
     budget = resolve_budget(capacity, None, None, gpu_mem_source="explain") if capacity else None
     advice = advise(spec, plan, budget, estimator=lambda s, p: estimate(s, p, engine))
     fixes = [
-        Fix(ch.id, ch.description, ch.yaml, saves_bytes=int(ch.saves_bytes),
-            peak_after_bytes=int(base.peak_device - ch.saves_bytes), fits=ch.fits)
+        Fix(
+            ch.id,
+            ch.description,
+            ch.yaml,
+            saves_bytes=int(ch.saves_bytes),
+            peak_after_bytes=int(base.peak_device - ch.saves_bytes),
+            fits=ch.fits,
+        )
         for ch in advice.single
         if ch.saves_bytes > 0
     ]
@@ -53,11 +60,16 @@ def rank_plan_fixes(spec: ModelSpec, plan: Plan, capacity: int | None, engine: s
         after = estimate(spec, end, engine).peak_device
         steps = list(dict.fromkeys(ch.id for ch in advice.path))
         mem = capacity_label or (format_bytes(capacity).replace(" ", "") if capacity else "SIZE")
-        fixes.insert(0, Fix(
-            "combined",
-            "No single change is enough; together (cheapest first): " + ", then ".join(steps) + ".",
-            f"plan: {end.label()}, micro-batch {end.micro_batch} x gradient accumulation {end.grad_accum}"
-            f" (`oomdoctor tune {spec.name} --gpu-mem {mem}` writes the YAML)",
-            saves_bytes=int(base.peak_device - after), peak_after_bytes=int(after), fits=advice.path_fits,
-        ))
+        fixes.insert(
+            0,
+            Fix(
+                "combined",
+                "No single change is enough; together (cheapest first): " + ", then ".join(steps) + ".",
+                f"plan: {end.label()}, micro-batch {end.micro_batch} x gradient accumulation {end.grad_accum}"
+                f" (`oomdoctor tune {spec.name} --gpu-mem {mem}` writes the YAML)",
+                saves_bytes=int(base.peak_device - after),
+                peak_after_bytes=int(after),
+                fits=advice.path_fits,
+            ),
+        )
     return PricedPlan(int(base.peak_device), base.peak_phase, tuple(fixes))

@@ -12,15 +12,41 @@ if TYPE_CHECKING:  # the dataclasses call these functions from their ``to_dict``
 
 #: Report keys put first in the diagnosis JSON (the numbers a reader looks for), in this order.
 HEADLINE_KEYS: tuple[str, ...] = (
-    "requested_bytes", "total_bytes", "free_bytes", "allocated_bytes", "reserved_unallocated_bytes",
-    "other_processes_bytes", "phase")
+    "requested_bytes",
+    "total_bytes",
+    "free_bytes",
+    "allocated_bytes",
+    "reserved_unallocated_bytes",
+    "other_processes_bytes",
+    "phase",
+)
 
 #: Report fields in the JSON, in this order (processes, ranks and notes are converted to lists).
 REPORT_KEYS: tuple[str, ...] = (
-    "kind", "format", "device", "requested_bytes", "total_bytes", "free_bytes", "allocated_bytes", "reserved_bytes",
-    "reserved_unallocated_bytes", "private_pool_bytes", "allowed_bytes", "this_process_bytes",
-    "other_processes_bytes", "processes", "non_pytorch_bytes", "phase", "phase_frame", "failing_frame", "ranks",
-    "occurrences", "tensor_name", "message", "notes")
+    "kind",
+    "format",
+    "device",
+    "requested_bytes",
+    "total_bytes",
+    "free_bytes",
+    "allocated_bytes",
+    "reserved_bytes",
+    "reserved_unallocated_bytes",
+    "private_pool_bytes",
+    "allowed_bytes",
+    "this_process_bytes",
+    "other_processes_bytes",
+    "processes",
+    "non_pytorch_bytes",
+    "phase",
+    "phase_frame",
+    "failing_frame",
+    "ranks",
+    "occurrences",
+    "tensor_name",
+    "message",
+    "notes",
+)
 
 
 def _json_value(report: "OomReport", key: str):

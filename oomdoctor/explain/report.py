@@ -14,7 +14,14 @@ from oomdoctor.explain import render
 CAUSE_IDS: tuple[str, ...] = ("fragmentation", "other-processes", "huge-allocation", "capacity")
 #: Phases a traceback can reveal.
 PHASES: tuple[str, ...] = (
-    "model-load", "forward", "loss", "backward", "optimizer-step", "evaluation", "checkpoint-save")
+    "model-load",
+    "forward",
+    "loss",
+    "backward",
+    "optimizer-step",
+    "evaluation",
+    "checkpoint-save",
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +102,15 @@ class OomReport(OomMessage):
     """Distributed ranks (``[rankN]:`` prefixes / ``on rank N``) that reported an OOM."""
 
     @classmethod
-    def of(cls, message: OomMessage, *, phase: str | None, phase_frame: str | None, failing_frame: str | None,
-           ranks: tuple[int, ...]) -> "OomReport":
+    def of(
+        cls,
+        message: OomMessage,
+        *,
+        phase: str | None,
+        phase_frame: str | None,
+        failing_frame: str | None,
+        ranks: tuple[int, ...],
+    ) -> "OomReport":
         """``message`` with its traceback context and the ranks that reported it."""
         own = {f.name: getattr(message, f.name) for f in fields(OomMessage)}
         return cls(**own, phase=phase, phase_frame=phase_frame, failing_frame=failing_frame, ranks=ranks)

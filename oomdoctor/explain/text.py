@@ -38,8 +38,9 @@ class FlatText:
 
     def oom_ranks(self) -> tuple[int, ...]:
         """Ranks whose prefixed lines report an out-of-memory error, sorted."""
-        return tuple(sorted({
-            r for r, ln in zip(self.line_ranks, self.lines) if r is not None and _OOM_LINE_RE.search(ln)}))
+        return tuple(
+            sorted({r for r, ln in zip(self.line_ranks, self.lines) if r is not None and _OOM_LINE_RE.search(ln)})
+        )
 
 
 def size(text: str | None) -> int | None:
@@ -63,8 +64,13 @@ def unescape_logged_tracebacks(text: str) -> str:
     out = []
     for line in text.split("\n"):
         if "\\n" in line and ("Traceback (most recent call last)" in line or "out of memory" in line.lower()):
-            line = (line.replace("\\r\\n", "\n").replace("\\n", "\n").replace('\\"', '"')
-                    .replace("\\'", "'").replace("\\\\", "\\"))
+            line = (
+                line.replace("\\r\\n", "\n")
+                .replace("\\n", "\n")
+                .replace('\\"', '"')
+                .replace("\\'", "'")
+                .replace("\\\\", "\\")
+            )
         out.append(line)
     return "\n".join(out)
 
@@ -75,7 +81,7 @@ def strip_rank_prefix(raw: str) -> tuple[str, int | None]:
     m = _PREFIX_RE.match(raw)
     while m:
         rank = int(m.group(1))
-        raw = raw[m.end():]
+        raw = raw[m.end() :]
         m = _PREFIX_RE.match(raw)
     return raw, rank
 

@@ -173,8 +173,7 @@ def fused_kernel_saved(c: Ctx, roles: LayerRoles, kv_w: float, impl: str) -> flo
         inner += masked * ab * B * S * S
         if nkv and nkv < nh:
             inner += (1.0 if hd > 256 else masked) * ab * T * 2 * (qd - kvd)
-    if (len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon")
-            and not bnb_outputs_fp32(c, roles.attn_in)):
+    if len(roles.attn_in) == 1 and spec.model_type not in ("gpt2", "falcon") and not bnb_outputs_fp32(c, roles.attn_in):
         # fused qkv (Phi-3 qkv_proj): v is a view of the fused output, so SDPA's saved v keeps all of it alive
         # while rotary made new q/k — unless autocast casts v for SDPA: a bitsandbytes qkv under autocast
         # returns fp32 (traced on replayed Phi-3-mini blocks, QLoRA: 25 MB per block at 2k tokens over before)
@@ -362,9 +361,18 @@ def layer_activations(c: Ctx) -> LayerActs:
     fwd_t = forward_transient(c, roles, adapter_recompute, adapter_forward, attn.impl)
     gc_recompute = int(adapter_recompute + 2 * rb * T * h + 4 * T * h + discount) if adapter_recompute else 0
     L = max(spec.num_layers, 1)
-    return LayerActs(saved, L * saved - int(discount), saved - int(discount), rb * T * h, int(fwd_t),
-                     backward_extra(c, roles, attn, mlp), int(mlp.down), int(block_input_alias(c)),
-                     int(int8_checkpoint_extra(c, roles)), gc_recompute)
+    return LayerActs(
+        saved,
+        L * saved - int(discount),
+        saved - int(discount),
+        rb * T * h,
+        int(fwd_t),
+        backward_extra(c, roles, attn, mlp),
+        int(mlp.down),
+        int(block_input_alias(c)),
+        int(int8_checkpoint_extra(c, roles)),
+        gc_recompute,
+    )
 
 
 def measured_layer_activations(c: Ctx, measured: BlockSaves) -> LayerActs:
@@ -383,10 +391,20 @@ def measured_layer_activations(c: Ctx, measured: BlockSaves) -> LayerActs:
     net = m.backward_over_gradients + grad
     if measured.checkpointed:
         # the backward transient of a checkpointed block includes its recompute: nothing else is recomputed
-        return replace(la, saved=0, stack=sum(per), bottom=0, gc_alias=0, fwd_transient=fwd, bwd_extra=bwd,
-                       gc_recompute=0, bwd_over_gradients=net)
-    return replace(la, stack=sum(per), bottom=per[0], fwd_transient=fwd, bwd_extra=bwd, gc_recompute=0,
-                   bwd_over_gradients=net)
+        return replace(
+            la,
+            saved=0,
+            stack=sum(per),
+            bottom=0,
+            gc_alias=0,
+            fwd_transient=fwd,
+            bwd_extra=bwd,
+            gc_recompute=0,
+            bwd_over_gradients=net,
+        )
+    return replace(
+        la, stack=sum(per), bottom=per[0], fwd_transient=fwd, bwd_extra=bwd, gc_recompute=0, bwd_over_gradients=net
+    )
 
 
 def embedding_leaf_bytes(c: Ctx) -> int:
@@ -395,8 +413,12 @@ def embedding_leaf_bytes(c: Ctx) -> int:
     checkpoint input) is another tensor, so the leaf is one more T x h (traced with the simulated engine on a tiny
     Granite, LoRA + GC: -2 … -4 % before). Offloaded, the leaf is what stays on the device already."""
     spec = c.spec
-    if (not c.plan.gradient_checkpointing or c.full or c.plan.offload_activations
-            or spec.model_type not in EMBEDDINGS_SCALED_IN_FORWARD):
+    if (
+        not c.plan.gradient_checkpointing
+        or c.full
+        or c.plan.offload_activations
+        or spec.model_type not in EMBEDDINGS_SCALED_IN_FORWARD
+    ):
         return 0
     return c.rb * c.T * spec.hidden_size
 

@@ -91,8 +91,9 @@ def _components(**kw) -> dict[str, int]:
     return d
 
 
-def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
-                      blocks: BlockSaves | None = None) -> MemoryBreakdown:
+def estimate_analytic(
+    spec: ModelSpec, plan: Plan, *, device: str = "cuda", blocks: BlockSaves | None = None
+) -> MemoryBreakdown:
     """Memory breakdown of one training step of ``spec`` under ``plan`` from formulas alone.
 
     ``blocks``: what each block saves for backward, measured by replaying the blocks (``engines/blocks.py``), for
@@ -144,9 +145,19 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         M_loss = 0
         if not gc:  # a checkpointed block's recompute runs in backward, outside save_on_cpu: its casts stay
             M_top = M_bottom = 0
-        unpack_tmp = 0 if gc else max((g.weight_numel for g in spec.groups if g.kind == "linear" and g.per_layer
-                                       and not (c.quant is not None and prm.is_quantized(g))),
-                                      default=0) * (2 if c.mixed else c.wb)
+        unpack_tmp = (
+            0
+            if gc
+            else max(
+                (
+                    g.weight_numel
+                    for g in spec.groups
+                    if g.kind == "linear" and g.per_layer and not (c.quant is not None and prm.is_quantized(g))
+                ),
+                default=0,
+            )
+            * (2 if c.mixed else c.wb)
+        )
 
     # ---- activations
     la = act.measured_layer_activations(c, blocks) if blocks else act.layer_activations(c)
@@ -181,8 +192,13 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
             # stays on the device as well (offloaded.trl_offload_kept: 0 for block 0's first norm under LoRA)
             kept += L * trl_offload_kept(c) - (trl_offload_final_kept(c) if not c.full else 0)
             kept += trl_offload_final_kept(c)
-            cpu_act = layers_saved - L * int8_held_only(c) + fin + lg.saved + (
-                L * prm.amp_weight_copy_bytes(c, 1) if c.mixed else 0)
+            cpu_act = (
+                layers_saved
+                - L * int8_held_only(c)
+                + fin
+                + lg.saved
+                + (L * prm.amp_weight_copy_bytes(c, 1) if c.mixed else 0)
+            )
             unpack_tmp = unpack_tmp if c.mixed else 0  # frozen 16-bit weights are parameters: never unpacked
         else:  # every save, once per save (offload_repacks), but LLM.int8()'s inputs only its ctx holds
             cpu_act = layers_saved - L * int8_held_only(c) + L * offload_repacks(c)
@@ -255,15 +271,28 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         # by the checkpoint, copied to the host, kept until 5 more packs) and the final norm's twice-saved tensors
         # stay on the device (offloaded.trl_offload_kept)
         at_head += c.rb * c.T * spec.hidden_size + trl_offload_final_kept(c) - 4 * c.T * spec.hidden_size
-    fwd_at_loss = _components(parameters=P, master_weights=M_at_loss, gradients=G_pre, optimizer_states=O,
-                              activations=at_head, logits=fwd_extra_logits)
+    fwd_at_loss = _components(
+        parameters=P,
+        master_weights=M_at_loss,
+        gradients=G_pre,
+        optimizer_states=O,
+        activations=at_head,
+        logits=fwd_extra_logits,
+    )
     in_block = A_end - fin + released
     if plan.offload_activations and plan.trainer == "trl" and not gc:
         in_block -= trl_offload_final_kept(c)  # the final norm has not run yet
-    fwd_in_block = _components(parameters=P, master_weights=M_fwd, gradients=G_pre, optimizer_states=O,
-                               activations=in_block, temporaries=fwd_tmp)
-    fwd = max(rank("forward" + shd.LOSS_MOMENT, fwd_at_loss), rank("forward", fwd_in_block),
-              key=lambda d: sum(d.values()))
+    fwd_in_block = _components(
+        parameters=P,
+        master_weights=M_fwd,
+        gradients=G_pre,
+        optimizer_states=O,
+        activations=in_block,
+        temporaries=fwd_tmp,
+    )
+    fwd = max(
+        rank("forward" + shd.LOSS_MOMENT, fwd_at_loss), rank("forward", fwd_in_block), key=lambda d: sum(d.values())
+    )
     phases["forward"] = (sum(fwd.values()), fwd)
 
     # backward candidates
@@ -272,11 +301,23 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
     # and checkpointed blocks saved no casts: only the head's copy is left.
     # offloaded, the final norm's saves are on the host once the forward has returned (the head's backward
     # unpacks its input later: tiny Llama, Qwen3, Granite blocks, LoRA bf16 offloaded: +2.4 … +2.9 % before)
-    at_loss = _components(parameters=P, master_weights=M_loss, gradients=G_pre, optimizer_states=O,
-                          activations=A_end - (fin if plan.offload_activations else 0), logits=lg.backward_peak)
+    at_loss = _components(
+        parameters=P,
+        master_weights=M_loss,
+        gradients=G_pre,
+        optimizer_states=O,
+        activations=A_end - (fin if plan.offload_activations else 0),
+        logits=lg.backward_peak,
+    )
     top_acts = layers_saved + shared + (recompute if (gc or plan.offload_activations) else 0)
-    at_top = _components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
-                         activations=top_acts, temporaries=la.bwd_extra + unpack_tmp + unpack_top)
+    at_top = _components(
+        parameters=P,
+        master_weights=M_top,
+        gradients=G_pre + g_top,
+        optimizer_states=O,
+        activations=top_acts,
+        temporaries=la.bwd_extra + unpack_tmp + unpack_top,
+    )
     if gc:
         # block 0 recomputed: its first norm's save is either the kept input (full) or absent (LoRA discount).
         # Offloaded, a full fine-tune's block 0 input is on the host: its unpacked copy feeds the recompute and dies
@@ -288,26 +329,53 @@ def estimate_analytic(spec: ModelSpec, plan: Plan, *, device: str = "cuda",
         bottom_acts = shared
     else:
         bottom_acts = la.bottom + shared
-    cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom, optimizer_states=O,
-                             activations=bottom_acts, temporaries=bwd_bottom + unpack_tmp + unpack_bottom))
+    cands.append(
+        _components(
+            parameters=P,
+            master_weights=M_bottom,
+            gradients=G_pre + g_bottom,
+            optimizer_states=O,
+            activations=bottom_acts,
+            temporaries=bwd_bottom + unpack_tmp + unpack_bottom,
+        )
+    )
     if gc and la.gc_recompute:
         # (c') block 0's recompute at its costliest MLP adapter (see LayerActs.gc_recompute), and the top block's
         # (the first recomputed: every block's kept input alive, block 0's first-norm saves made as in any block;
         # offloaded, the top block's input is back from the host for its recompute)
-        cands.append(_components(parameters=P, master_weights=M_bottom, gradients=G_pre + g_bottom,
-                                 optimizer_states=O, activations=bottom_acts + la.gc_recompute))
+        cands.append(
+            _components(
+                parameters=P,
+                master_weights=M_bottom,
+                gradients=G_pre + g_bottom,
+                optimizer_states=O,
+                activations=bottom_acts + la.gc_recompute,
+            )
+        )
         unpacked_input = la.gc_saved if plan.offload_activations else 0
-        cands.append(_components(parameters=P, master_weights=M_top, gradients=G_pre + g_top, optimizer_states=O,
-                                 activations=top_acts + unpacked_input + la.gc_recompute - (la.saved - la.bottom)))
+        cands.append(
+            _components(
+                parameters=P,
+                master_weights=M_top,
+                gradients=G_pre + g_top,
+                optimizer_states=O,
+                activations=top_acts + unpacked_input + la.gc_recompute - (la.saved - la.bottom),
+            )
+        )
     # (d) end of backward; tied head/embedding: the shared weight's two gradients summed out of place (three
     # copies, the sum already the gradient unless accumulating or stepping in backward)
     E = grads.tied_weight_gradient_bytes(c)
     g_last = G_pre + (g_end if not ga else 0)
-    cands.append(_components(parameters=P, gradients=g_last, optimizer_states=O,
-                             temporaries=(2 * E if g_last >= E and not ga else 3 * E)))
-    bwd = max([rank("backward" + shd.LOSS_MOMENT, at_loss), rank("backward" + shd.TOP_MOMENT, at_top)]
-              + [rank("backward", d) for d in cands],
-              key=lambda d: sum(d.values()))
+    cands.append(
+        _components(
+            parameters=P, gradients=g_last, optimizer_states=O, temporaries=(2 * E if g_last >= E and not ga else 3 * E)
+        )
+    )
+    bwd = max(
+        [rank("backward" + shd.LOSS_MOMENT, at_loss), rank("backward" + shd.TOP_MOMENT, at_top)]
+        + [rank("backward", d) for d in cands],
+        key=lambda d: sum(d.values()),
+    )
     phases["backward"] = (sum(bwd.values()), bwd)
 
     # optimizer step
@@ -363,8 +431,9 @@ def _notes(c: Ctx, measured_blocks: bool) -> list[str]:
             "LoRA on an fp32 base under autocast: every frozen linear's bf16 cast is saved for backward "
             "(counted as AMP weight copies); load the base in bf16 (precision bf16) to avoid it"
         )
-    kept = c.quant is not None and sorted({g.name for g in spec.groups if g.kind == "linear" and not g.quantizable
-                                            and g.name not in HEAD_NAMES})
+    kept = c.quant is not None and sorted(
+        {g.name for g in spec.groups if g.kind == "linear" and not g.quantizable and g.name not in HEAD_NAMES}
+    )
     if kept:
         modules = sorted({g.module for g in spec.groups if g.kind == "linear" and g.name in kept})
         none = not any(prm.is_quantized(g) for g in spec.groups)
@@ -380,11 +449,15 @@ def _notes(c: Ctx, measured_blocks: bool) -> list[str]:
             "so activations run in fp32 (priced like fp32 QLoRA); --no-kbit-upcast keeps them bf16"
         )
     if measured_blocks:
-        notes.append(f"{spec.model_type}: what its blocks save for backward is measured by replaying their code on "
-                     "fake tensors (cached); the other terms are formulas")
+        notes.append(
+            f"{spec.model_type}: what its blocks save for backward is measured by replaying their code on "
+            "fake tensors (cached); the other terms are formulas"
+        )
     elif spec.inventory == "transformers":
-        notes.append(f"{spec.model_type}: parameters read from the model transformers builds; activations priced "
-                     "with the generic transformer-block formulas (its blocks were not replayed for this plan)")
+        notes.append(
+            f"{spec.model_type}: parameters read from the model transformers builds; activations priced "
+            "with the generic transformer-block formulas (its blocks were not replayed for this plan)"
+        )
     if spec.num_experts:
         notes.append("MoE: experts_per_token dense MLPs per token with perfect load balance (real routing varies)")
     if spec.arch_kind == "encoder-decoder":
@@ -399,9 +472,11 @@ def _notes(c: Ctx, measured_blocks: bool) -> list[str]:
     if plan.grad_accum > 1:
         notes.append("grad_accum > 1: gradients stay allocated through every micro-batch's forward/backward")
     if plan.offload_activations:
-        notes.append("offload_activations: every saved tensor (weight casts included) goes to host memory (save_on_cpu); "
-                     "backward copies one node's tensors back at a time; checkpointed blocks recompute on the device, "
-                     "and LLM.int8() layers keep their inputs there (held outside the saved-tensor hooks)")
+        notes.append(
+            "offload_activations: every saved tensor (weight casts included) goes to host memory (save_on_cpu); "
+            "backward copies one node's tensors back at a time; checkpointed blocks recompute on the device, "
+            "and LLM.int8() layers keep their inputs there (held outside the saved-tensor hooks)"
+        )
     if plan.optimizer_is_paged:
         notes.append(
             "paged optimizer states live in CUDA unified memory: counted in peak_device, not peak_allocated; "

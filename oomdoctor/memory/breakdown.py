@@ -21,8 +21,13 @@ TENSOR_COMPONENTS: tuple[str, ...] = (
     "temporaries",
 )
 #: Components outside the tensor bytes (allocator / driver level).
-DEVICE_COMPONENTS: tuple[str, ...] = ("allocator_slack", "cuda_context", "cublas_workspace", "nccl_buffers",
-                                      "paged_optimizer")
+DEVICE_COMPONENTS: tuple[str, ...] = (
+    "allocator_slack",
+    "cuda_context",
+    "cublas_workspace",
+    "nccl_buffers",
+    "paged_optimizer",
+)
 
 LABELS: dict[str, str] = {
     "parameters": "weights",

@@ -62,9 +62,14 @@ class EvalMemory:
         return self.peak_device
 
     def to_dict(self) -> dict:
-        return {"states_bytes": self.states, "amp_copies_bytes": self.amp_copies,
-                "activations_bytes": self.activations, "logits_bytes": self.logits,
-                "peak_allocated_bytes": self.peak_allocated, "peak_device_bytes": self.peak_device}
+        return {
+            "states_bytes": self.states,
+            "amp_copies_bytes": self.amp_copies,
+            "activations_bytes": self.activations,
+            "logits_bytes": self.logits,
+            "peak_allocated_bytes": self.peak_allocated,
+            "peak_device_bytes": self.peak_device,
+        }
 
 
 def eval_memory(spec: ModelSpec, plan: Plan, eval_batch: int, train: MemoryBreakdown) -> EvalMemory:

@@ -52,6 +52,9 @@ def param_wrapper_weights(c: Ctx) -> int:
     total = sum(param_wrapped(c).values()) * (c.ab if c.mixed else c.wb)
     if c.wb != 4:
         L = max(c.spec.num_layers, 1)
-        total += sum(c.plan.lora_r * (g.in_features + g.out_features) * g.count // L * c.wb for g in c.lora_groups
-                     if g.module == PARAM_WRAPPER and g.per_layer and not g.name.endswith(".gate"))
+        total += sum(
+            c.plan.lora_r * (g.in_features + g.out_features) * g.count // L * c.wb
+            for g in c.lora_groups
+            if g.module == PARAM_WRAPPER and g.per_layer and not g.name.endswith(".gate")
+        )
     return total

@@ -170,8 +170,9 @@ def trl_fused_head(c: Ctx) -> LogitsMemory:
     forward = hb * c.T * h + kept - 8 * N + TRL_TOKEN_BUFFERS * 4 * N + tile + fwd_loop
     grads = 4 * N * h + (4 * V * h if c.full else 0)
     bwd_loop = max(hc * n0 + wc * (c1 + c2), hc * (n0 + n1) + wc * c_last) * h
-    bwd_return = (hc * n_last + wc * c_last) * h + (hb * N * h if hb != 4 else 0) + (
-        wb * V * h if c.full and wb != 4 else 0)
+    bwd_return = (
+        (hc * n_last + wc * c_last) * h + (hb * N * h if hb != 4 else 0) + (wb * V * h if c.full and wb != 4 else 0)
+    )
     backward = kept + 4 * N + grads + tile + max(bwd_loop, bwd_return)
     return LogitsMemory(forward, kept, backward, tile)
 

@@ -61,7 +61,10 @@ class BlockSaves:
             return max(0, int(a + (b - a) * (k - 1)))
 
         one, two = self.one, self.two
-        return BlockBytes(tuple(line(a, b) for a, b in zip(one.per_block, two.per_block)), line(one.final, two.final),
-                          line(one.forward_transient, two.forward_transient),
-                          line(one.backward_transient, two.backward_transient),
-                          line(one.backward_over_gradients, two.backward_over_gradients))
+        return BlockBytes(
+            tuple(line(a, b) for a, b in zip(one.per_block, two.per_block)),
+            line(one.final, two.final),
+            line(one.forward_transient, two.forward_transient),
+            line(one.backward_transient, two.backward_transient),
+            line(one.backward_over_gradients, two.backward_over_gradients),
+        )

@@ -62,8 +62,14 @@ def offload_repacks(c: Ctx) -> int:
             savers = sum(1 for n, *_x in consumers if c.is_adapted(n) and adapter_reads_input(c, n, x_bytes))
         total += max(savers - 1, 0) * x_bytes * T * h
     L = max(spec.num_layers, 1)
-    weights = sum(g.weight_numel * g.count for g in spec.groups if g.kind == "linear" and g.per_layer
-                  and not (c.quant is not None and quantized_linear(spec, g.name))) // L
+    weights = (
+        sum(
+            g.weight_numel * g.count
+            for g in spec.groups
+            if g.kind == "linear" and g.per_layer and not (c.quant is not None and quantized_linear(spec, g.name))
+        )
+        // L
+    )
     if effective_attn(spec, c.plan.attn) == "eager" and c.ab == 4:
         # in fp32 the probabilities' cast is the softmax output itself: saved by the softmax and by the PV matmul
         # (tiny Llama and Gemma 2 blocks, full fp32 offloaded: host 27 % and 17 % short before)
@@ -87,7 +93,8 @@ def trl_offload_kept(c: Ctx) -> int:
         heads = spec.num_heads + spec.num_kv_heads if c.sums.head_dim_norms_per_layer else 0
         qk = heads * spec.head_dim
         total += 4 * T * (c.sums.hidden_norms_per_layer * h + qk) + RMS_STATS_BYTES * T * (
-            c.sums.hidden_norms_per_layer + heads)
+            c.sums.hidden_norms_per_layer + heads
+        )
     for x_bytes, consumers in ((c.rb, roles.attn_in), (c.rb, roles.mlp_in)):
         if c.full:
             savers = 0 if c.mixed and x_bytes == 4 else len(consumers)  # autocast: each saves its own cast

@@ -89,8 +89,11 @@ def expert_stacks(c: Ctx) -> dict[str, int]:
     """The fused 3-D expert weights of one block (``gate_up_proj``, ``down_proj``: raw ``nn.Parameter`` groups under
     ``experts``; gpt-oss's bias stacks are added, not multiplied) -> their elements in one block."""
     L = max(c.spec.num_layers, 1)
-    return {g.name: g.numel_each * g.count // L for g in c.spec.groups
-            if g.per_layer and g.module == "Parameter" and ".experts." in g.path and not g.name.endswith("bias")}
+    return {
+        g.name: g.numel_each * g.count // L
+        for g in c.spec.groups
+        if g.per_layer and g.module == "Parameter" and ".experts." in g.path and not g.name.endswith("bias")
+    }
 
 
 def head_weight_numel(c: Ctx) -> int:
@@ -122,7 +125,14 @@ def amp_weight_copy_bytes(c: Ctx, layers: float | None = None) -> int:
     if not c.mixed:  # bf16 weights under autocast (a foreign trainer's pure bf16): only fp32 adapters are cast
         return adapters if layers is None else int(adapters * layers / L)
     if c.quant is not None:  # quantized linears are dequantized per call, nothing saved; the rest are cast
-        base_layer = sum(g.weight_numel * g.count for g in c.spec.groups if g.kind == "linear" and g.per_layer and not is_quantized(g)) * 2
+        base_layer = (
+            sum(
+                g.weight_numel * g.count
+                for g in c.spec.groups
+                if g.kind == "linear" and g.per_layer and not is_quantized(g)
+            )
+            * 2
+        )
     else:
         base_layer = s.linear_numel * 2
     wrapped = {g.name.split(".")[-1] for g in c.lora_groups if g.module == PARAM_WRAPPER}

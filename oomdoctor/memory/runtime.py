@@ -62,6 +62,8 @@ def set_allocator_env(env: MutableMapping[str, str] = os.environ) -> None:
     """Set :data:`ALLOC_CONF` in ``env`` unless the user set their own (theirs wins). The allocator reads it once:
     call before CUDA is initialized (in a child's environment, before it starts)."""
     env.setdefault(ALLOC_CONF_VAR, ALLOC_CONF)
+
+
 ALLOC_SMALL_SEGMENT = 2 * MiB
 ALLOC_LARGE_SEGMENT = 20 * MiB
 #: Share of the transient bytes (activations + logits + temporaries) the allocator holds on top as fragmentation.

@@ -143,9 +143,11 @@ def int8_held_only(c: Ctx) -> int:
     if c.quant != "int8":
         return 0
     roles = layer_roles(c.spec)
-    return sum(x_bytes * c.T * width for x_bytes, width, consumers in int8_inputs(c, roles)
-               if not saves_input_itself(c, x_bytes, consumers)
-               and not (consumers == roles.attn_out and attn_saves_output(c)))
+    return sum(
+        x_bytes * c.T * width
+        for x_bytes, width, consumers in int8_inputs(c, roles)
+        if not saves_input_itself(c, x_bytes, consumers) and not (consumers == roles.attn_out and attn_saves_output(c))
+    )
 
 
 def attn_saves_output(c: Ctx) -> bool:

@@ -140,8 +140,13 @@ class RankStates:
 def single_terms(c: Ctx) -> SingleTerms:
     """The single-GPU terms of ``c`` (``parameters``, ``gradients``, ``optimizer`` modules)."""
     opt = optimizer_memory(c)
-    return SingleTerms(parameters=parameter_bytes(c), gradients=gradient_bytes(c), optimizer_states=opt.device,
-                       optimizer_host=opt.cpu, step_temporaries=opt.temporaries)
+    return SingleTerms(
+        parameters=parameter_bytes(c),
+        gradients=gradient_bytes(c),
+        optimizer_states=opt.device,
+        optimizer_host=opt.cpu,
+        step_temporaries=opt.temporaries,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- units
@@ -163,8 +168,11 @@ def units(c: Ctx) -> Units:
     """Unit sizes from the spec's module inventory (plus LoRA adapters, which sit inside the blocks)."""
     s = c.sums
     L = max(c.spec.num_layers, 1)
-    return Units(root=_numel(c) - c.lora_numel - s.per_layer_numel * L, block=s.per_layer_numel + c.lora_numel // L,
-                 largest_layer=s.max_tensor_numel)
+    return Units(
+        root=_numel(c) - c.lora_numel - s.per_layer_numel * L,
+        block=s.per_layer_numel + c.lora_numel // L,
+        largest_layer=s.max_tensor_numel,
+    )
 
 
 def _compute_bytes(c: Ctx) -> int:
@@ -192,8 +200,15 @@ def ddp_bucket_bytes(t: SingleTerms) -> int:
 def ddp(c: Ctx, t: SingleTerms) -> RankStates:
     bucket = ddp_bucket_bytes(t)
     phases = ("forward", "backward", "optimizer-step")
-    return RankStates(t.parameters, 1.0, t.optimizer_states, t.step_temporaries,
-                      grad_buffers={p: bucket for p in phases}, host=t.optimizer_host, load=t.parameters)
+    return RankStates(
+        t.parameters,
+        1.0,
+        t.optimizer_states,
+        t.step_temporaries,
+        grad_buffers={p: bucket for p in phases},
+        host=t.optimizer_host,
+        load=t.parameters,
+    )
 
 
 def fsdp_gathered(c: Ctx, t: SingleTerms) -> dict[str, int]:
@@ -209,13 +224,23 @@ def fsdp_gathered(c: Ctx, t: SingleTerms) -> dict[str, int]:
     at_loss = root + block
     in_layers = root + 2 * block  # the computing and the prefetched layer
     if c.plan.reshard_after_forward:
-        return {"forward": in_layers, "backward": in_layers, "optimizer-step": 0,
-                "forward" + LOSS_MOMENT: at_loss, "backward" + LOSS_MOMENT: at_loss}
+        return {
+            "forward": in_layers,
+            "backward": in_layers,
+            "optimizer-step": 0,
+            "forward" + LOSS_MOMENT: at_loss,
+            "backward" + LOSS_MOMENT: at_loss,
+        }
     # every layer stays gathered from its forward until its own backward resharded it: all of them at the end of
     # forward and when backward enters the last layer, the computing and prefetched ones near the first
     everything = root + block * max(c.spec.num_layers, 1)
-    return {"forward": everything, "backward": in_layers, "optimizer-step": 0,
-            "backward" + LOSS_MOMENT: everything, "backward" + TOP_MOMENT: everything}
+    return {
+        "forward": everything,
+        "backward": in_layers,
+        "optimizer-step": 0,
+        "backward" + LOSS_MOMENT: everything,
+        "backward" + TOP_MOMENT: everything,
+    }
 
 
 def fsdp_block_grad_bytes(c: Ctx) -> int:
@@ -236,10 +261,12 @@ def fsdp(c: Ctx, t: SingleTerms) -> RankStates:
     if c.plan.offload_params:
         # CPUOffloadPolicy: sharded weights, gradients and optimizer states on the host; the step runs there
         # (torch ``fully_shard(offload_policy=CPUOffloadPolicy())``); the device holds the units in flight.
-        return RankStates(0, 0.0, 0, 0, gathered, rs_grads, host=params + grads + opt,
-                          host_load=params, load=0, amp_copies=False)
-    return RankStates(params, 1 / S, opt, t.step_temporaries // S, gathered, rs_grads,
-                      load=params, amp_copies=not c.mixed)
+        return RankStates(
+            0, 0.0, 0, 0, gathered, rs_grads, host=params + grads + opt, host_load=params, load=0, amp_copies=False
+        )
+    return RankStates(
+        params, 1 / S, opt, t.step_temporaries // S, gathered, rs_grads, load=params, amp_copies=not c.mixed
+    )
 
 
 def zero_optimizer_bytes(c: Ctx, t: SingleTerms) -> int:
@@ -274,10 +301,29 @@ def zero2(c: Ctx, t: SingleTerms) -> RankStates:
     host_load = c.wb * _numel(c)
     if c.plan.offload_optimizer:
         # offload_optimizer: fp32 master, states and fp32 gradients on the host; the GPU keeps 2Ψ (the estimator)
-        return RankStates(params, 0.0, 0, 0, grad_buffers=buffers, host=opt + FP32 * trainable_numel(c) // N,
-                          host_load=host_load, load=load, amp_copies=False, host_factor=DEEPSPEED_HOST_BUFFER_FACTOR)
-    return RankStates(params, scale, opt, tmp, grad_buffers=buffers, host_load=host_load, load=load,
-                      amp_copies=False, host_factor=DEEPSPEED_HOST_BUFFER_FACTOR)
+        return RankStates(
+            params,
+            0.0,
+            0,
+            0,
+            grad_buffers=buffers,
+            host=opt + FP32 * trainable_numel(c) // N,
+            host_load=host_load,
+            load=load,
+            amp_copies=False,
+            host_factor=DEEPSPEED_HOST_BUFFER_FACTOR,
+        )
+    return RankStates(
+        params,
+        scale,
+        opt,
+        tmp,
+        grad_buffers=buffers,
+        host_load=host_load,
+        load=load,
+        amp_copies=False,
+        host_factor=DEEPSPEED_HOST_BUFFER_FACTOR,
+    )
 
 
 def zero3_gathered_bytes(c: Ctx) -> int:
@@ -326,8 +372,9 @@ def rank_states(c: Ctx, t: SingleTerms) -> RankStates:
         return zero2(c, t)
     if strategy == "zero3":
         return zero3(c, t)
-    return RankStates(t.parameters, 1.0, t.optimizer_states, t.step_temporaries, host=t.optimizer_host,
-                      load=t.parameters)
+    return RankStates(
+        t.parameters, 1.0, t.optimizer_states, t.step_temporaries, host=t.optimizer_host, load=t.parameters
+    )
 
 
 def host_per_node(rs: RankStates, ranks_per_node: int) -> int:
@@ -352,28 +399,43 @@ def notes(c: Ctx) -> list[str]:
         return []
     out = [f"per rank of {p.world_size} ({p.strategy}); activations of the per-rank micro-batch"]
     if p.strategy == "ddp":
-        out.append("ddp: a full replica per rank + gradient buckets as large as the gradients (kept from "
-                   "construction on); from_pretrained puts a full copy on every rank")
+        out.append(
+            "ddp: a full replica per rank + gradient buckets as large as the gradients (kept from "
+            "construction on); from_pretrained puts a full copy on every rank"
+        )
     elif p.strategy == "fsdp":
         S = p.shards
         group = f"HSDP: sharded over {S} ranks, replicated {p.world_size // S}x" if S < p.world_size else f"/ {S}"
-        out.append(f"fsdp: weights, gradients and optimizer states {group}; the root unit (embedding, head) stays "
-                   "gathered through the forward, plus the computing and the prefetched block"
-                   + ("; reshard_after_forward false keeps every unit gathered until its backward"
-                      if not p.reshard_after_forward else ""))
-        out.append("fsdp: oomdoctor train builds the model on the meta device and materializes the shards only "
-                   "(no full copy per rank at load)")
+        out.append(
+            f"fsdp: weights, gradients and optimizer states {group}; the root unit (embedding, head) stays "
+            "gathered through the forward, plus the computing and the prefetched block"
+            + (
+                "; reshard_after_forward false keeps every unit gathered until its backward"
+                if not p.reshard_after_forward
+                else ""
+            )
+        )
+        out.append(
+            "fsdp: oomdoctor train builds the model on the meta device and materializes the shards only "
+            "(no full copy per rank at load)"
+        )
         if p.world_size == 1:
             out.append("fsdp on one GPU still gathers every unit into a separate buffer (one more copy of the root)")
     else:
-        out.append(f"{p.strategy}: DeepSpeed priced by formula (its estimator's terms) + buckets of "
-                   f"{zero_bucket_elems(c):,} elements (bucket_size; Hugging Face 'auto' = hidden^2)")
+        out.append(
+            f"{p.strategy}: DeepSpeed priced by formula (its estimator's terms) + buckets of "
+            f"{zero_bucket_elems(c):,} elements (bucket_size; Hugging Face 'auto' = hidden^2)"
+        )
     if p.offload_params or p.offload_optimizer:
-        out.append("host RAM per node assumes every rank on one node"
-                   + (" and includes DeepSpeed's 1.5 buffer factor" if p.strategy in DEEPSPEED else ""))
+        out.append(
+            "host RAM per node assumes every rank on one node"
+            + (" and includes DeepSpeed's 1.5 buffer factor" if p.strategy in DEEPSPEED else "")
+        )
     if c.mixed and p.strategy in DEEPSPEED:
-        out.append("activations priced as the autocast step (an upper bound: DeepSpeed's bf16 model makes the "
-                   "residual stream bf16)")
+        out.append(
+            "activations priced as the autocast step (an upper bound: DeepSpeed's bf16 model makes the "
+            "residual stream bf16)"
+        )
     if c.device == "cuda" and p.world_size > 1:
         out.append(f"NCCL buffers: {format_bytes(NCCL_BUFFER_BYTES)} per rank, a CUDA assumption (calibrate on GPUs)")
     return out
@@ -401,5 +463,16 @@ def deepspeed_view(c: Ctx, gpus_per_node: int | None = None) -> DeepSpeedView:
     return DeepSpeedView(per_gpu=gpu, per_cpu=int(rs.host_factor * g * max(rs.host, rs.host_load)))
 
 
-__all__ = ["DEEPSPEED_HOST_BUFFER_FACTOR", "DeepSpeedView", "RankStates", "SingleTerms", "Units", "deepspeed_view",
-           "host_per_node", "notes", "rank_states", "single_terms", "units"]
+__all__ = [
+    "DEEPSPEED_HOST_BUFFER_FACTOR",
+    "DeepSpeedView",
+    "RankStates",
+    "SingleTerms",
+    "Units",
+    "deepspeed_view",
+    "host_per_node",
+    "notes",
+    "rank_states",
+    "single_terms",
+    "units",
+]

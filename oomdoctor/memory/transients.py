@@ -107,8 +107,7 @@ def mlp_adapter_forward(c: Ctx, roles: LayerRoles, mlp: MlpSaves) -> tuple[int, 
     return recompute, forward
 
 
-def forward_transient(c: Ctx, roles: LayerRoles, adapter_recompute: int, adapter_forward: int,
-                      attn_impl: str) -> float:
+def forward_transient(c: Ctx, roles: LayerRoles, adapter_recompute: int, adapter_forward: int, attn_impl: str) -> float:
     """Peak bytes a block's forward holds beyond its saves: the gated product's inputs and output, the fp32 rotary
     copies under autocast, LoRA's branch outputs (the widest adapter; net of the MLP's later tensors when it is an
     MLP input), eager attention's scores (:func:`eager_forward_transient`), and with activations offloaded (no
@@ -147,8 +146,11 @@ def mlp_backward(c: Ctx, roles: LayerRoles, down: float) -> float:
     I, ktok = spec.intermediate_size, roles.mlp_tokens
     gated = spec.mlp_kind == "gated"
     mlp_b = ((3 if gated else 2) * mab_global(c, roles) * T * I * ktok) - down
-    if c.quant == "int8" and not plan.gradient_checkpointing and any(
-            cons == roles.mlp_out and saves_input_itself(c, b, cons) for b, _w, cons in int8_inputs(c, roles)):
+    if (
+        c.quant == "int8"
+        and not plan.gradient_checkpointing
+        and any(cons == roles.mlp_out and saves_input_itself(c, b, cons) for b, _w, cons in int8_inputs(c, roles))
+    ):
         # the MLP intermediate down's adapter saves is MatMul8bitLt's ctx input too: down's backward does not free it
         # (Llama-3.2-1B cut to 4 blocks, int8 QLoRA bf16 with the chunked loss at 4k tokens: -2.8 % before)
         mlp_b += mab_global(c, roles) * T * I
@@ -270,5 +272,11 @@ def backward_extra(c: Ctx, roles: LayerRoles, attn: AttentionSaves, mlp: MlpSave
     gradient, which is the MLP output's: one hidden-sized grad, not two — +2.5 % on QLoRA blocks at 16k tokens
     before), the attention's, a LoRA adapter's and a post-MLP norm's."""
     rb, T, h = c.rb, c.T, c.spec.hidden_size
-    return int(max(rb * T * h + mlp_backward(c, roles, mlp.down), attention_backward(c, attn, mlp),
-                   residual_flow(c) + lora_backward(c, roles, mlp), post_mlp_norm_backward(c)))
+    return int(
+        max(
+            rb * T * h + mlp_backward(c, roles, mlp.down),
+            attention_backward(c, attn, mlp),
+            residual_flow(c) + lora_backward(c, roles, mlp),
+            post_mlp_norm_backward(c),
+        )
+    )

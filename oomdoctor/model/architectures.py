@@ -91,8 +91,12 @@ def _head(name: str, i: int, o: int, bias: bool = False) -> ParamGroup:
     return _lin(name, i, o, 1, bias, per_layer=False, path=name, kept=True)
 
 
-def _norm(name: str, numel: int, count: int, per_layer: bool = True, path: str = "", module: str = "RMSNorm") -> ParamGroup:
-    return ParamGroup(name=name, kind="norm", numel_each=numel, count=count, per_layer=per_layer, path=path, module=module)
+def _norm(
+    name: str, numel: int, count: int, per_layer: bool = True, path: str = "", module: str = "RMSNorm"
+) -> ParamGroup:
+    return ParamGroup(
+        name=name, kind="norm", numel_each=numel, count=count, per_layer=per_layer, path=path, module=module
+    )
 
 
 def _ln(name: str, dim: int, count: int, per_layer: bool = True, path: str = "") -> ParamGroup:
@@ -102,14 +106,21 @@ def _ln(name: str, dim: int, count: int, per_layer: bool = True, path: str = "")
 
 def _emb(name: str, num: int, dim: int, path: str = "") -> ParamGroup:
     return ParamGroup(
-        name=name, kind="embedding", in_features=num, out_features=dim, count=1, per_layer=False, path=path,
+        name=name,
+        kind="embedding",
+        in_features=num,
+        out_features=dim,
+        count=1,
+        per_layer=False,
+        path=path,
         module="Embedding",
     )
 
 
 def _other(name: str, numel: int, count: int, path: str, per_layer: bool = True) -> ParamGroup:
-    return ParamGroup(name=name, kind="other", numel_each=numel, count=count, per_layer=per_layer, path=path,
-                      module="Parameter")
+    return ParamGroup(
+        name=name, kind="other", numel_each=numel, count=count, per_layer=per_layer, path=path, module="Parameter"
+    )
 
 
 def _bool(c: _Cfg, key: str, default: bool) -> bool:
@@ -190,7 +201,10 @@ def _llama_like(cfg: dict, name: str) -> ModelSpec:
     if mt in ("gemma2", "olmo2"):
         groups.append(_norm("post_feedforward_layernorm", h, L, path=f"{P}.post_feedforward_layernorm"))
     if mt == "qwen3":
-        groups += [_norm("q_norm", hd, L, path=f"{P}.self_attn.q_norm"), _norm("k_norm", hd, L, path=f"{P}.self_attn.k_norm")]
+        groups += [
+            _norm("q_norm", hd, L, path=f"{P}.self_attn.q_norm"),
+            _norm("k_norm", hd, L, path=f"{P}.self_attn.k_norm"),
+        ]
     if mt == "olmo2":
         groups += [
             _norm("q_norm", nh * hd, L, path=f"{P}.self_attn.q_norm"),
@@ -255,11 +269,23 @@ def _phi3(cfg: dict, name: str) -> ModelSpec:
         groups.append(_head("lm_head", h, V))
     sw = cfg.get("sliding_window")
     return ModelSpec(
-        name=name, model_type="phi3", arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
-        num_kv_heads=nkv, head_dim=hd, intermediate_size=inter, vocab_size=V, groups=tuple(groups),
-        mlp_kind="gated", norm_kind="rms", tie_word_embeddings=tie,
+        name=name,
+        model_type="phi3",
+        arch_kind="decoder",
+        hidden_size=h,
+        num_layers=L,
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        intermediate_size=inter,
+        vocab_size=V,
+        groups=tuple(groups),
+        mlp_kind="gated",
+        norm_kind="rms",
+        tie_word_embeddings=tie,
         max_position_embeddings=int(c.get("max_position_embeddings", 0) or 0),
-        sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None, config=cfg,
+        sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None,
+        config=cfg,
     )
 
 
@@ -292,19 +318,37 @@ def _phi(cfg: dict, name: str) -> ModelSpec:
         _ln("input_layernorm", h, L, path=f"{P}.input_layernorm"),
     ]
     if qk_ln:
-        groups += [_ln("q_layernorm", hd, L, path=f"{P}.self_attn.q_layernorm"),
-                   _ln("k_layernorm", hd, L, path=f"{P}.self_attn.k_layernorm")]
+        groups += [
+            _ln("q_layernorm", hd, L, path=f"{P}.self_attn.q_layernorm"),
+            _ln("k_layernorm", hd, L, path=f"{P}.self_attn.k_layernorm"),
+        ]
     groups.append(_ln("final_layernorm", h, 1, per_layer=False, path="model.final_layernorm"))
     if not tie:
         groups.append(_head("lm_head", h, V, bias=True))
     else:  # PhiForCausalLM's lm_head has a bias even when its weight is tied to the embedding
-        groups.append(ParamGroup(name="lm_head", kind="other", numel_each=V, count=1, per_layer=False,
-                                 path="lm_head", module="Linear"))
+        groups.append(
+            ParamGroup(
+                name="lm_head", kind="other", numel_each=V, count=1, per_layer=False, path="lm_head", module="Linear"
+            )
+        )
     return ModelSpec(
-        name=name, model_type="phi", arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
-        num_kv_heads=nkv, head_dim=hd, intermediate_size=inter, vocab_size=V, groups=tuple(groups),
-        mlp_kind="plain", norm_kind="layer", parallel_attn=True, tie_word_embeddings=tie,
-        max_position_embeddings=int(c.get("max_position_embeddings", 0) or 0), config=cfg,
+        name=name,
+        model_type="phi",
+        arch_kind="decoder",
+        hidden_size=h,
+        num_layers=L,
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        intermediate_size=inter,
+        vocab_size=V,
+        groups=tuple(groups),
+        mlp_kind="plain",
+        norm_kind="layer",
+        parallel_attn=True,
+        tie_word_embeddings=tie,
+        max_position_embeddings=int(c.get("max_position_embeddings", 0) or 0),
+        config=cfg,
     )
 
 
@@ -351,8 +395,10 @@ def _falcon(cfg: dict, name: str) -> ModelSpec:
         _lin("dense_4h_to_h", ffn, h, L, bias, path=f"{P}.mlp.dense_4h_to_h", module="FalconLinear"),
     ]
     if not parallel:
-        groups += [_ln("input_layernorm", h, L, path=f"{P}.input_layernorm"),
-                   _ln("post_attention_layernorm", h, L, path=f"{P}.post_attention_layernorm")]
+        groups += [
+            _ln("input_layernorm", h, L, path=f"{P}.input_layernorm"),
+            _ln("post_attention_layernorm", h, L, path=f"{P}.post_attention_layernorm"),
+        ]
     elif n_ln == 2:
         groups += [_ln("ln_attn", h, L, path=f"{P}.ln_attn"), _ln("ln_mlp", h, L, path=f"{P}.ln_mlp")]
     else:
@@ -361,10 +407,23 @@ def _falcon(cfg: dict, name: str) -> ModelSpec:
     if not tie:
         groups.append(_head("lm_head", h, V))
     return ModelSpec(
-        name=name, model_type="falcon", arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
-        num_kv_heads=nkv, head_dim=hd, intermediate_size=ffn, vocab_size=V, groups=tuple(groups),
-        mlp_kind="plain", norm_kind="layer", parallel_attn=parallel, tie_word_embeddings=tie,
-        max_position_embeddings=int(c.get("max_position_embeddings", 2048) or 0), config=cfg,
+        name=name,
+        model_type="falcon",
+        arch_kind="decoder",
+        hidden_size=h,
+        num_layers=L,
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        intermediate_size=ffn,
+        vocab_size=V,
+        groups=tuple(groups),
+        mlp_kind="plain",
+        norm_kind="layer",
+        parallel_attn=parallel,
+        tie_word_embeddings=tie,
+        max_position_embeddings=int(c.get("max_position_embeddings", 2048) or 0),
+        config=cfg,
     )
 
 
@@ -402,9 +461,22 @@ def _gpt2(cfg: dict, name: str) -> ModelSpec:
     if not tie:
         groups.append(_head("lm_head", h, V))
     return ModelSpec(
-        name=name, model_type="gpt2", arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
-        num_kv_heads=nh, head_dim=max(h // nh, 1), intermediate_size=inner, vocab_size=V, groups=tuple(groups),
-        mlp_kind="plain", norm_kind="layer", tie_word_embeddings=tie, max_position_embeddings=npos, config=cfg,
+        name=name,
+        model_type="gpt2",
+        arch_kind="decoder",
+        hidden_size=h,
+        num_layers=L,
+        num_heads=nh,
+        num_kv_heads=nh,
+        head_dim=max(h // nh, 1),
+        intermediate_size=inner,
+        vocab_size=V,
+        groups=tuple(groups),
+        mlp_kind="plain",
+        norm_kind="layer",
+        tie_word_embeddings=tie,
+        max_position_embeddings=npos,
+        config=cfg,
     )
 
 
@@ -457,10 +529,24 @@ def _bert(cfg: dict, name: str) -> ModelSpec:
         _lin("classifier", h, labels, 1, True, per_layer=False, path="classifier"),
     ]
     return ModelSpec(
-        name=name, model_type="bert", arch_kind="encoder", hidden_size=h, num_layers=L, num_heads=nh,
-        num_kv_heads=nh, head_dim=max(h // nh, 1), intermediate_size=inter, vocab_size=V, groups=tuple(groups),
-        mlp_kind="plain", norm_kind="layer", max_position_embeddings=npos, encoder_layers=L, num_labels=labels,
-        tie_word_embeddings=False, config=cfg,
+        name=name,
+        model_type="bert",
+        arch_kind="encoder",
+        hidden_size=h,
+        num_layers=L,
+        num_heads=nh,
+        num_kv_heads=nh,
+        head_dim=max(h // nh, 1),
+        intermediate_size=inter,
+        vocab_size=V,
+        groups=tuple(groups),
+        mlp_kind="plain",
+        norm_kind="layer",
+        max_position_embeddings=npos,
+        encoder_layers=L,
+        num_labels=labels,
+        tie_word_embeddings=False,
+        config=cfg,
     )
 
 
@@ -502,26 +588,50 @@ def _t5(cfg: dict, name: str) -> ModelSpec:
                 groups.append(_lin(proj, d, inner, n, path=f"{B}.layer.{li}.{attn}.{proj}"))
             groups.append(_lin("o", inner, d, n, path=f"{B}.layer.{li}.{attn}.o"))
             groups.append(_norm("layer_norm", d, n, path=f"{B}.layer.{li}.layer_norm", module="T5LayerNorm"))
-        groups.append(ParamGroup(
-            name="relative_attention_bias", kind="embedding", in_features=buckets, out_features=nh, count=1,
-            per_layer=False, path=f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias", module="Embedding",
-        ))
+        groups.append(
+            ParamGroup(
+                name="relative_attention_bias",
+                kind="embedding",
+                in_features=buckets,
+                out_features=nh,
+                count=1,
+                per_layer=False,
+                path=f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias",
+                module="Embedding",
+            )
+        )
         fi = len(attns)
         if gated:
-            groups += [_lin("wi_0", d, dff, n, path=f"{B}.layer.{fi}.DenseReluDense.wi_0"),
-                       _lin("wi_1", d, dff, n, path=f"{B}.layer.{fi}.DenseReluDense.wi_1")]
+            groups += [
+                _lin("wi_0", d, dff, n, path=f"{B}.layer.{fi}.DenseReluDense.wi_0"),
+                _lin("wi_1", d, dff, n, path=f"{B}.layer.{fi}.DenseReluDense.wi_1"),
+            ]
         else:
             groups.append(_lin("wi", d, dff, n, path=f"{B}.layer.{fi}.DenseReluDense.wi"))
         # T5's _keep_in_fp32_modules = ["wo"]: transformers' bitsandbytes loading leaves wo unquantized
         groups.append(_lin("wo", dff, d, n, path=f"{B}.layer.{fi}.DenseReluDense.wo", kept=True))
         groups.append(_norm("layer_norm", d, n, path=f"{B}.layer.{fi}.layer_norm", module="T5LayerNorm"))
-        groups.append(_norm("final_layer_norm", d, 1, per_layer=False, path=f"{stack}.final_layer_norm",
-                            module="T5LayerNorm"))
+        groups.append(
+            _norm("final_layer_norm", d, 1, per_layer=False, path=f"{stack}.final_layer_norm", module="T5LayerNorm")
+        )
     return ModelSpec(
-        name=name, model_type="t5", arch_kind="encoder-decoder", hidden_size=d, num_layers=Le + Ld, num_heads=nh,
-        num_kv_heads=nh, head_dim=dkv, intermediate_size=dff, vocab_size=V, groups=tuple(groups),
-        mlp_kind="gated" if gated else "plain", norm_kind="rms", tie_word_embeddings=tie,
-        max_position_embeddings=int(c.get("n_positions", 0) or 0), encoder_layers=Le, config=cfg,
+        name=name,
+        model_type="t5",
+        arch_kind="encoder-decoder",
+        hidden_size=d,
+        num_layers=Le + Ld,
+        num_heads=nh,
+        num_kv_heads=nh,
+        head_dim=dkv,
+        intermediate_size=dff,
+        vocab_size=V,
+        groups=tuple(groups),
+        mlp_kind="gated" if gated else "plain",
+        norm_kind="rms",
+        tie_word_embeddings=tie,
+        max_position_embeddings=int(c.get("n_positions", 0) or 0),
+        encoder_layers=Le,
+        config=cfg,
     )
 
 
@@ -542,8 +652,11 @@ def build_spec(cfg: dict, name: str = "config") -> ModelSpec:
         return spec_from_transformers(cfg, name)  # any other type transformers builds (BadInput if it cannot)
     spec = builder(cfg, name)
     archs = cfg.get("architectures")
-    if spec.arch_kind == "decoder" and isinstance(archs, list) and archs and str(archs[0]).endswith(
-        "ForSequenceClassification"
+    if (
+        spec.arch_kind == "decoder"
+        and isinstance(archs, list)
+        and archs
+        and str(archs[0]).endswith("ForSequenceClassification")
     ):
         spec = _as_sequence_classifier(spec, cfg, name)
     return spec

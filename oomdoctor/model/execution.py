@@ -73,11 +73,14 @@ def check_plan_for_model(spec: ModelSpec, plan: Plan) -> None:
     """Refuse what cannot run on this model: the chunked loss on a model that is not a decoder-only causal LM, the
     tiled MLP where there is no dense decoder MLP, and LoRA targets that adapt nothing (peft raises on them too)."""
     if plan.loss == "chunked" and spec.arch_kind != "decoder":
-        raise BadInput(f"loss chunked: {spec.name} is not a decoder-only causal LM ({spec.arch_kind})",
-                       "use the standard loss")
+        raise BadInput(
+            f"loss chunked: {spec.name} is not a decoder-only causal LM ({spec.arch_kind})", "use the standard loss"
+        )
     why = tiled_mlp_refusal(spec) if plan.tiled_mlp else None
     if why:
-        raise BadInput(f"tiled_mlp: {spec.name} is {why}; tiling applies to dense decoder MLPs",
-                       "drop tiled_mlp (--no-tiled-mlp / tiled_mlp: false)")
+        raise BadInput(
+            f"tiled_mlp: {spec.name} is {why}; tiling applies to dense decoder MLPs",
+            "drop tiled_mlp (--no-tiled-mlp / tiled_mlp: false)",
+        )
     check_lora_targets(spec, plan)
     check_param_wrapper(spec, plan)

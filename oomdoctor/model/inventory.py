@@ -41,7 +41,7 @@ _LAYER_RE = re.compile(r"\.(layers|h|blocks|layer)\.(\d+)\.")
 
 
 #: What to run next when transformers refuses a config (every refusal names the model kind and why).
-_NEXT = ("compare config.json with the model's published one; `oomdoctor models` lists the configs priced offline")
+_NEXT = "compare config.json with the model's published one; `oomdoctor models` lists the configs priced offline"
 #: transformers' message for an optional package a module needs (``utils/import_utils.requires_backends``).
 _MISSING_PACKAGE = re.compile(r"(\w+) requires the ([\w.\-]+) library but it was not found")
 #: huggingface_hub's strict-dataclass validation of a config field (transformers 5.x configs).
@@ -63,17 +63,20 @@ def _refused_config(name: str, mt: str, exc: Exception) -> BadInput:
         import difflib
 
         close = difflib.get_close_matches(mt, list(CONFIG_MAPPING), n=5, cutoff=0.6)
-        return BadInput(f"{name}: model kind {mt!r} is not supported: model_type {mt!r} is not a kind of model "
-                        f"transformers {tv} knows",
-                        (f"close model kinds transformers knows: {', '.join(close)}; " if close else "")
-                        + "check model_type in config.json; a model newer than transformers needs "
-                        "`pip install -U transformers`; models that need their own code (trust_remote_code) are not "
-                        "supported; `oomdoctor models` lists the configs priced offline")
+        return BadInput(
+            f"{name}: model kind {mt!r} is not supported: model_type {mt!r} is not a kind of model "
+            f"transformers {tv} knows",
+            (f"close model kinds transformers knows: {', '.join(close)}; " if close else "")
+            + "check model_type in config.json; a model newer than transformers needs "
+            "`pip install -U transformers`; models that need their own code (trust_remote_code) are not "
+            "supported; `oomdoctor models` lists the configs priced offline",
+        )
     field = _BAD_FIELD.search(str(exc))
     why = f"field {field.group(1)}: {' '.join(field.group(2).split())[:160]}" if field else _first_line(exc)
-    return BadInput(f"{name}: this {mt!r} config is not supported: transformers {tv} refuses this {mt} config "
-                    f"({why})",
-                    (f"fix {field.group(1)} in config.json; " if field else "") + _NEXT)
+    return BadInput(
+        f"{name}: this {mt!r} config is not supported: transformers {tv} refuses this {mt} config ({why})",
+        (f"fix {field.group(1)} in config.json; " if field else "") + _NEXT,
+    )
 
 
 def _first_line(exc: Exception) -> str:
@@ -88,12 +91,16 @@ def _refused_model(name: str, mt: str, exc: Exception) -> BadInput:
     missing = _MISSING_PACKAGE.search(str(exc)) if isinstance(exc, ImportError) else None
     if missing:
         module, package = missing.groups()
-        return BadInput(f"{name}: transformers needs the optional package {package!r} to build this {mt!r} model "
-                        f"(its {module} comes from {package}), and it is not installed",
-                        f"pip install {package} (then run again: oomdoctor prices every tower's weights); or price "
-                        "the language model alone: a config.json holding its text_config")
-    return BadInput(f"{name}: this {mt!r} config is not supported: transformers {tv} cannot build its model "
-                    f"({_first_line(exc)})", _NEXT)
+        return BadInput(
+            f"{name}: transformers needs the optional package {package!r} to build this {mt!r} model "
+            f"(its {module} comes from {package}), and it is not installed",
+            f"pip install {package} (then run again: oomdoctor prices every tower's weights); or price "
+            "the language model alone: a config.json holding its text_config",
+        )
+    return BadInput(
+        f"{name}: this {mt!r} config is not supported: transformers {tv} cannot build its model ({_first_line(exc)})",
+        _NEXT,
+    )
 
 
 def transformers_config(cfg: dict, name: str):
@@ -129,9 +136,11 @@ def _meta_model(config, name: str):
 
     auto = auto_model_class(config)
     if type(config) not in auto._model_mapping:
-        raise BadInput(f"{name}: model kind {config.model_type!r} is not supported: oomdoctor prices causal LMs (and "
-                       "the text side of vision-language models), and transformers has neither class for it",
-                       "pass the config of a causal LM (`oomdoctor models` lists the bundled ones)")
+        raise BadInput(
+            f"{name}: model kind {config.model_type!r} is not supported: oomdoctor prices causal LMs (and "
+            "the text side of vision-language models), and transformers has neither class for it",
+            "pass the config of a causal LM (`oomdoctor models` lists the bundled ones)",
+        )
     try:
         with torch.device("meta"):
             return auto.from_config(config)
@@ -166,8 +175,18 @@ def tower_prefixes(model) -> tuple[str, ...]:
         walk(model, "")
     text = config.get_text_config()
     adapter = getattr(text, "cross_attention_layers", None) or ()
-    blocks = next((n for n, m in model.named_modules() if n.endswith("layers") and type(m).__name__ == "ModuleList"
-                   and len(m) == text.num_hidden_layers), None) if adapter else None
+    blocks = (
+        next(
+            (
+                n
+                for n, m in model.named_modules()
+                if n.endswith("layers") and type(m).__name__ == "ModuleList" and len(m) == text.num_hidden_layers
+            ),
+            None,
+        )
+        if adapter
+        else None
+    )
     if blocks is not None:
         out += [f"{blocks}.{i}" for i in sorted(adapter) if i < text.num_hidden_layers]
     return tuple(out)
@@ -188,8 +207,11 @@ def bnb_quantized_paths(model) -> frozenset[str]:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
-    return frozenset(name for name, mod in model.named_modules()
-                     if (type(mod) is torch.nn.Linear or isinstance(mod, Conv1D)) and should_convert_module(name, skip))
+    return frozenset(
+        name
+        for name, mod in model.named_modules()
+        if (type(mod) is torch.nn.Linear or isinstance(mod, Conv1D)) and should_convert_module(name, skip)
+    )
 
 
 def in_tower(path: str, prefixes: tuple[str, ...]) -> bool:
@@ -244,13 +266,32 @@ def _groups(model, head_module, towers: tuple[str, ...]) -> tuple[tuple[ParamGro
         if kind == "linear" and hasattr(mod, "weight") and mod.weight is not None and mod.weight.dim() == 2:
             w = mod.weight
             out_f, in_f = (w.shape[1], w.shape[0]) if type(mod).__name__ == "Conv1D" else (w.shape[0], w.shape[1])
-            key = ("linear", tmpl, int(in_f), int(out_f), getattr(mod, "bias", None) is not None, tower,
-                   path in quantized)
+            key = (
+                "linear",
+                tmpl,
+                int(in_f),
+                int(out_f),
+                getattr(mod, "bias", None) is not None,
+                tower,
+                path in quantized,
+            )
             name = "lm_head" if mod is head_module else leaf
-            g = agg.setdefault(key, dict(name=name, kind="linear", in_features=int(in_f), out_features=int(out_f),
-                                         bias=key[4], count=0, per_layer=per_layer and mod is not head_module,
-                                         path=tmpl, module=type(mod).__name__, quantizable=path in quantized,
-                                         tower=tower))
+            g = agg.setdefault(
+                key,
+                dict(
+                    name=name,
+                    kind="linear",
+                    in_features=int(in_f),
+                    out_features=int(out_f),
+                    bias=key[4],
+                    count=0,
+                    per_layer=per_layer and mod is not head_module,
+                    path=tmpl,
+                    module=type(mod).__name__,
+                    quantizable=path in quantized,
+                    tower=tower,
+                ),
+            )
             g["count"] += 1
             extra = [p for n, p in own if n not in ("weight", "bias")]
             if extra:
@@ -259,9 +300,20 @@ def _groups(model, head_module, towers: tuple[str, ...]) -> tuple[tuple[ParamGro
         if kind == "embedding":
             w = mod.weight
             key = ("embedding", tmpl, int(w.shape[0]), int(w.shape[1]), tower)
-            g = agg.setdefault(key, dict(name=leaf, kind="embedding", in_features=int(w.shape[0]),
-                                         out_features=int(w.shape[1]), count=0, per_layer=per_layer, path=tmpl,
-                                         module=type(mod).__name__, tower=tower))
+            g = agg.setdefault(
+                key,
+                dict(
+                    name=leaf,
+                    kind="embedding",
+                    in_features=int(w.shape[0]),
+                    out_features=int(w.shape[1]),
+                    count=0,
+                    per_layer=per_layer,
+                    path=tmpl,
+                    module=type(mod).__name__,
+                    tower=tower,
+                ),
+            )
             g["count"] += 1
             continue
         direct = [(n, p) for n, p in own if n not in ("weight", "bias")]
@@ -274,19 +326,42 @@ def _groups(model, head_module, towers: tuple[str, ...]) -> tuple[tuple[ParamGro
         numel = sum(p.numel() for _n, p in own)
         if kind == "norm":
             key = ("norm", tmpl, numel, tower)
-            g = agg.setdefault(key, dict(name=leaf, kind="norm", numel_each=numel, count=0, per_layer=per_layer,
-                                         path=tmpl, module=type(mod).__name__, tower=tower))
+            g = agg.setdefault(
+                key,
+                dict(
+                    name=leaf,
+                    kind="norm",
+                    numel_each=numel,
+                    count=0,
+                    per_layer=per_layer,
+                    path=tmpl,
+                    module=type(mod).__name__,
+                    tower=tower,
+                ),
+            )
             g["count"] += 1
         else:
             _add_other(agg, tmpl, leaf, numel, per_layer, type(mod).__name__, tower=tower)
     return tuple(ParamGroup(**g) for g in agg.values()), len(layers)
 
 
-def _add_other(agg, tmpl: str, leaf: str, numel: int, per_layer: bool, module: str = "Parameter", *,
-               tower: bool = False) -> None:
+def _add_other(
+    agg, tmpl: str, leaf: str, numel: int, per_layer: bool, module: str = "Parameter", *, tower: bool = False
+) -> None:
     key = ("other", tmpl, numel, tower)
-    g = agg.setdefault(key, dict(name=leaf, kind="other", numel_each=numel, count=0, per_layer=per_layer, path=tmpl,
-                                 module=module, tower=tower))
+    g = agg.setdefault(
+        key,
+        dict(
+            name=leaf,
+            kind="other",
+            numel_each=numel,
+            count=0,
+            per_layer=per_layer,
+            path=tmpl,
+            module=module,
+            tower=tower,
+        ),
+    )
     g["count"] += 1
 
 
@@ -332,9 +407,11 @@ def _top_k(tc, n_exp: int, name: str) -> int:
         return k
     unset = [key for key in TOP_K_KEYS if key in tc.to_dict() and _value(tc, key) is None]
     if unset:
-        raise BadInput(f"{name}: {unset[0]} is not set in this {n_exp}-expert config, and transformers' router "
-                       "cannot run without it (topk with k=None)",
-                       hint=f"set {unset[0]} in config.json: the experts each token is routed to")
+        raise BadInput(
+            f"{name}: {unset[0]} is not set in this {n_exp}-expert config, and transformers' router "
+            "cannot run without it (topk with k=None)",
+            hint=f"set {unset[0]} in config.json: the experts each token is routed to",
+        )
     return 2
 
 
@@ -358,7 +435,8 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
     hd = int(_first(tc, ("head_dim",), max(h // max(nh, 1), 1)))
     n_exp = _first(tc, EXPERT_KEYS)
     inter = _first(tc, ("moe_intermediate_size",) if n_exp else (), 0) or _first(
-        tc, ("intermediate_size", "ffn_hidden_size", "n_inner"), 4 * h)
+        tc, ("intermediate_size", "ffn_hidden_size", "n_inner"), 4 * h
+    )
     act = str(_value(tc, "hidden_act") or _value(tc, "hidden_activation") or "")
     names = {g.name for g in groups}
     gated = bool(names & {"gate_proj", "gate_up_proj", "w1", "w3", "gate_up"}) or "glu" in act
@@ -366,15 +444,29 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
     sw = _value(tc, "sliding_window")
     tie = bool(getattr(config, "tie_word_embeddings", False) or _value(tc, "tie_word_embeddings"))
     return ModelSpec(
-        name=name, model_type=cfg["model_type"], arch_kind="decoder", hidden_size=h, num_layers=L, num_heads=nh,
-        num_kv_heads=nkv, head_dim=hd, intermediate_size=int(inter), vocab_size=int(_first(tc, ("vocab_size",))),
-        groups=groups, mlp_kind="gated" if gated else "plain", norm_kind=norm_kind,
+        name=name,
+        model_type=cfg["model_type"],
+        arch_kind="decoder",
+        hidden_size=h,
+        num_layers=L,
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        intermediate_size=int(inter),
+        vocab_size=int(_first(tc, ("vocab_size",))),
+        groups=groups,
+        mlp_kind="gated" if gated else "plain",
+        norm_kind=norm_kind,
         parallel_attn=bool(_value(tc, "parallel_attn") or _value(tc, "use_parallel_residual")),
-        num_experts=n_exp, experts_per_token=_top_k(tc, n_exp, name), tie_word_embeddings=tie,
+        num_experts=n_exp,
+        experts_per_token=_top_k(tc, n_exp, name),
+        tie_word_embeddings=tie,
         peft_moe_conversion=_peft_moe_conversion(cfg["model_type"]) if n_exp else "",
         max_position_embeddings=int(_first(tc, ("max_position_embeddings",))),
-        sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None, config=cfg,
-        inventory="transformers", towers=towers,
+        sliding_window=sw if isinstance(sw, int) and not isinstance(sw, bool) else None,
+        config=cfg,
+        inventory="transformers",
+        towers=towers,
     )
 
 
@@ -385,5 +477,12 @@ def spec_from_transformers(cfg: dict, name: str) -> ModelSpec:
     return _cached((json.dumps(cfg, sort_keys=True, default=str),), name)
 
 
-__all__ = ["auto_model_class", "bnb_quantized_paths", "in_tower", "spec_from_transformers", "text_side_targets", "tower_prefixes",
-           "towers_pattern"]
+__all__ = [
+    "auto_model_class",
+    "bnb_quantized_paths",
+    "in_tower",
+    "spec_from_transformers",
+    "text_side_targets",
+    "tower_prefixes",
+    "towers_pattern",
+]

@@ -68,16 +68,40 @@ def close_names(model_id: str, n: int = 5) -> list[str]:
 #: transformers: seconds each). ``scripts/registry_listing.py`` rewrites them; tests/test_bundled_configs.py checks
 #: every one against ``load_spec``.
 LISTING_FIELDS: dict[str, str] = {
-    "model_type": "model_type", "arch_kind": "arch_kind", "params": "num_params", "layers": "num_layers",
-    "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads", "intermediate": "intermediate_size",
-    "vocab": "vocab_size", "max_position": "max_position_embeddings", "tied_embeddings": "tie_word_embeddings",
+    "model_type": "model_type",
+    "arch_kind": "arch_kind",
+    "params": "num_params",
+    "layers": "num_layers",
+    "hidden": "hidden_size",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "intermediate": "intermediate_size",
+    "vocab": "vocab_size",
+    "max_position": "max_position_embeddings",
+    "tied_embeddings": "tie_word_embeddings",
     "experts": "num_experts",
 }
 
 
 #: Keys of a ``bundled_models`` row, in the order ``oomdoctor models --json`` prints them.
-ROW_KEYS = ("id", "family", "model_type", "arch_kind", "params", "published_params", "layers", "hidden", "heads",
-            "kv_heads", "intermediate", "vocab", "max_position", "tied_embeddings", "experts", "aliases")
+ROW_KEYS = (
+    "id",
+    "family",
+    "model_type",
+    "arch_kind",
+    "params",
+    "published_params",
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "intermediate",
+    "vocab",
+    "max_position",
+    "tied_embeddings",
+    "experts",
+    "aliases",
+)
 
 
 def listing_of(spec: ModelSpec) -> dict:
@@ -112,9 +136,10 @@ def _read_config(path: Path) -> dict:
     except OSError as exc:
         raise BadInput(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
-        raise BadInput(f"{path} is not a text file (not UTF-8: binary?)",
-                       "pass a Hugging Face config.json, a directory holding one, or a bundled id (`oomdoctor models`)"
-                       ) from None
+        raise BadInput(
+            f"{path} is not a text file (not UTF-8: binary?)",
+            "pass a Hugging Face config.json, a directory holding one, or a bundled id (`oomdoctor models`)",
+        ) from None
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -168,9 +193,10 @@ def _fetch_from_hub(model_id: str) -> dict | None:
     Tries the local Hugging Face cache first, then the hub when it is reachable. Raises BadInput when the hub
     answers definitively: no such repository, a gated repository without access, or no config.json in it.
     """
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or os.environ.get(
-        "OOMDOCTOR_OFFLINE"
-    ) == "1":
+    if (
+        os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        or os.environ.get("OOMDOCTOR_OFFLINE") == "1"
+    ):
         return None
     if model_id.count("/") != 1 or any(not part for part in model_id.split("/")):
         return None
@@ -278,8 +304,10 @@ def _check_attention_shapes(spec: ModelSpec, cfg: dict, name: str) -> None:
     if nh and nkv and nh % nkv:
         problems.append(f"{nh} attention heads cannot be grouped over {nkv} key/value heads")
     if problems:
-        raise BadInput(f"{name}: transformers cannot build this config: " + "; ".join(problems),
-                       "fix config.json (hidden_size, num_attention_heads, num_key_value_heads or head_dim)")
+        raise BadInput(
+            f"{name}: transformers cannot build this config: " + "; ".join(problems),
+            "fix config.json (hidden_size, num_attention_heads, num_key_value_heads or head_dim)",
+        )
 
 
 @lru_cache(maxsize=64)

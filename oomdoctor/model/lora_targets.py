@@ -24,8 +24,12 @@ def lora_targets_match(name: str, targets: tuple[str, ...]) -> bool:
 #: the (transformers v4) target names peft moves to ``target_parameters`` -> the v5 parameter they adapt.
 PEFT_MOE_TARGETS: dict[str, dict[str, str]] = {
     "mixtral": {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
-    "qwen2_moe": {"gate": "gate.weight", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
-                  "down_proj": "down_proj"},
+    "qwen2_moe": {
+        "gate": "gate.weight",
+        "gate_proj": "gate_up_proj",
+        "up_proj": "gate_up_proj",
+        "down_proj": "down_proj",
+    },
 }
 
 
@@ -62,8 +66,11 @@ def all_linear_names(spec: ModelSpec) -> set[str]:
     """Leaf names of the linears peft's ``all-linear`` adapts on ``spec`` as the executor runs it: every linear but
     the head, the towers' (frozen, kept out by ``exclude_modules``) and those peft refuses."""
     refused = lora_refused_names(spec.model_type)
-    return {g.name for g in spec.groups
-            if g.kind == "linear" and not g.tower and g.name not in HEAD_NAMES and g.name not in refused}
+    return {
+        g.name
+        for g in spec.groups
+        if g.kind == "linear" and not g.tower and g.name not in HEAD_NAMES and g.name not in refused
+    }
 
 
 def peft_target_modules(plan: Plan, model_type: str, linears: Iterable[str], heads: Iterable[str]) -> str | list[str]:
@@ -113,8 +120,11 @@ def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
     names = set(targets) if targets != ALL_LINEAR else all_linear_names(spec) | set(conv)
     params = {conv[n] for n in names if n in conv}
     modules = names - set(conv)
-    out = [g for g in spec.groups if g.kind == "linear" and not g.tower and g.name in modules
-           and (plan.lora_on_head or g.name not in HEAD_NAMES)]
+    out = [
+        g
+        for g in spec.groups
+        if g.kind == "linear" and not g.tower and g.name in modules and (plan.lora_on_head or g.name not in HEAD_NAMES)
+    ]
     E, h = max(spec.num_experts, 1), spec.hidden_size
     for g in spec.groups:
         if g.kind == "linear" or not params:
@@ -128,9 +138,18 @@ def lora_groups_of(spec: ModelSpec, plan: Plan) -> tuple[ParamGroup, ...]:
             io = (g.numel_each // h, E * h)  # in = E·I
         else:
             continue
-        out.append(ParamGroup(name=".".join(path.split(".")[-2:]), kind="linear", in_features=io[0],
-                              out_features=io[1], count=g.count, per_layer=g.per_layer, path=path,
-                              module=PARAM_WRAPPER))
+        out.append(
+            ParamGroup(
+                name=".".join(path.split(".")[-2:]),
+                kind="linear",
+                in_features=io[0],
+                out_features=io[1],
+                count=g.count,
+                per_layer=g.per_layer,
+                path=path,
+                module=PARAM_WRAPPER,
+            )
+        )
     return tuple(out)
 
 
@@ -145,14 +164,18 @@ def check_param_wrapper(spec: ModelSpec, plan: Plan) -> None:
     conv = PEFT_MOE_TARGETS[spec.peft_moe_conversion]
     fused = sorted(n for n, p in conv.items() if p == "gate_up_proj")
     if 0 < len(names & set(fused)) < len(fused):
-        raise BadInput(f"LoRA targets of {spec.name}: {' and '.join(fused)} are fused into one expert parameter "
-                       "(gate_up_proj); peft cannot adapt one without the other",
-                       f"target both {' and '.join(fused)}, or neither")
+        raise BadInput(
+            f"LoRA targets of {spec.name}: {' and '.join(fused)} are fused into one expert parameter "
+            "(gate_up_proj); peft cannot adapt one without the other",
+            f"target both {' and '.join(fused)}, or neither",
+        )
     if plan.lora_dropout and any(g.module == PARAM_WRAPPER for g in lora_groups_of(spec, plan)):
-        raise BadInput(f"lora_dropout {plan.lora_dropout:g}: on {spec.name} the LoRA targets include MoE router/expert "
-                       "parameters, which peft adapts with a ParamWrapper that does not support dropout",
-                       "set lora_dropout: 0, or target attention only "
-                       "(--lora-targets / target_modules: q_proj,k_proj,v_proj,o_proj)")
+        raise BadInput(
+            f"lora_dropout {plan.lora_dropout:g}: on {spec.name} the LoRA targets include MoE router/expert "
+            "parameters, which peft adapts with a ParamWrapper that does not support dropout",
+            "set lora_dropout: 0, or target attention only "
+            "(--lora-targets / target_modules: q_proj,k_proj,v_proj,o_proj)",
+        )
 
 
 def check_lora_targets(spec: ModelSpec, plan: Plan) -> None:
@@ -161,11 +184,15 @@ def check_lora_targets(spec: ModelSpec, plan: Plan) -> None:
         return
     refused = sorted(lora_refused_names(spec.model_type) & set(plan.lora_targets))
     if refused:
-        raise BadInput(f"LoRA targets {','.join(refused)}: peft cannot adapt them in {spec.model_type} models",
-                       "leave them out; all-linear adapts every other linear")
+        raise BadInput(
+            f"LoRA targets {','.join(refused)}: peft cannot adapt them in {spec.model_type} models",
+            "leave them out; all-linear adapts every other linear",
+        )
     if plan.lora_on_head:
         return
     names = sorted({g.name for g in spec.groups if g.kind == "linear"})
     if not any(lora_targets_match(n, plan.lora_targets) for n in names):
-        raise BadInput(f"LoRA targets {','.join(plan.lora_targets)} match no linear module of {spec.name}",
-                       f"use all-linear or some of: {', '.join(names)}")
+        raise BadInput(
+            f"LoRA targets {','.join(plan.lora_targets)} match no linear module of {spec.name}",
+            f"use all-linear or some of: {', '.join(names)}",
+        )

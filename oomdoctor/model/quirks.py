@@ -22,8 +22,15 @@ ACT_EXTRA_TENSORS = {"gelu_new": 3, "gelu_fast": 4, "gelu_accurate": 3, "quick_g
 
 
 #: transformers' config defaults when config.json omits the activation.
-DEFAULT_ACT = {"gpt2": "gelu_new", "phi": "gelu_new", "falcon": "gelu", "gemma": "gelu_pytorch_tanh",
-               "gemma2": "gelu_pytorch_tanh", "bert": "gelu", "t5": "relu"}
+DEFAULT_ACT = {
+    "gpt2": "gelu_new",
+    "phi": "gelu_new",
+    "falcon": "gelu",
+    "gemma": "gelu_pytorch_tanh",
+    "gemma2": "gelu_pytorch_tanh",
+    "bert": "gelu",
+    "t5": "relu",
+}
 
 
 #: Composite activations that cube their input with ``torch.pow`` (transformers ``NewGELUActivation``,
@@ -51,8 +58,12 @@ def effective_attn(spec: ModelSpec, attn: str) -> str:
     logits (Gemma-2: ``_supports_sdpa = False``), so they run eager unless flash-attention is requested."""
     if attn == "sdpa" and spec.config.get("attn_logit_softcapping") is not None and spec.model_type == "gemma2":
         return "eager"
-    if (attn == "sdpa" and spec.model_type == "falcon" and not spec.config.get("new_decoder_architecture")
-            and spec.num_kv_heads != spec.num_heads):
+    if (
+        attn == "sdpa"
+        and spec.model_type == "falcon"
+        and not spec.config.get("new_decoder_architecture")
+        and spec.num_kv_heads != spec.num_heads
+    ):
         # Falcon-7B multi-query: FalconAttention passes 1-head k/v to SDPA without enable_gqa, so SDPA falls back
         # to its math kernel, which materializes the B x heads x S x S probabilities like eager attention.
         return "eager"
@@ -84,5 +95,6 @@ FP32_ROUTING_WEIGHTS = ("mixtral",)
 
 #: Models that scale the input embeddings in the model's forward, outside the embedding module (Granite's
 #: ``embedding_multiplier``; Gemma scales inside its embedding module).
-EMBEDDINGS_SCALED_IN_FORWARD = frozenset({"granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "falcon_h1",
-                                          "hyperclovax", "recurrent_gemma"})
+EMBEDDINGS_SCALED_IN_FORWARD = frozenset(
+    {"granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "falcon_h1", "hyperclovax", "recurrent_gemma"}
+)

@@ -35,14 +35,31 @@ class LayerRoles:
 
 
 #: Attention input projections by module name (separate or fused q/k/v), classified before the shape rules.
-ATTN_IN_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack",
-                           "query", "key", "value", "q", "k", "v"})
+ATTN_IN_NAMES = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "qkv_proj",
+        "query_key_value",
+        "c_attn",
+        "Wqkv",
+        "W_pack",
+        "query",
+        "key",
+        "value",
+        "q",
+        "k",
+        "v",
+    }
+)
 
 
 #: MLP projections by module name: classify them when the intermediate size equals the hidden size, where their
 #: shapes look like the attention's.
-MLP_IN_NAMES = frozenset({"gate_proj", "up_proj", "gate_up_proj", "fc1", "w1", "w3", "c_fc", "dense_h_to_4h",
-                          "wi", "wi_0", "wi_1"})
+MLP_IN_NAMES = frozenset(
+    {"gate_proj", "up_proj", "gate_up_proj", "fc1", "w1", "w3", "c_fc", "dense_h_to_4h", "wi", "wi_0", "wi_1"}
+)
 
 
 MLP_OUT_NAMES = frozenset({"down_proj", "fc2", "w2", "dense_4h_to_h", "wo"})
@@ -79,8 +96,9 @@ def layer_roles(spec: ModelSpec) -> LayerRoles:
             attn_out.append(item)
         elif g.in_features == h and g.out_features != h:
             attn_in.append(item)
-        elif (g.name.endswith(("o_proj", "o", "out_proj", "dense", "c_proj", "wo"))
-              and not g.name.startswith(("mlp", "fc"))):
+        elif g.name.endswith(("o_proj", "o", "out_proj", "dense", "c_proj", "wo")) and not g.name.startswith(
+            ("mlp", "fc")
+        ):
             attn_out.append(item)
         else:
             attn_in.append(item)

@@ -29,8 +29,7 @@ def rope_scaling(config: dict[str, Any]) -> tuple[float, int | None]:
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         return 1.0, None
-    entries = [rope] if "factor" in rope or not all(isinstance(v, dict) for v in rope.values()) else \
-        list(rope.values())
+    entries = [rope] if "factor" in rope or not all(isinstance(v, dict) for v in rope.values()) else list(rope.values())
     factor, original = 1.0, None
     for e in entries:
         f = e.get("factor")
@@ -178,7 +177,8 @@ class ModelSpec:
                 + (" x its RoPE scaling factor" if limit != self.max_position_embeddings else "")
                 + "): the model cannot attend that far",
                 f"use {what} {limit} or less; to train a longer context, extend it in the model's config.json "
-                "(rope_scaling and max_position_embeddings) and pass that config")
+                "(rope_scaling and max_position_embeddings) and pass that config",
+            )
 
     @property
     def num_params(self) -> int:

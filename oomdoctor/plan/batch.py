@@ -155,5 +155,12 @@ def accum_for(micro: int, global_batch: int | None) -> int:
     return max(global_batch // micro, 2)
 
 
-__all__ = ["DEFAULT_MICRO_LIMIT", "SearchTrace", "max_fitting", "divisors", "BatchChoice", "choose_micro_batch",
-           "accum_for"]
+__all__ = [
+    "DEFAULT_MICRO_LIMIT",
+    "SearchTrace",
+    "max_fitting",
+    "divisors",
+    "BatchChoice",
+    "choose_micro_batch",
+    "accum_for",
+]

@@ -93,8 +93,10 @@ class Budget:
     def describe(self) -> str:
         """One line: ``22.35 GiB (--gpu-mem) - margin 0 B = 22.35 GiB for the resident device peak``."""
         what = "resident device peak" if self.counted == "resident_device" else "live tensor bytes"
-        return (f"{format_bytes(self.capacity_bytes)} ({self.source}) - margin {format_bytes(self.margin_bytes)} = "
-                f"{format_bytes(self.limit_bytes)} for the {what}")
+        return (
+            f"{format_bytes(self.capacity_bytes)} ({self.source}) - margin {format_bytes(self.margin_bytes)} = "
+            f"{format_bytes(self.limit_bytes)} for the {what}"
+        )
 
     def to_dict(self) -> dict:
         return {
@@ -126,13 +128,21 @@ def parse_margin(text: str | float | int | None, capacity: int) -> tuple[int, Ma
         except ValueError:
             frac, form = parse_size(s, what="--margin") / capacity, "size"
     if not math.isfinite(frac) or frac < 0 or frac > MAX_MARGIN_FRACTION:
-        raise BadInput(f"--margin {text}: must be between 0 and {MAX_MARGIN_FRACTION} of the memory "
-                       f"({format_bytes(capacity)})", hint)
+        raise BadInput(
+            f"--margin {text}: must be between 0 and {MAX_MARGIN_FRACTION} of the memory ({format_bytes(capacity)})",
+            hint,
+        )
     return int(round(frac * capacity)), form
 
 
-def resolve_budget(gpu_mem: int | None, margin: str | float | int | None, gpu_info: GpuInfo | None, *,
-                   gpu_mem_source: CapacitySource = "--gpu-mem", on_cpu: bool = False) -> Budget | None:
+def resolve_budget(
+    gpu_mem: int | None,
+    margin: str | float | int | None,
+    gpu_info: GpuInfo | None,
+    *,
+    gpu_mem_source: CapacitySource = "--gpu-mem",
+    on_cpu: bool = False,
+) -> Budget | None:
     """The budget from ``gpu_mem`` (labelled ``gpu_mem_source``), else ``gpu_info``'s free memory, else None.
 
     ``margin`` is anything :func:`parse_margin` reads (None: the default). ``on_cpu``: the capacity caps live tensor
@@ -144,20 +154,38 @@ def resolve_budget(gpu_mem: int | None, margin: str | float | int | None, gpu_in
             raise BadInput(f"{gpu_mem_source} must be a positive size, e.g. 24GB")
         capacity, source = int(gpu_mem), gpu_mem_source
         if gpu is not None and capacity > gpu.free_bytes:
-            notes.append(f"{gpu_mem_source} {format_bytes(capacity)} is more than the {format_bytes(gpu.free_bytes)} "
-                         f"free on {gpu.name} now: the plan is for the card you named, not this one")
+            notes.append(
+                f"{gpu_mem_source} {format_bytes(capacity)} is more than the {format_bytes(gpu.free_bytes)} "
+                f"free on {gpu.name} now: the plan is for the card you named, not this one"
+            )
     elif gpu is not None:
         capacity, source = gpu.free_bytes, "nvml free"
         if gpu.used_by_others_bytes:
-            notes.append(f"{gpu.name}: {format_bytes(gpu.total_bytes)} total, {format_bytes(gpu.used_by_others_bytes)} "
-                         f"held by {len(gpu.other_processes)} other process(es); planning for the "
-                         f"{format_bytes(gpu.free_bytes)} free")
+            notes.append(
+                f"{gpu.name}: {format_bytes(gpu.total_bytes)} total, {format_bytes(gpu.used_by_others_bytes)} "
+                f"held by {len(gpu.other_processes)} other process(es); planning for the "
+                f"{format_bytes(gpu.free_bytes)} free"
+            )
     else:
         return None
     margin_bytes, form = parse_margin(margin, capacity)
-    return Budget(capacity_bytes=capacity, source=source, margin_bytes=margin_bytes, margin_form=form,
-                  counted="peak_allocated" if on_cpu else "resident_device", notes=tuple(notes))
+    return Budget(
+        capacity_bytes=capacity,
+        source=source,
+        margin_bytes=margin_bytes,
+        margin_form=form,
+        counted="peak_allocated" if on_cpu else "resident_device",
+        notes=tuple(notes),
+    )
 
 
-__all__ = ["Budget", "resolve_budget", "parse_margin", "DEFAULT_MARGIN_BYTES", "MAX_MARGIN_FRACTION",
-           "CapacitySource", "MarginForm", "Counted"]
+__all__ = [
+    "Budget",
+    "resolve_budget",
+    "parse_margin",
+    "DEFAULT_MARGIN_BYTES",
+    "MAX_MARGIN_FRACTION",
+    "CapacitySource",
+    "MarginForm",
+    "Counted",
+]

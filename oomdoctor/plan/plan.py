@@ -43,8 +43,12 @@ DEFAULT_LORA_TARGETS: tuple[str, ...] = DEFAULTS["lora_targets"]
 #: Every dtype a plan or a train YAML names (``compute_dtype``, ``bnb_4bit_compute_dtype``), as torch attribute names.
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 #: The dtype matmuls run in under each precision (one of :data:`DTYPE_NAMES`).
-COMPUTE_DTYPES: dict[str, str] = {"fp32": "float32", "fp16-mixed": "float16", "bf16-mixed": "bfloat16",
-                                  "bf16": "bfloat16"}
+COMPUTE_DTYPES: dict[str, str] = {
+    "fp32": "float32",
+    "fp16-mixed": "float16",
+    "bf16-mixed": "bfloat16",
+    "bf16": "bfloat16",
+}
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,7 @@ class Plan:
         """Elements per DeepSpeed reduce / all-gather bucket: ``bucket_size``, or hidden² (Hugging Face's ``auto``
         for ``reduce_bucket_size``; DeepSpeed's own 5e8 costs ~1 GB bf16 per rank, multi-gpu.md §3). What the
         memory model prices, ``train`` runs and ``tune --emit`` writes."""
-        return self.bucket_size or hidden_size ** 2
+        return self.bucket_size or hidden_size**2
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -177,9 +181,11 @@ class Plan:
         else:
             tgt = "all" if self.lora_targets == DEFAULT_LORA_TARGETS else ",".join(self.lora_targets)
             m = "lora" if self.method == "lora" else f"qlora-{self.quant}{'+dq' if self.double_quant else ''}"
-            parts.append(f"{m} r{self.lora_r}:{tgt}{'+head' if self.lora_on_head else ''}"
-                         + (f" {self.adapter_dtype}-adapters" if self.adapter_dtype != DEFAULTS["adapter_dtype"] else "")
-                         + (" no-upcast" if self.quant is not None and not self.kbit_upcast else ""))
+            parts.append(
+                f"{m} r{self.lora_r}:{tgt}{'+head' if self.lora_on_head else ''}"
+                + (f" {self.adapter_dtype}-adapters" if self.adapter_dtype != DEFAULTS["adapter_dtype"] else "")
+                + (" no-upcast" if self.quant is not None and not self.kbit_upcast else "")
+            )
         parts.append(self.precision)
         shows_impl = self.optimizer in TORCH_OPTIMIZERS and self.optimizer_impl != DEFAULTS["optimizer_impl"]
         parts.append(self.optimizer + (f"({self.optimizer_impl})" if shows_impl else ""))
@@ -191,7 +197,15 @@ class Plan:
             parts.append("chunked-CE")
         if self.tiled_mlp:
             parts.append("tiled-MLP")
-        offl = [n for n, on in (("opt", self.offload_optimizer), ("act", self.offload_activations), ("params", self.offload_params)) if on]
+        offl = [
+            n
+            for n, on in (
+                ("opt", self.offload_optimizer),
+                ("act", self.offload_activations),
+                ("params", self.offload_params),
+            )
+            if on
+        ]
         if offl:
             parts.append("offload:" + "+".join(offl))
         if self.attn != "sdpa":
@@ -247,13 +261,17 @@ def _check_topology(plan: Plan, problems: list[str], changes: dict) -> None:
         if strategy == "single":
             strategy = "fsdp"
         if strategy not in ("fsdp", "zero3"):
-            problems.append(f"offload_params needs strategy fsdp (FSDP2 CPUOffloadPolicy) or zero3 (ZeRO-3 "
-                            f"offload_param), not {strategy}")
+            problems.append(
+                f"offload_params needs strategy fsdp (FSDP2 CPUOffloadPolicy) or zero3 (ZeRO-3 "
+                f"offload_param), not {strategy}"
+            )
         if strategy == "fsdp" and not plan.offload_optimizer:
             changes["offload_optimizer"] = True
     elif plan.offload_optimizer and strategy == "fsdp":
-        problems.append("FSDP2 offloads parameters, gradients and optimizer states together (CPUOffloadPolicy): "
-                        "set offload_params too, or use zero2/zero3 for optimizer-only offload")
+        problems.append(
+            "FSDP2 offloads parameters, gradients and optimizer states together (CPUOffloadPolicy): "
+            "set offload_params too, or use zero2/zero3 for optimizer-only offload"
+        )
     if strategy != plan.strategy:
         changes["strategy"] = strategy
     sg = plan.shard_group
@@ -268,8 +286,10 @@ def _check_topology(plan: Plan, problems: list[str], changes: dict) -> None:
         problems.append(f"reshard_after_forward applies to strategy fsdp, not {strategy}")
     if plan.bucket_size is not None:
         if strategy not in DEEPSPEED:
-            problems.append(f"bucket_size applies to zero2 and zero3, DeepSpeed's buckets (strategy {strategy} has no "
-                            "buckets to size: train sums DDP gradients once per step, FSDP has none)")
+            problems.append(
+                f"bucket_size applies to zero2 and zero3, DeepSpeed's buckets (strategy {strategy} has no "
+                "buckets to size: train sums DDP gradients once per step, FSDP has none)"
+            )
         elif not isinstance(plan.bucket_size, int) or isinstance(plan.bucket_size, bool) or plan.bucket_size < 1:
             problems.append(f"bucket_size must be a positive number of elements, got {plan.bucket_size!r}")
 
@@ -323,30 +343,42 @@ def validate(plan: Plan) -> Plan:
     if not plan.lora_targets:
         problems.append("lora_targets is empty; name modules (q_proj,v_proj) or use all-linear")
     if plan.adapter_dtype != DEFAULTS["adapter_dtype"] and plan.method == "full":
-        problems.append(f"adapter_dtype {plan.adapter_dtype} applies to LoRA adapters (--method lora or qlora), "
-                        "not to a full fine-tune")
+        problems.append(
+            f"adapter_dtype {plan.adapter_dtype} applies to LoRA adapters (--method lora or qlora), "
+            "not to a full fine-tune"
+        )
     if plan.adapter_dtype == "bf16" and plan.precision == "fp16-mixed":
-        problems.append("adapter_dtype bf16 under fp16-mixed: autocast would cast the bf16 adapters to fp16 in every "
-                        "matmul; use bf16-mixed, or fp32 adapters")
+        problems.append(
+            "adapter_dtype bf16 under fp16-mixed: autocast would cast the bf16 adapters to fp16 in every "
+            "matmul; use bf16-mixed, or fp32 adapters"
+        )
     _check_topology(plan, problems, changes)
     if plan.optimizer_in_backward:
         if plan.grad_accum > 1:
-            problems.append("optimizer_in_backward steps during backward: it cannot accumulate gradients "
-                            "(grad_accum must be 1; raise the micro-batch instead)")
+            problems.append(
+                "optimizer_in_backward steps during backward: it cannot accumulate gradients "
+                "(grad_accum must be 1; raise the micro-batch instead)"
+            )
         if plan.offload_optimizer:
             problems.append("optimizer_in_backward and offload_optimizer: choose one")
         if plan.precision == "fp16-mixed":
             problems.append("optimizer_in_backward cannot run fp16's loss scaler (it unscales all gradients at once)")
         if changes.get("strategy", plan.strategy) != "single":
-            problems.append("optimizer_in_backward steps each parameter before its gradient is reduced across "
-                            "ranks: one GPU only (strategy single)")
+            problems.append(
+                "optimizer_in_backward steps each parameter before its gradient is reduced across "
+                "ranks: one GPU only (strategy single)"
+            )
     if plan.tiled_mlp:
         if changes.get("strategy", plan.strategy) != "single":
-            problems.append("tiled_mlp accumulates each MLP gradient tile by tile, while DDP/FSDP/ZeRO reduce a "
-                            "gradient once: one GPU only (strategy single)")
+            problems.append(
+                "tiled_mlp accumulates each MLP gradient tile by tile, while DDP/FSDP/ZeRO reduce a "
+                "gradient once: one GPU only (strategy single)"
+            )
         if plan.optimizer_in_backward:
-            problems.append("tiled_mlp and optimizer_in_backward: the optimizer would step on the first tile's share "
-                            "of a gradient; choose one")
+            problems.append(
+                "tiled_mlp and optimizer_in_backward: the optimizer would step on the first tile's share "
+                "of a gradient; choose one"
+            )
     if plan.offload_params and plan.method != "full" and quant is not None:
         problems.append("offload_params with a bitsandbytes-quantized base is not supported by bitsandbytes")
     if problems:
@@ -359,4 +391,3 @@ def validate(plan: Plan) -> Plan:
 __all__ = ["Plan", "validate", "DEFAULT_LORA_TARGETS"] + [
     n for n in ("METHODS", "PRECISIONS", "OPTIMIZERS", "ATTNS", "QUANTS", "OPTIMIZER_IMPLS", "STRATEGIES", "SHARDED")
 ]
-

@@ -118,7 +118,10 @@ _PEFT = "peft LoraConfig default (peft 0.21: r=8, lora_alpha=8, lora_dropout=0.0
 
 TECHNIQUES: tuple[Technique, ...] = (
     Technique(
-        "method", "choice", "full", "transformers.Trainer trains every weight",
+        "method",
+        "choice",
+        "full",
+        "transformers.Trainer trains every weight",
         "full: every weight trains; lora: Low-Rank Adaptation (peft) adapters train on a frozen base; "
         "qlora: LoRA on a bitsandbytes-quantized frozen base (quant, default nf4)",
         "full: weights+grads+optimizer for every parameter (~16 B/param with AdamW fp32); lora: only adapters "
@@ -126,7 +129,10 @@ TECHNIQUES: tuple[Technique, ...] = (
         choices=("full", "lora", "qlora"),
     ),
     Technique(
-        "precision", "choice", "fp32", "TrainingArguments: bf16=False, fp16=False",
+        "precision",
+        "choice",
+        "fp32",
+        "TrainingArguments: bf16=False, fp16=False",
         "fp32; fp16-mixed / bf16-mixed: fp32 weights under autocast (the fp32 weights are the master copy; "
         "HF bf16: true / fp16: true); bf16: pure bf16 weights, gradients and optimizer states",
         "fp32 (4 B/param weights) | bf16-mixed / fp16-mixed (fp32 weights + low-precision copies, activations "
@@ -134,41 +140,65 @@ TECHNIQUES: tuple[Technique, ...] = (
         choices=("fp32", "fp16-mixed", "bf16-mixed", "bf16"),
     ),
     Technique(
-        "optimizer", "choice", "adamw", "TrainingArguments.optim: adamw_torch_fused on CUDA",
+        "optimizer",
+        "choice",
+        "adamw",
+        "TrainingArguments.optim: adamw_torch_fused on CUDA",
         "AdamW keeps exactly Adam's two states (decoupled weight decay costs no memory); leaner: 8-bit / paged "
         "AdamW (bitsandbytes, CUDA), Adafactor, SGD, Lion. A train YAML also takes the HF optim names ("
-        + ", ".join(h for names in OPTIMIZERS.values() for h, _ in names) + ")",
+        + ", ".join(h for names in OPTIMIZERS.values() for h, _ in names)
+        + ")",
         "adamw: 8 B/trainable param of state | adamw-8bit: 2 B | paged-*: state in unified memory, paged to the "
         "CPU under pressure (shown, not counted as resident) | adafactor: factored (~0) | sgd: 0 (4 B with "
         "momentum) | lion: 4 B",
-        choices=tuple(OPTIMIZERS), yaml_key="optim",
+        choices=tuple(OPTIMIZERS),
+        yaml_key="optim",
     ),
     Technique(
-        "optimizer_impl", "choice", "fused", "TrainingArguments.optim adamw_torch_fused (torch fused=True)",
+        "optimizer_impl",
+        "choice",
+        "fused",
+        "TrainingArguments.optim adamw_torch_fused (torch fused=True)",
         "torch optimizer kernel: fused (one kernel), foreach (multi-tensor) or for-loop; ignored by bitsandbytes "
         "and Adafactor",
         "fused: no group-sized temporaries | foreach: temporaries the size of a parameter group at the step | "
         "for-loop: one parameter's",
-        choices=("fused", "foreach", "for-loop"), yaml_key="optim_impl",
+        choices=("fused", "foreach", "for-loop"),
+        yaml_key="optim_impl",
     ),
     Technique(
-        "sgd_momentum", "prob", 0.0, "torch.optim.SGD momentum=0",
-        "SGD momentum", "> 0 adds one buffer per trainable parameter", flag="",
+        "sgd_momentum",
+        "prob",
+        0.0,
+        "torch.optim.SGD momentum=0",
+        "SGD momentum",
+        "> 0 adds one buffer per trainable parameter",
+        flag="",
     ),
     Technique(
-        "attn", "choice", "sdpa", "transformers attn_implementation: sdpa when torch provides it",
+        "attn",
+        "choice",
+        "sdpa",
+        "transformers attn_implementation: sdpa when torch provides it",
         "attention kernel: eager materializes the seq x seq scores; sdpa / flash (flash_attention_2) do not",
         "eager: seq x seq scores and probabilities per head in memory | sdpa / flash: none",
-        choices=tuple(HF_ATTN_NAMES) + ("flash_attention_2",), yaml_key="attn_implementation",
+        choices=tuple(HF_ATTN_NAMES) + ("flash_attention_2",),
+        yaml_key="attn_implementation",
     ),
     Technique(
-        "gradient_checkpointing", "bool", False, "TrainingArguments.gradient_checkpointing=False",
+        "gradient_checkpointing",
+        "bool",
+        False,
+        "TrainingArguments.gradient_checkpointing=False",
         "recompute activations in backward, keeping only each layer's input",
         "true: activations drop ~L-fold for ~33% more compute (the biggest activation saver)",
         flag="--gradient-checkpointing/--no-gradient-checkpointing",
     ),
     Technique(
-        "loss", "choice", "standard", "transformers ForCausalLMLoss (logits of every token, upcast to fp32)",
+        "loss",
+        "choice",
+        "standard",
+        "transformers ForCausalLMLoss (logits of every token, upcast to fp32)",
         "causal-LM loss: standard materializes batch x seq x vocab logits (+ fp32 upcast, log-probabilities); "
         "chunked runs the LM head and cross-entropy over token chunks, each recomputed in backward (the memory "
         "of Liger's fused linear cross-entropy / Apple's cut-cross-entropy, in pure torch)",
@@ -177,7 +207,10 @@ TECHNIQUES: tuple[Technique, ...] = (
         choices=("standard", "chunked"),
     ),
     Technique(
-        "tiled_mlp", "bool", False, "transformers runs each MLP over the whole sequence (axolotl tiled_mlp: false)",
+        "tiled_mlp",
+        "bool",
+        False,
+        "transformers runs each MLP over the whole sequence (axolotl tiled_mlp: false)",
         "run each decoder block's MLP over tiles of about hidden_size tokens, recomputing each tile in backward "
         "(Arctic Long Sequence Training's TiledMLP, as DeepSpeed, axolotl and unsloth ship it): for contexts of "
         "tens of thousands of tokens; one GPU, dense MLPs",
@@ -186,31 +219,51 @@ TECHNIQUES: tuple[Technique, ...] = (
         flag="--tiled-mlp/--no-tiled-mlp",
     ),
     Technique(
-        "lora_r", "int>=1", 8, _PEFT,
-        "LoRA rank r", "r x (in+out) trainable params per adapted linear (grads + optimizer state on those only)",
+        "lora_r",
+        "int>=1",
+        8,
+        _PEFT,
+        "LoRA rank r",
+        "r x (in+out) trainable params per adapted linear (grads + optimizer state on those only)",
         yaml_key="r",
     ),
     Technique(
-        "lora_alpha", "int>=1", 8, _PEFT,
-        "LoRA scale numerator (scale = lora_alpha / r)", "no memory effect", flag="",
+        "lora_alpha", "int>=1", 8, _PEFT, "LoRA scale numerator (scale = lora_alpha / r)", "no memory effect", flag=""
     ),
     Technique(
-        "lora_dropout", "prob", 0.0, _PEFT,
-        "dropout on the adapter input", "> 0 keeps one mask/copy of each adapted input for backward", flag="",
+        "lora_dropout",
+        "prob",
+        0.0,
+        _PEFT,
+        "dropout on the adapter input",
+        "> 0 keeps one mask/copy of each adapted input for backward",
+        flag="",
     ),
     Technique(
-        "lora_targets", "targets", (ALL_LINEAR,), "peft target_modules='all-linear' (every linear but the head)",
+        "lora_targets",
+        "targets",
+        (ALL_LINEAR,),
+        "peft target_modules='all-linear' (every linear but the head)",
         "modules that get LoRA adapters: q_proj,v_proj,... or all-linear",
         "more targets = more adapter params and adapter activations",
-        yaml_key="target_modules", aliases=("lora_target_modules",),
+        yaml_key="target_modules",
+        aliases=("lora_target_modules",),
     ),
     Technique(
-        "lora_on_head", "bool", False, "peft all-linear excludes the output head",
-        "also adapt the output head (lm_head)", "its adapter input/grad spans the vocabulary projection",
-        yaml_key="", flag="--lora-on-head",
+        "lora_on_head",
+        "bool",
+        False,
+        "peft all-linear excludes the output head",
+        "also adapt the output head (lm_head)",
+        "its adapter input/grad spans the vocabulary projection",
+        yaml_key="",
+        flag="--lora-on-head",
     ),
     Technique(
-        "adapter_dtype", "choice", "fp32", "peft get_peft_model(autocast_adapter_dtype=True): fp32 adapters",
+        "adapter_dtype",
+        "choice",
+        "fp32",
+        "peft get_peft_model(autocast_adapter_dtype=True): fp32 adapters",
         "dtype of the LoRA adapter weights: fp32 (peft's default under every precision) or bf16 (the QLoRA paper's "
         "recipe; TRL's SFTTrainer casts the adapters of a quantized model to bf16)",
         "bf16: adapters, their gradients and AdamW states at 2 B/param instead of 4, and the adapters' matmuls in "
@@ -218,20 +271,30 @@ TECHNIQUES: tuple[Technique, ...] = (
         choices=("fp32", "bf16"),
     ),
     Technique(
-        "quant", "choice", None, "from_pretrained without a quantization_config",
+        "quant",
+        "choice",
+        None,
+        "from_pretrained without a quantization_config",
         "bitsandbytes quantization of the frozen base: int8 (LLM.int8()), nf4 or fp4 (4-bit, QLoRA); in a train "
         "YAML also load_in_4bit + bnb_4bit_quant_type / load_in_8bit",
         "nf4/fp4: ~0.5 B/param instead of 2-4 | int8: ~1 B/param",
-        choices=(None, "int8", "nf4", "fp4"), yaml_key="",
+        choices=(None, "int8", "nf4", "fp4"),
+        yaml_key="",
     ),
     Technique(
-        "double_quant", "bool", False, "BitsAndBytesConfig.bnb_4bit_use_double_quant=False",
+        "double_quant",
+        "bool",
+        False,
+        "BitsAndBytesConfig.bnb_4bit_use_double_quant=False",
         "QLoRA double quantization: quantize the 4-bit absmax constants again",
         "saves ~0.37 bit/param (~0.3 GB on 7B)",
-        yaml_key="bnb_4bit_use_double_quant", flag="--double-quant",
+        yaml_key="bnb_4bit_use_double_quant",
+        flag="--double-quant",
     ),
     Technique(
-        "kbit_upcast", "bool", True,
+        "kbit_upcast",
+        "bool",
+        True,
         "peft prepare_model_for_kbit_training (peft's QLoRA recipe; TRL's SFTTrainer does not call it)",
         "quantized base: cast the weights bitsandbytes leaves unquantized (embeddings, norms, head, biases) to fp32 "
         "as peft's prepare_model_for_kbit_training does; off keeps them in the load dtype (TRL's SFTTrainer, "
@@ -241,51 +304,87 @@ TECHNIQUES: tuple[Technique, ...] = (
         flag="--kbit-upcast/--no-kbit-upcast",
     ),
     Technique(
-        "micro_batch", "int>=1", 1, "TrainingArguments.per_device_train_batch_size=8 (oomdoctor: 1, the floor)",
+        "micro_batch",
+        "int>=1",
+        1,
+        "TrainingArguments.per_device_train_batch_size=8 (oomdoctor: 1, the floor)",
         "sequences per forward/backward per device (train YAML: also 'auto', the largest that fits)",
         "activations and logits scale linearly with it",
-        yaml_key="micro_batch_size", aliases=("per_device_train_batch_size",), json_key="micro_batch_size",
+        yaml_key="micro_batch_size",
+        aliases=("per_device_train_batch_size",),
+        json_key="micro_batch_size",
     ),
     Technique(
-        "seq_len", "int>=1", 2048, "min(2048, the model's max_position_embeddings) on the command line",
+        "seq_len",
+        "int>=1",
+        2048,
+        "min(2048, the model's max_position_embeddings) on the command line",
         "tokens per sequence (longer samples are truncated)",
         "activations grow linearly (quadratically with eager attention), logits by seq_len x vocab x ~10 B",
         aliases=("max_seq_length", "max_seq_len", "sequence_len"),
     ),
     Technique(
-        "grad_accum", "int>=1", 1, "TrainingArguments.gradient_accumulation_steps=1",
-        "micro-batches accumulated per optimizer step", "no extra memory; multiplies the effective batch",
-        yaml_key="gradient_accumulation_steps", flag="", json_key="gradient_accumulation_steps",
+        "grad_accum",
+        "int>=1",
+        1,
+        "TrainingArguments.gradient_accumulation_steps=1",
+        "micro-batches accumulated per optimizer step",
+        "no extra memory; multiplies the effective batch",
+        yaml_key="gradient_accumulation_steps",
+        flag="",
+        json_key="gradient_accumulation_steps",
     ),
     Technique(
-        "optimizer_in_backward", "bool", False, "Trainer steps after backward (torchtune optimizer_in_bwd=False)",
+        "optimizer_in_backward",
+        "bool",
+        False,
+        "Trainer steps after backward (torchtune optimizer_in_bwd=False)",
         "step each parameter's optimizer in its post-accumulate-grad hook during backward (torchtune's "
         "optimizer_in_bwd, LOMO): a gradient is freed as soon as it is used; no gradient accumulation, no clipping",
         "gradients drop from one per trainable parameter to about the largest one (-2 B/param in bf16, -4 in fp32)",
     ),
     Technique(
-        "offload_optimizer", "bool", False, "no offload (DeepSpeed/FSDP offload is opt-in)",
+        "offload_optimizer",
+        "bool",
+        False,
+        "no offload (DeepSpeed/FSDP offload is opt-in)",
         "optimizer states and the optimizer step live on the CPU",
-        "frees 8-12 B per trainable param on the GPU, costs PCIe copies every step", flag="--offload",
+        "frees 8-12 B per trainable param on the GPU, costs PCIe copies every step",
+        flag="--offload",
     ),
     Technique(
-        "offload_activations", "bool", False, "no offload",
+        "offload_activations",
+        "bool",
+        False,
+        "no offload",
         "tensors saved for backward go to pinned CPU memory (torch.autograd.graph.save_on_cpu)",
-        "activations leave the GPU, costs PCIe copies", flag="--offload",
+        "activations leave the GPU, costs PCIe copies",
+        flag="--offload",
     ),
     Technique(
-        "offload_params", "bool", False, "no offload",
+        "offload_params",
+        "bool",
+        False,
+        "no offload",
         "frozen/base weights live on the CPU and are streamed in per layer (accelerate/DeepSpeed style)",
-        "weights leave the GPU but for one layer at a time", flag="--offload",
+        "weights leave the GPU but for one layer at a time",
+        flag="--offload",
     ),
     Technique(
-        "world_size", "int>=1", 1, "one process (torchrun --nproc-per-node 1)",
+        "world_size",
+        "int>=1",
+        1,
+        "one process (torchrun --nproc-per-node 1)",
         "data-parallel ranks: every GPU of every node (diagnose/tune --gpus; train runs them through torchrun "
-        "--nproc-per-node)", "memory is priced per rank; the sharding strategies divide model states by it",
+        "--nproc-per-node)",
+        "memory is priced per rank; the sharding strategies divide model states by it",
         flag="--gpus",
     ),
     Technique(
-        "strategy", "choice", "single", "one process; under torchrun HF Trainer wraps the model in DDP",
+        "strategy",
+        "choice",
+        "single",
+        "one process; under torchrun HF Trainer wraps the model in DDP",
         "how the ranks share the work: single (one GPU), ddp (a full replica per rank, gradients all-reduced), "
         "fsdp (torch FSDP2 fully_shard per decoder layer: weights, gradients and optimizer states sharded), zero2 / "
         "zero3 (DeepSpeed ZeRO stage 2 / 3). world_size > 1 with single means ddp",
@@ -295,34 +394,46 @@ TECHNIQUES: tuple[Technique, ...] = (
         choices=("single", "ddp", "fsdp", "zero2", "zero3"),
     ),
     Technique(
-        "shard_group", "int>=1|null", None, "FSDP2 shards over every rank (a 1-D device mesh)",
+        "shard_group",
+        "int>=1|null",
+        None,
+        "FSDP2 shards over every rank (a 1-D device mesh)",
         "fsdp: ranks that share one sharded copy of the model states; fewer than world_size is HSDP (shard inside "
         "the group, replicate across world_size / shard_group groups, e.g. one group per node)",
         "sharded states divide by shard_group, not world_size",
     ),
     Technique(
-        "reshard_after_forward", "bool", True, "torch FSDP2 fully_shard(reshard_after_forward=True)",
+        "reshard_after_forward",
+        "bool",
+        True,
+        "torch FSDP2 fully_shard(reshard_after_forward=True)",
         "fsdp: free each layer's gathered weights after its forward and gather them again in backward; false keeps "
         "them from forward to backward (FSDP1 SHARD_GRAD_OP, ZeRO-2-like): fewer all-gathers",
         "false: + every layer's unsharded weights between forward and backward",
         flag="--reshard-after-forward/--no-reshard-after-forward",
     ),
     Technique(
-        "bucket_size", "int>=1|null", None,
+        "bucket_size",
+        "int>=1|null",
+        None,
         "DeepSpeed reduce/allgather bucket = hidden^2 (Hugging Face's 'auto')",
         "zero2/zero3: elements per DeepSpeed communication bucket (reduce_bucket_size, allgather_bucket_size, "
         "stage3_prefetch_bucket_size)",
         "each bucket is a buffer of this many elements; DeepSpeed's own default 5e8 costs 1 GB (bf16) per rank",
     ),
     Technique(
-        "trainer", "choice", "oomdoctor", "oomdoctor train runs the plan",
+        "trainer",
+        "choice",
+        "oomdoctor",
+        "oomdoctor train runs the plan",
         "the code that runs the step, priced as it runs it: oomdoctor (oomdoctor train), trl (TRL's SFTTrainer, "
         "trl sft), hf (transformers' Trainer), axolotl, accelerate (your train.py under accelerate launch); "
         "tune --emit sets it and searches only the knobs that trainer runs (oomdoctor.plan.targets)",
         "trl: the loss through TRL's fused LM head (per-token log-probs, entropy and top-1 over vocabulary chunks, "
         "no full logits) and TRL's activation offloading | hf, axolotl, accelerate: a chunked loss is Liger's fused "
         "linear cross-entropy | oomdoctor: its own step",
-        choices=TRAINERS, train_executes=False,
+        choices=TRAINERS,
+        train_executes=False,
     ),
 )
 
@@ -408,7 +519,22 @@ def how(changes: dict[str, Any], style: Style, targets: tuple[str, ...] = (ALL_L
 
 
 __all__ = [
-    "ALL_LINEAR", "BY_NAME", "DEFAULTS", "EFFECTIVE_BATCH", "HF_ATTN_NAMES", "HF_OPTIM_NAMES", "OPTIMIZERS",
-    "OPTIM_VALUES", "PAGED_OPTIMIZERS", "TECHNIQUES", "TORCH_OPTIMIZERS", "TRAINERS", "Technique", "choices", "how",
-    "how_flag", "how_yaml", "technique",
+    "ALL_LINEAR",
+    "BY_NAME",
+    "DEFAULTS",
+    "EFFECTIVE_BATCH",
+    "HF_ATTN_NAMES",
+    "HF_OPTIM_NAMES",
+    "OPTIMIZERS",
+    "OPTIM_VALUES",
+    "PAGED_OPTIMIZERS",
+    "TECHNIQUES",
+    "TORCH_OPTIMIZERS",
+    "TRAINERS",
+    "Technique",
+    "choices",
+    "how",
+    "how_flag",
+    "how_yaml",
+    "technique",
 ]

@@ -137,9 +137,13 @@ def writing(tmp: Path, what: str, path: Path, run_dir: Path, *, cleanup: bool = 
         if failure is None:
             raise
         kept = latest_checkpoint(run_dir)
-        raise write_failed(what, path, failure, "the partial copy was removed; " + (
-            f"{kept.name} is intact" if kept else "no earlier checkpoint exists"),
-            "free space on that disk (or move output_dir), then continue the run with --resume") from None
+        raise write_failed(
+            what,
+            path,
+            failure,
+            "the partial copy was removed; " + (f"{kept.name} is intact" if kept else "no earlier checkpoint exists"),
+            "free space on that disk (or move output_dir), then continue the run with --resume",
+        ) from None
 
 
 def _save(obj, path: Path) -> None:
@@ -165,8 +169,18 @@ def _replace_into(out: Path, tmp: Path, final: Path, step: int) -> None:
         os.replace(tmp, final)
 
 
-def save_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, optimizer, scheduler, scaler,
-                    state: dict, save_total_limit: int | None = None) -> Path:
+def save_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    model,
+    is_peft: bool,
+    optimizer,
+    scheduler,
+    scaler,
+    state: dict,
+    save_total_limit: int | None = None,
+) -> Path:
     """Write ``checkpoint-<step>`` atomically; returns its path. Runs outside any simulated memory budget."""
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -208,8 +222,9 @@ def _load_full_weights(model, p: Path) -> None:
     from safetensors.torch import load_file
 
     index = p / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-        ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     sd: dict = {}
     for f in files:
         sd.update(load_file(str(p / f)))
@@ -245,8 +260,7 @@ def load_checkpoint(path: str | Path, *, model, is_peft: bool, optimizer, schedu
     except CorruptCheckpoint:
         raise
     except Exception as exc:  # noqa: BLE001 - safetensors/torch.load/pickle raise many kinds for a damaged file
-        raise CorruptCheckpoint(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}") \
-            from None
+        raise CorruptCheckpoint(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
     return state
 
 
@@ -269,9 +283,20 @@ def _dcp_state(model, optimizer, frozen_too: bool):
 ZERO_DIR, ZERO_TAG = "deepspeed", "zero"
 
 
-def save_sharded_checkpoint(output_dir: str | Path, step: int, *, model, is_peft: bool, optimizer, scheduler,
-                            state: dict, rank: int, tag: str, save_total_limit: int | None = None,
-                            engine=None) -> Path:
+def save_sharded_checkpoint(
+    output_dir: str | Path,
+    step: int,
+    *,
+    model,
+    is_peft: bool,
+    optimizer,
+    scheduler,
+    state: dict,
+    rank: int,
+    tag: str,
+    save_total_limit: int | None = None,
+    engine=None,
+) -> Path:
     """Collective (every rank calls it): write ``checkpoint-<step>`` of a sharded run atomically; returns its path.
     ``tag`` names the temporary directory all ranks share (the same on every rank). With a DeepSpeed ``engine``
     (ZeRO) the model and optimizer go through ``engine.save_checkpoint`` into ``deepspeed/`` instead of DCP."""
@@ -301,8 +326,9 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, *, model, is_peft
     dist.barrier()
     if rank == 0:
         with writing(tmp, "checkpoint", final, out):
-            (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step, "global_step": step, "sharded": True},
-                                                     indent=1))
+            (tmp / STATE_FILE).write_text(
+                json.dumps({**state, "step": step, "global_step": step, "sharded": True}, indent=1)
+            )
             _fsync_dir_tree(tmp)
             _replace_into(out, tmp, final, step)
         if save_total_limit:
@@ -312,8 +338,9 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, *, model, is_peft
     return final
 
 
-def load_sharded_checkpoint(path: str | Path, *, model, is_peft: bool, optimizer, scheduler, rank: int,
-                            engine=None) -> dict:
+def load_sharded_checkpoint(
+    path: str | Path, *, model, is_peft: bool, optimizer, scheduler, rank: int, engine=None
+) -> dict:
     """Collective: restore a sharded checkpoint into the sharded ``model`` and ``optimizer`` (DCP; with a DeepSpeed
     ``engine``: ``engine.load_checkpoint``), the scheduler and this rank's RNG; returns the trainer state. :class:`CorruptCheckpoint` when this rank could not read it (the
     caller makes the ranks agree before falling back)."""
@@ -329,8 +356,7 @@ def load_sharded_checkpoint(path: str | Path, *, model, is_peft: bool, optimizer
         scheduler.load_state_dict(torch.load(p / "scheduler.pt", weights_only=False))
         _set_rng_state(torch.load(p / f"rng_state_{rank}.pth", weights_only=False))
     except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException wrapping any rank's read error
-        raise CorruptCheckpoint(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}") \
-            from None
+        raise CorruptCheckpoint(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
     return state
 
 
@@ -340,8 +366,7 @@ def _load_dcp(p: Path, model, optimizer, is_peft: bool) -> None:
 
     options, sd = _dcp_state(model, optimizer, frozen_too=not is_peft)
     dcp.load(sd, checkpoint_id=str(p / SHARDED_DIR))
-    res = set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                         options=options)
+    res = set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
     trainable = {n for n, q in model.named_parameters() if q.requires_grad}
     bad = [k for k in getattr(res, "missing_keys", []) if k in trainable] + list(getattr(res, "unexpected_keys", []))
     if bad:
@@ -356,6 +381,20 @@ def full_model_state(model) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-__all__ = ["os_error", "writing", "ZERO_DIR", "ZERO_TAG", "save_sharded_checkpoint", "load_sharded_checkpoint", "full_model_state", "SHARDED_DIR",
-           "save_checkpoint", "load_checkpoint", "read_state", "latest_checkpoint", "list_checkpoints",
-           "CorruptCheckpoint", "STATE_FILE"]
+__all__ = [
+    "os_error",
+    "writing",
+    "ZERO_DIR",
+    "ZERO_TAG",
+    "save_sharded_checkpoint",
+    "load_sharded_checkpoint",
+    "full_model_state",
+    "SHARDED_DIR",
+    "save_checkpoint",
+    "load_checkpoint",
+    "read_state",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "CorruptCheckpoint",
+    "STATE_FILE",
+]

@@ -55,8 +55,10 @@ def _format(path: Path, fmt: str) -> str:
         return fmt
     f = _EXT_FORMAT.get(path.suffix)
     if f is None:
-        raise BadInput(f"dataset: cannot tell the format of {path} from its extension",
-                       "set dataset.format: jsonl | json | text | parquet")
+        raise BadInput(
+            f"dataset: cannot tell the format of {path} from its extension",
+            "set dataset.format: jsonl | json | text | parquet",
+        )
     return f
 
 
@@ -93,9 +95,10 @@ def load_records(dcfg: DatasetConfig) -> list[dict]:
                 except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid/OSError on corrupt files
                     raise BadInput(f"{path}: not a readable parquet file ({exc})") from None
         except UnicodeDecodeError:
-            raise BadInput(f"{path} is not a text file (not UTF-8: binary?)",
-                           "set dataset.format (jsonl | json | text | parquet) or point dataset.path at the data"
-                           ) from None
+            raise BadInput(
+                f"{path} is not a text file (not UTF-8: binary?)",
+                "set dataset.format (jsonl | json | text | parquet) or point dataset.path at the data",
+            ) from None
         except OSError as exc:
             raise BadInput(f"cannot read {path}: {exc.strerror or exc}") from None
         except json.JSONDecodeError as exc:
@@ -177,8 +180,11 @@ def chat_template(dcfg: DatasetConfig, tokenizer) -> tuple[str, str | None]:
     if c is None:
         if own:
             return own, None
-        return CHATML, "the tokenizer has no chat template: conversations use the default ChatML template " \
-                       "(set dataset.chat_template to choose another: `oomdoctor keys chat_template`)"
+        return (
+            CHATML,
+            "the tokenizer has no chat template: conversations use the default ChatML template "
+            "(set dataset.chat_template to choose another: `oomdoctor keys chat_template`)",
+        )
     if c == "chatml":
         return CHATML, None
     if "{{" in c or "{%" in c:
@@ -187,8 +193,10 @@ def chat_template(dcfg: DatasetConfig, tokenizer) -> tuple[str, str | None]:
     try:
         return path.read_text(), None
     except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(f"dataset.chat_template: {c!r} is neither a jinja template nor a readable file ({exc})",
-                       "give a template string, a .jinja file or chatml") from None
+        raise BadInput(
+            f"dataset.chat_template: {c!r} is neither a jinja template nor a readable file ({exc})",
+            "give a template string, a .jinja file or chatml",
+        ) from None
 
 
 def adds_bos(tokenizer) -> bool:
@@ -235,9 +243,14 @@ class Encoder:
     def chat(self, messages: list, generation_prompt: bool = False) -> tuple[list[int], list[int] | None]:
         """A conversation through the chat template: ids and (with ``assistant_only_loss``) the assistant mask."""
         out = self.tokenizer.apply_chat_template(
-            messages, chat_template=self.template, tokenize=True, return_dict=True,
-            add_generation_prompt=generation_prompt, add_bos=self.add_bos,
-            return_assistant_tokens_mask=self.assistant_only_loss and not generation_prompt)
+            messages,
+            chat_template=self.template,
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=generation_prompt,
+            add_bos=self.add_bos,
+            return_assistant_tokens_mask=self.assistant_only_loss and not generation_prompt,
+        )
         ids = list(out["input_ids"])
         mask = list(out["assistant_masks"]) if "assistant_masks" in out else None
         return ids, mask
@@ -309,25 +322,35 @@ def _encoder(dcfg: DatasetConfig, tokenizer, kind: str, conversational: bool) ->
     notes: list[str] = []
     template = None
     if dcfg.assistant_only_loss and not conversational:
-        raise BadInput("dataset.assistant_only_loss: the records are not conversational (no message lists)",
-                       "use messages records or conversational prompt/completion, or set completion_only_loss")
+        raise BadInput(
+            "dataset.assistant_only_loss: the records are not conversational (no message lists)",
+            "use messages records or conversational prompt/completion, or set completion_only_loss",
+        )
     if conversational:
         template, note = chat_template(dcfg, tokenizer)
         notes += [note] if note else []
         if dcfg.assistant_only_loss and not has_generation_markers(template):
-            raise BadInput("dataset.assistant_only_loss: the chat template has no {% generation %} markers, so the "
-                           "assistant tokens cannot be told apart",
-                           "set dataset.chat_template: chatml (the bundled template has them) or give a template "
-                           "with {% generation %}...{% endgeneration %} around assistant replies")
+            raise BadInput(
+                "dataset.assistant_only_loss: the chat template has no {% generation %} markers, so the "
+                "assistant tokens cannot be told apart",
+                "set dataset.chat_template: chatml (the bundled template has them) or give a template "
+                "with {% generation %}...{% endgeneration %} around assistant replies",
+            )
     col = dcfg.completion_only_loss
-    enc = Encoder(tokenizer=tokenizer, eos=tokenizer.eos_token_id if dcfg.add_eos else None, template=template,
-                  add_bos=adds_bos(tokenizer), assistant_only_loss=dcfg.assistant_only_loss,
-                  completion_only_loss=(kind == "prompt_completion") if col is None else col)
+    enc = Encoder(
+        tokenizer=tokenizer,
+        eos=tokenizer.eos_token_id if dcfg.add_eos else None,
+        template=template,
+        add_bos=adds_bos(tokenizer),
+        assistant_only_loss=dcfg.assistant_only_loss,
+        completion_only_loss=(kind == "prompt_completion") if col is None else col,
+    )
     return enc, notes
 
 
-def encode_records(dcfg: DatasetConfig, tokenizer, records: list[dict],
-                   enough: int | None = None) -> tuple[str, list[tuple], list[str]]:
+def encode_records(
+    dcfg: DatasetConfig, tokenizer, records: list[dict], enough: int | None = None
+) -> tuple[str, list[tuple], list[str]]:
     """Records -> ``(kind, [(input_ids, labels)], notes)``, untruncated; with ``enough``, the first records only, up to
     the one that brings their tokens to ``enough``."""
     kind = record_type(dcfg, records)
@@ -360,23 +383,30 @@ def encode_records(dcfg: DatasetConfig, tokenizer, records: list[dict],
             ck = completion_key(dcfg, r)
             p, c = r.get(dcfg.prompt_field), r.get(ck) if ck else None
             ok = (isinstance(p, str) and isinstance(c, str)) or (
-                conversational and is_conversational(p) and is_conversational(c))
+                conversational and is_conversational(p) and is_conversational(c)
+            )
             if not ok:
-                missing.append(f"record {i + 1}: needs fields {dcfg.prompt_field!r} and {dcfg.completion_field!r} "
-                               f"(both strings, or both message lists)")
+                missing.append(
+                    f"record {i + 1}: needs fields {dcfg.prompt_field!r} and {dcfg.completion_field!r} "
+                    f"(both strings, or both message lists)"
+                )
                 continue
             seq = enc.prompt_completion(p, c)
         if enc.assistant_only_loss and all(t == IGNORE for t in seq[1]):
-            raise BadInput(f"dataset record {i + 1}: no assistant tokens (assistant_only_loss)",
-                           "every conversation needs an assistant turn, and the template {% generation %} markers")
+            raise BadInput(
+                f"dataset record {i + 1}: no assistant tokens (assistant_only_loss)",
+                "every conversation needs an assistant turn, and the template {% generation %} markers",
+            )
         if seq[0]:
             seqs.append(seq)
             tokens += len(seq[0])
         if len(missing) >= 5 or enough is not None and tokens >= enough:
             break
     if missing:
-        raise BadInput(f"dataset {dcfg.path}: " + "; ".join(missing[:5]),
-                       "set dataset.type / text_field / prompt_field / completion_field to match your records")
+        raise BadInput(
+            f"dataset {dcfg.path}: " + "; ".join(missing[:5]),
+            "set dataset.type / text_field / prompt_field / completion_field to match your records",
+        )
     return kind, seqs, notes
 
 
@@ -415,8 +445,10 @@ def pack_wrapped(seqs: list[tuple[list[int], list[int]]], seq_len: int) -> list[
     attend to their neighbours in the row, as HF ``group_texts``)."""
     ids = [t for s in seqs for t in s[0]]
     lab = [t for s in seqs for t in s[1]]
-    return [Sample(ids[k:k + seq_len], lab[k:k + seq_len], (len(ids[k:k + seq_len]),))
-            for k in range(0, len(ids), seq_len)]
+    return [
+        Sample(ids[k : k + seq_len], lab[k : k + seq_len], (len(ids[k : k + seq_len]),))
+        for k in range(0, len(ids), seq_len)
+    ]
 
 
 def dataset_tokens(dcfg: DatasetConfig, tokenizer, enough: int) -> int:
@@ -442,8 +474,15 @@ def tokenize(dcfg: DatasetConfig, tokenizer, seq_len: int) -> TokenizedData:
     samples = [s for s in samples if any(t != IGNORE for t in s.labels[1:])]  # no target token: nothing to learn
     if not samples:
         raise BadInput("dataset: no sample has a token to predict after truncation", "raise seq_len")
-    return TokenizedData(samples=samples, pad_id=int(pad if pad is not None else 0), kind=kind, packed=dcfg.packing,
-                         reset_positions=reset, truncated=truncated, notes=notes)
+    return TokenizedData(
+        samples=samples,
+        pad_id=int(pad if pad is not None else 0),
+        kind=kind,
+        packed=dcfg.packing,
+        reset_positions=reset,
+        truncated=truncated,
+        notes=notes,
+    )
 
 
 class SampleOrder:
@@ -483,8 +522,13 @@ def flattens(attn_implementation: str) -> bool:
     return "flash" in attn_implementation
 
 
-def collate(samples: list[Sample], pad_id: int, pad_to_multiple_of: int | None = None,
-            reset_positions: bool = False, flatten: bool = False):
+def collate(
+    samples: list[Sample],
+    pad_id: int,
+    pad_to_multiple_of: int | None = None,
+    reset_positions: bool = False,
+    flatten: bool = False,
+):
     """Right-pad to the longest row (rounded up to ``pad_to_multiple_of``).
 
     Plain rows: ``input_ids``, ``attention_mask``, ``labels``. Packed rows (``reset_positions``): ``input_ids``,
@@ -495,8 +539,13 @@ def collate(samples: list[Sample], pad_id: int, pad_to_multiple_of: int | None =
     import torch
 
     if flatten and reset_positions:
-        samples = [Sample([t for s in samples for t in s.input_ids], [t for s in samples for t in s.labels],
-                          tuple(n for s in samples for n in s.seq_lengths))]
+        samples = [
+            Sample(
+                [t for s in samples for t in s.input_ids],
+                [t for s in samples for t in s.labels],
+                tuple(n for s in samples for n in s.seq_lengths),
+            )
+        ]
     longest = max(len(s.input_ids) for s in samples)
     if pad_to_multiple_of:
         longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
@@ -513,7 +562,22 @@ def collate(samples: list[Sample], pad_id: int, pad_to_multiple_of: int | None =
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
 
-__all__ = ["CHATML", "IGNORE", "KINDS", "PACKING_STRATEGIES", "Sample", "SampleOrder", "TokenizedData",
-           "chat_template", "collate", "count_targets", "dataset_tokens", "flattens", "load_records", "pack_bfd",
-           "pack_wrapped",
-           "record_type", "tokenize"]
+__all__ = [
+    "CHATML",
+    "IGNORE",
+    "KINDS",
+    "PACKING_STRATEGIES",
+    "Sample",
+    "SampleOrder",
+    "TokenizedData",
+    "chat_template",
+    "collate",
+    "count_targets",
+    "dataset_tokens",
+    "flattens",
+    "load_records",
+    "pack_bfd",
+    "pack_wrapped",
+    "record_type",
+    "tokenize",
+]

@@ -81,15 +81,20 @@ class DryRun:
             "effective_batch_size": self.plan.effective_batch,
             "memory": self.memory.to_dict(),
             "advice": self.advice.to_dict() if self.advice is not None else None,
-            "eval": None if self.eval_memory is None else {
-                **self.eval_memory.to_dict(), "needed_bytes": int(getattr(self.eval_memory, self.compared)),
-                "fits": None if self.budget is None else self.budget.fits(self.eval_memory)},
+            "eval": None
+            if self.eval_memory is None
+            else {
+                **self.eval_memory.to_dict(),
+                "needed_bytes": int(getattr(self.eval_memory, self.compared)),
+                "fits": None if self.budget is None else self.budget.fits(self.eval_memory),
+            },
             "notes": list(self.notes),
         }
 
 
-def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "analytic",
-            source: str = "train config") -> DryRun:
+def dry_run(
+    cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "analytic", source: str = "train config"
+) -> DryRun:
     """Check ``cfg`` (named ``source`` in its problem list) and price it on the device it names."""
     from oomdoctor.engines import estimate
     from oomdoctor.gpu import detect_gpu
@@ -100,8 +105,10 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
     notes = check(cfg, source=source)
     device = "cpu" if cfg.device == "cpu" else "cuda"
     if cfg.device == "auto" and detect_gpu() is None:
-        notes.append("device: auto is priced for a GPU (the run takes one when there is one); this machine has none "
-                     "and would train on the CPU: set device: cpu to price that run")
+        notes.append(
+            "device: auto is priced for a GPU (the run takes one when there is one); this machine has none "
+            "and would train on the CPU: set device: cpu to price that run"
+        )
     budget = run_budget(cfg, gpu_mem, on_cpu=device == "cpu")
     if budget is None:
         notes.append("no memory budget: pass --gpu-mem SIZE (or gpu_mem: in the config) for a fit verdict")
@@ -118,8 +125,9 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
     except ModuleNotFoundError as exc:
         from oomdoctor.errors import BadInput
 
-        raise BadInput(f"--engine {engine}: the memory engine is not available in this build ({exc})",
-                       "try --engine analytic") from None
+        raise BadInput(
+            f"--engine {engine}: the memory engine is not available in this build ({exc})", "try --engine analytic"
+        ) from None
     train_fits = None if budget is None else budget.fits(memory)
     evm = None
     if cfg.dataset.eval_split or cfg.dataset.eval_path:
@@ -127,8 +135,10 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
 
         evm = eval_memory(spec, plan, cfg.per_device_eval_batch_size, memory)
         if budget is not None and not budget.fits(evm):
-            notes.append(f"the eval phase does not fit: per_device_eval_batch_size {cfg.per_device_eval_batch_size} "
-                         f"needs {format_bytes(budget.needed(evm))} (logits {format_bytes(evm.logits)}); lower it")
+            notes.append(
+                f"the eval phase does not fit: per_device_eval_batch_size {cfg.per_device_eval_batch_size} "
+                f"needs {format_bytes(budget.needed(evm))} (logits {format_bytes(evm.logits)}); lower it"
+            )
     fits = None if budget is None else train_fits and (evm is None or budget.fits(evm))
     advice = None
     if train_fits is False:
@@ -138,8 +148,19 @@ def dry_run(cfg: TrainConfig, *, gpu_mem: int | None = None, engine: str = "anal
             advice = advise(spec, plan, budget, estimator=lambda s, p: estimate(s, p, "analytic", device))
         except Exception as exc:  # noqa: BLE001 - advice is a bonus; the verdict stands without it
             notes.append(f"advice unavailable: {type(exc).__name__}: {exc}")
-    return DryRun(spec=spec, plan=plan, memory=memory, budget=budget, fits=fits, advice=advice, engine=engine,
-                  notes=notes, device=device, eval_memory=evm, train_fits=train_fits)
+    return DryRun(
+        spec=spec,
+        plan=plan,
+        memory=memory,
+        budget=budget,
+        fits=fits,
+        advice=advice,
+        engine=engine,
+        notes=notes,
+        device=device,
+        eval_memory=evm,
+        train_fits=train_fits,
+    )
 
 
 __all__ = ["dry_run", "DryRun"]

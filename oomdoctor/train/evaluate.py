@@ -23,8 +23,10 @@ def split_eval(samples: list, fraction: float, seed: int) -> tuple[list, list]:
     n = len(samples)
     n_eval = max(1, round(fraction * n))
     if n_eval >= n:
-        raise BadInput(f"dataset.eval_split {fraction}: {n} sample(s) leave nothing to train on",
-                       "lower eval_split, add data, or give dataset.eval_path")
+        raise BadInput(
+            f"dataset.eval_split {fraction}: {n} sample(s) leave nothing to train on",
+            "lower eval_split, add data, or give dataset.eval_path",
+        )
     held = set(torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()[:n_eval])
     return ([s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held])
 
@@ -42,8 +44,17 @@ def eval_samples(dcfg: Any, tokenizer: Any, seq_len: int, train: Any, seed: int)
     return train, []
 
 
-def evaluate(step: Any, samples: list, *, pad_id: int, batch_size: int, device: Any,
-             pad_to_multiple_of: int | None = None, reset_positions: bool = False, flatten: bool = False) -> float:
+def evaluate(
+    step: Any,
+    samples: list,
+    *,
+    pad_id: int,
+    batch_size: int,
+    device: Any,
+    pad_to_multiple_of: int | None = None,
+    reset_positions: bool = False,
+    flatten: bool = False,
+) -> float:
     """Token-weighted mean loss of ``step.model`` over ``samples`` (``oomdoctor.train.data.Sample`` rows, collated
     as training collates them: ``reset_positions`` / ``flatten`` for packed rows), no gradients, eval mode."""
     import torch
@@ -52,7 +63,7 @@ def evaluate(step: Any, samples: list, *, pad_id: int, batch_size: int, device: 
 
     total = torch.zeros((), dtype=torch.float64, device=device)
     for i in range(0, len(samples), batch_size):
-        batch = collate(samples[i:i + batch_size], pad_id, pad_to_multiple_of, reset_positions, flatten)
+        batch = collate(samples[i : i + batch_size], pad_id, pad_to_multiple_of, reset_positions, flatten)
         total += step.eval_loss({k: v.to(device, non_blocking=True) for k, v in batch.items()}).double()
     return float(total) / max(1, count_targets(samples))
 

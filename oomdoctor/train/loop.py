@@ -57,9 +57,18 @@ METER_STEPS = 2
 STEP_DELAY_ENV = "OOMDOCTOR_STEP_DELAY_S"
 
 
-def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None = None, resume: bool = False,
-          overwrite: bool = False, engine: str = "analytic", on_event: Event | None = None,
-          command: str = "oomdoctor train CONFIG", source: str = "train config") -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    *,
+    gpu_mem: int | None = None,
+    max_steps: int | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    engine: str = "analytic",
+    on_event: Event | None = None,
+    command: str = "oomdoctor train CONFIG",
+    source: str = "train config",
+) -> TrainResult:
     """Run the training described by ``cfg``. Raises ConfigErrors (exit 2) for what the config cannot run
     (``train.preflight``, every problem of the config named ``source`` at once) before ``output_dir`` is touched,
     UnrecoverableOOM (exit 4) after saving a checkpoint when even micro-batch 1 runs out of memory, WriteFailed
@@ -93,10 +102,15 @@ def train(cfg: TrainConfig, *, gpu_mem: int | None = None, max_steps: int | None
     resume = resume or (oom is not None and bool(ckpt.list_checkpoints(out_dir)))
     with contextlib.ExitStack() as scope:
         if info.is_main:
-            out_dir = scope.enter_context(open_run_dir(
-                cfg.output_dir, resume=resume or oom is not None,
-                overwrite=(overwrite or cfg.overwrite_output_dir) and not current.attempt,
-                emit=lambda m: emit({"type": "info", "message": m}), restarted=bool(current.attempt))).path
+            out_dir = scope.enter_context(
+                open_run_dir(
+                    cfg.output_dir,
+                    resume=resume or oom is not None,
+                    overwrite=(overwrite or cfg.overwrite_output_dir) and not current.attempt,
+                    emit=lambda m: emit({"type": "info", "message": m}),
+                    restarted=bool(current.attempt),
+                )
+            ).path
             if not current.attempt:
                 restart.clear(out_dir)  # a marker of an earlier launch (a reused torchrun run id) is not this one's
         run = setup(cfg, gpu_mem, engine, emit, tok, notes)
@@ -154,8 +168,7 @@ class TrainLoop:
         self.last_ckpt: str | None = resumed_from
         self.first_step = state.step
         self.touch = GradTouch()
-        self.guard = OOMGuard(micro_batch=state.micro_batch, max_retries=self._retries(),
-                              on_recovery=self._on_recovery)
+        self.guard = OOMGuard(micro_batch=state.micro_batch, max_retries=self._retries(), on_recovery=self._on_recovery)
         self.tokens = self.loss_tokens = self.skipped = 0
         self.last_loss: float | None = None
         self.eval_loss: float | None = None
@@ -199,8 +212,10 @@ class TrainLoop:
             torch.set_num_threads(threads_before)
             self.reporter.close()
         if interrupted:
-            raise Interrupted(f"interrupted at step {self.state.step}/{run.total_steps}; checkpoint saved: "
-                              f"{self.last_ckpt}", f"continue with `{run.command} --resume`")
+            raise Interrupted(
+                f"interrupted at step {self.state.step}/{run.total_steps}; checkpoint saved: {self.last_ckpt}",
+                f"continue with `{run.command} --resume`",
+            )
         return self._finish()
 
     def _landed(self, _param) -> None:
@@ -214,15 +229,31 @@ class TrainLoop:
         run = self.run
         if not run.dist.is_main:
             return NullReporter()
-        return Reporter(self.out_dir, run.cfg.report_to, run_name=self.out_dir.name,
-                        config=flatten(asdict(run.cfg)), resumed_at=self.state.step)
+        return Reporter(
+            self.out_dir,
+            run.cfg.report_to,
+            run_name=self.out_dir.name,
+            config=flatten(asdict(run.cfg)),
+            resumed_at=self.state.step,
+        )
 
     def _emit_start(self) -> None:
         run = self.run
-        self.emit({"type": "start", "max_steps": run.total_steps, "step": self.state.step,
-                   "micro_batch": self.guard.micro_batch, "effective_batch": run.effective_batch,
-                   "device": str(run.device), "cap": run.cap, "samples": len(run.data),
-                   "trainable": run.loaded.num_trainable, "params": run.loaded.num_params, "plan": run.plan.label()})
+        self.emit(
+            {
+                "type": "start",
+                "max_steps": run.total_steps,
+                "step": self.state.step,
+                "micro_batch": self.guard.micro_batch,
+                "effective_batch": run.effective_batch,
+                "device": str(run.device),
+                "cap": run.cap,
+                "samples": len(run.data),
+                "trainable": run.loaded.num_trainable,
+                "params": run.loaded.num_params,
+                "plan": run.plan.label(),
+            }
+        )
 
     def _steps(self) -> bool:
         """Optimizer steps to the end, or to the step the ranks agree to stop after on Ctrl-C (a checkpoint saved:
@@ -257,8 +288,13 @@ class TrainLoop:
         self.loss_tokens += out.loss_tokens
         if not out.applied:
             self.skipped += 1
-            self.emit({"type": "info", "message": f"fp16: inf/NaN gradients, update skipped (loss scale now "
-                                                  f"{run.step.scaler.get_scale():g}); not counted as a step"})
+            self.emit(
+                {
+                    "type": "info",
+                    "message": f"fp16: inf/NaN gradients, update skipped (loss scale now "
+                    f"{run.step.scaler.get_scale():g}); not counted as a step",
+                }
+            )
             return
         state.step += 1
         state.losses.append(out.loss)
@@ -280,7 +316,7 @@ class TrainLoop:
         run, info = self.run, self.run.dist
         idx = run.order.take(self.state.samples_seen, run.effective_batch)
         # data parallel: the step's samples are dealt to the ranks; every rank divides by the global target count
-        samples = [run.data.samples[i] for i in idx[info.rank::info.world_size]]
+        samples = [run.data.samples[i] for i in idx[info.rank :: info.world_size]]
         n_targets = count_targets(samples)
         if info.enabled:
             n_targets = int(dist.all_reduce_sum(torch.tensor(n_targets, dtype=torch.long), info))
@@ -316,8 +352,13 @@ class TrainLoop:
             nonlocal tokens
             if inject:
                 raise torch.OutOfMemoryError("out of memory (injected by OOMDOCTOR_INJECT_OOM)")
-            batch = collate(chunk, data.pad_id, cfg.dataset.pad_to_multiple_of, data.reset_positions,
-                            flattens(cfg.model.attn_implementation))
+            batch = collate(
+                chunk,
+                data.pad_id,
+                cfg.dataset.pad_to_multiple_of,
+                data.reset_positions,
+                flattens(cfg.model.attn_implementation),
+            )
             batch = {k: v.to(run.device, non_blocking=True) for k, v in batch.items()}
             tokens += int(batch["input_ids"].numel())
             try:
@@ -404,9 +445,12 @@ class TrainLoop:
         try:
             path = self._write_checkpoint()
         except WriteFailed as exc:
-            raise WriteFailed(exc.message, f"one checkpoint needs about {format_bytes(run.checkpoint_bytes())} free "
-                                           f"there: free space or move output_dir, then continue with "
-                                           f"`{run.command} --resume`") from None
+            raise WriteFailed(
+                exc.message,
+                f"one checkpoint needs about {format_bytes(run.checkpoint_bytes())} free "
+                f"there: free space or move output_dir, then continue with "
+                f"`{run.command} --resume`",
+            ) from None
         if path is None:  # a rank of a replicated run: rank 0 wrote it
             return str(ckpt.checkpoint_dir(run.cfg.output_dir, state.step))
         self.emit({"type": "checkpoint", "step": state.step, "path": str(path)})
@@ -422,18 +466,33 @@ class TrainLoop:
 
         run, state = self.run, self.state
         if run.averages_grads:
-            return ckpt.save_sharded_checkpoint(run.cfg.output_dir, state.step, model=run.loaded.model,
-                                                is_peft=run.loaded.is_peft, optimizer=run.step.optimizer,
-                                                scheduler=run.scheduler, state=state.to_json(), rank=run.dist.rank,
-                                                tag=job().run_id or "job", save_total_limit=run.cfg.save_total_limit,
-                                                engine=run.engine)
+            return ckpt.save_sharded_checkpoint(
+                run.cfg.output_dir,
+                state.step,
+                model=run.loaded.model,
+                is_peft=run.loaded.is_peft,
+                optimizer=run.step.optimizer,
+                scheduler=run.scheduler,
+                state=state.to_json(),
+                rank=run.dist.rank,
+                tag=job().run_id or "job",
+                save_total_limit=run.cfg.save_total_limit,
+                engine=run.engine,
+            )
         if not run.dist.is_main:
             dist.barrier(run.dist)
             return None
-        return ckpt.save_checkpoint(run.cfg.output_dir, state.step, model=run.loaded.model,
-                                    is_peft=run.loaded.is_peft, optimizer=run.step.optimizer,
-                                    scheduler=run.scheduler, scaler=run.step.scaler, state=state.to_json(),
-                                    save_total_limit=run.cfg.save_total_limit)
+        return ckpt.save_checkpoint(
+            run.cfg.output_dir,
+            state.step,
+            model=run.loaded.model,
+            is_peft=run.loaded.is_peft,
+            optimizer=run.step.optimizer,
+            scheduler=run.scheduler,
+            scaler=run.step.scaler,
+            state=state.to_json(),
+            save_total_limit=run.cfg.save_total_limit,
+        )
 
     def _grad_accum(self) -> int:
         """Micro-batches per step now (ceil(rank batch / micro-batch))."""
@@ -449,12 +508,32 @@ class TrainLoop:
         tps = self.tokens / el if el else 0.0
         peak = run.peak_bytes()
         epoch = run.epoch(state.samples_seen)
-        self.reporter.log(state.step, {"epoch": epoch, "loss": state.losses[-1], "learning_rate": lr,
-                                       "tokens_per_second": round(tps, 1), "peak_bytes": peak,
-                                       "micro_batch": self.guard.micro_batch, "grad_accum": self._grad_accum()})
-        self.emit({"type": "step", "step": state.step, "max_steps": run.total_steps, "loss": state.losses[-1],
-                   "lr": lr, "tokens_per_s": tps, "peak_bytes": peak, "micro_batch": self.guard.micro_batch,
-                   "grad_accum": self._grad_accum(), "epoch": epoch})
+        self.reporter.log(
+            state.step,
+            {
+                "epoch": epoch,
+                "loss": state.losses[-1],
+                "learning_rate": lr,
+                "tokens_per_second": round(tps, 1),
+                "peak_bytes": peak,
+                "micro_batch": self.guard.micro_batch,
+                "grad_accum": self._grad_accum(),
+            },
+        )
+        self.emit(
+            {
+                "type": "step",
+                "step": state.step,
+                "max_steps": run.total_steps,
+                "loss": state.losses[-1],
+                "lr": lr,
+                "tokens_per_s": tps,
+                "peak_bytes": peak,
+                "micro_batch": self.guard.micro_batch,
+                "grad_accum": self._grad_accum(),
+                "epoch": epoch,
+            }
+        )
 
     def _evaluate(self) -> float:
         """The eval loss now (no gradients; its memory is checked by the same cap as training)."""
@@ -462,10 +541,16 @@ class TrainLoop:
         from oomdoctor.train.evaluate import evaluate
 
         run, state = self.run, self.state
-        loss = evaluate(run.step, run.eval_samples, pad_id=run.data.pad_id,
-                        batch_size=run.cfg.per_device_eval_batch_size, device=run.device,
-                        pad_to_multiple_of=run.cfg.dataset.pad_to_multiple_of,
-                        reset_positions=run.data.reset_positions, flatten=flattens(run.cfg.model.attn_implementation))
+        loss = evaluate(
+            run.step,
+            run.eval_samples,
+            pad_id=run.data.pad_id,
+            batch_size=run.cfg.per_device_eval_batch_size,
+            device=run.device,
+            pad_to_multiple_of=run.cfg.dataset.pad_to_multiple_of,
+            reset_positions=run.data.reset_positions,
+            flatten=flattens(run.cfg.model.attn_implementation),
+        )
         self.reporter.log(state.step, {"epoch": run.epoch(state.samples_seen), "eval_loss": loss})
         self.emit({"type": "eval", "step": state.step, "eval_loss": loss, "samples": len(run.eval_samples)})
         return loss

@@ -26,17 +26,22 @@ if TYPE_CHECKING:  # torch, imported by the loop only once a run starts
 
 def diagnosis(run: Run, state: RunState, phase: str, reason: str, message: str, micro: int = 1) -> str:
     """What an unrecoverable OOM says: where, the budget, what the prediction holds."""
-    lines = [f"out of memory at step {state.step + 1} in {phase} with micro-batch {micro} x seq_len "
-             f"{run.cfg.seq_len} ({reason})"]
+    lines = [
+        f"out of memory at step {state.step + 1} in {phase} with micro-batch {micro} x seq_len "
+        f"{run.cfg.seq_len} ({reason})"
+    ]
     if run.cap is not None:
         held = format_bytes(run.meter.current) if run.meter else "?"
-        lines.append(f"budget {format_bytes(run.cap)}; held outside the failed micro-batch (weights, gradients, "
-                     f"optimizer state): {held}: too little is left for one sample's activations")
+        lines.append(
+            f"budget {format_bytes(run.cap)}; held outside the failed micro-batch (weights, gradients, "
+            f"optimizer state): {held}: too little is left for one sample's activations"
+        )
     if run.memory:
         comps = {k[:-6]: v for k, v in run.memory.items() if k.endswith("_bytes") and not k.startswith("peak") and v}
         top = sorted(comps.items(), key=lambda kv: -kv[1])[:4]
-        lines.append(f"predicted (micro-batch {run.plan.micro_batch}): "
-                     + ", ".join(f"{k} {format_bytes(v)}" for k, v in top))
+        lines.append(
+            f"predicted (micro-batch {run.plan.micro_batch}): " + ", ".join(f"{k} {format_bytes(v)}" for k, v in top)
+        )
     lines.append(f"OOM message: {message.splitlines()[0][:200]}")
     return "\n".join(lines)
 
@@ -55,8 +60,10 @@ def _zero_alone(run: Run, reason: str, micro: int) -> tuple[str, int]:
     """(reason, micro-batch) of an unrecoverable OOM; one ZeRO process does not split (DeepSpeed's partial gradients
     cannot be undone in-process) and says so."""
     if run.zero and not run.restarts_on_oom and micro > 1:
-        return (f"one DeepSpeed ZeRO process does not split a micro-batch after an OOM; set micro_batch_size "
-                f"{micro // 2}", micro)
+        return (
+            f"one DeepSpeed ZeRO process does not split a micro-batch after an OOM; set micro_batch_size {micro // 2}",
+            micro,
+        )
     return reason, 1
 
 
@@ -82,20 +89,38 @@ def restart_smaller(run: Run, state: RunState, micro: int, exc: OOMAtMicroBatchO
     current = restart.job()
     spent = state.oom_recoveries >= run.cfg.max_oom_retries or not current.restarts_left
     if micro <= 1 or spent:
-        why = "micro-batch 1" if micro <= 1 else (
-            f"torchrun has no restart left (--max-restarts {current.max_restarts})" if not current.restarts_left
-            else f"max_oom_retries {run.cfg.max_oom_retries} reached")
+        why = (
+            "micro-batch 1"
+            if micro <= 1
+            else (
+                f"torchrun has no restart left (--max-restarts {current.max_restarts})"
+                if not current.restarts_left
+                else f"max_oom_retries {run.cfg.max_oom_retries} reached"
+            )
+        )
         raise UnrecoverableOOM(
             diagnosis(run, state, exc.phase, why, exc.message, micro)
             + f"\nlast checkpoint: {last_ckpt or 'none'} (a sharded rank cannot save after an OOM)",
             f"fix the plan (`{run.command} --dry-run --gpu-mem SIZE` lists changes that fit), then "
-            f"`{run.command} --resume`" + ("" if micro <= 1 else ", or allow more with --max-restarts"))
-    rec = OOMRestart(step=state.step + 1, failed_micro_batch=micro, new_micro_batch=max(1, micro // 2),
-                     phase=exc.phase, message=exc.message.splitlines()[0][:300], rank=run.dist.rank,
-                     run_id=current.run_id, attempt=current.attempt)
+            f"`{run.command} --resume`" + ("" if micro <= 1 else ", or allow more with --max-restarts"),
+        )
+    rec = OOMRestart(
+        step=state.step + 1,
+        failed_micro_batch=micro,
+        new_micro_batch=max(1, micro // 2),
+        phase=exc.phase,
+        message=exc.message.splitlines()[0][:300],
+        rank=run.dist.rank,
+        run_id=current.run_id,
+        attempt=current.attempt,
+    )
     restart.write_marker(run.cfg.output_dir, rec)
-    print(f"rank {run.dist.rank}: out of memory at step {rec.step} ({rec.phase}) with micro-batch {micro}; "
-          f"restarting every rank with micro-batch {rec.new_micro_batch}", file=sys.stderr, flush=True)
+    print(
+        f"rank {run.dist.rank}: out of memory at step {rec.step} ({rec.phase}) with micro-batch {micro}; "
+        f"restarting every rank with micro-batch {rec.new_micro_batch}",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(EXIT_OOM_RESTART)  # no teardown: a collective there would block on the peers
 
 
@@ -105,10 +130,15 @@ def resume_smaller(state: RunState, oom: OOMRestart, resumed_from: str | None, e
     state.micro_batch = min(state.micro_batch, oom.new_micro_batch)
     state.oom_recoveries += 1
     state.recoveries.append(oom.to_dict())
-    emit({"type": "info", "message": f"restarted after rank {oom.rank} ran out of memory at step {oom.step} "
-                                     f"({oom.phase}) with micro-batch {oom.failed_micro_batch}: every rank "
-                                     f"continues from {resumed_from or 'the start'} with micro-batch "
-                                     f"{state.micro_batch}, same effective batch"})
+    emit(
+        {
+            "type": "info",
+            "message": f"restarted after rank {oom.rank} ran out of memory at step {oom.step} "
+            f"({oom.phase}) with micro-batch {oom.failed_micro_batch}: every rank "
+            f"continues from {resumed_from or 'the start'} with micro-batch "
+            f"{state.micro_batch}, same effective batch",
+        }
+    )
 
 
 __all__ = ["diagnosis", "gave_up", "optimizer_oom", "restart_smaller", "resume_smaller"]

@@ -143,10 +143,14 @@ def write_summary(run: Run, out_dir: Path, res: TrainResult) -> None:
 
     if not run.dist.is_main:
         return
-    write_file_atomic(out_dir / "summary.json", json.dumps(res.to_dict(), indent=1, default=str),
-                      what="summary", overwrite=True,
-                      hint=f"the model and the last checkpoint are in place: free space, then "
-                           f"`{run.command} --resume` writes the summary")
+    write_file_atomic(
+        out_dir / "summary.json",
+        json.dumps(res.to_dict(), indent=1, default=str),
+        what="summary",
+        overwrite=True,
+        hint=f"the model and the last checkpoint are in place: free space, then "
+        f"`{run.command} --resume` writes the summary",
+    )
     clear(out_dir)
 
 

@@ -60,8 +60,7 @@ def _model_problems(cfg: TrainConfig, notes: list[str]) -> list[str]:
 
 def _max_steps_problem(cfg: TrainConfig) -> str | None:
     if cfg.max_steps is not None and cfg.max_steps < 1 and cfg.max_steps != -1:
-        return (f"max_steps: must be >= 1, got {cfg.max_steps} (-1 or null: unset, num_train_epochs sets the "
-                "length)")
+        return f"max_steps: must be >= 1, got {cfg.max_steps} (-1 or null: unset, num_train_epochs sets the length)"
     return None
 
 
@@ -77,9 +76,11 @@ def _dataset_problem(cfg: TrainConfig, tokenizer: Any) -> str | None:
         return _problem("dataset", exc)
     if n >= cfg.seq_len:
         return None
-    return (f"dataset: {n:,} tokens in all (encoded as the run encodes them), fewer than one packed row of seq_len "
-            f"{cfg.seq_len:,}: not one full sequence can be formed (add data, lower seq_len to {n:,} or less, or "
-            "set dataset.packing: false to train each sample as its own padded row)")
+    return (
+        f"dataset: {n:,} tokens in all (encoded as the run encodes them), fewer than one packed row of seq_len "
+        f"{cfg.seq_len:,}: not one full sequence can be formed (add data, lower seq_len to {n:,} or less, or "
+        "set dataset.packing: false to train each sample as its own padded row)"
+    )
 
 
 def model_source(cfg: TrainConfig):

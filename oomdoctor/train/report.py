@@ -28,18 +28,25 @@ from oomdoctor.files import write_failed
 
 METRICS_FILE = "metrics.jsonl"
 #: report_to name -> (module that must import, pip package).
-_LIBRARIES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-              "mlflow": ("mlflow", "mlflow"), "trackio": ("trackio", "trackio")}
+_LIBRARIES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+    "trackio": ("trackio", "trackio"),
+}
 
 
 def check_sinks(report_to: list[str]) -> None:
     """BadInput naming every ``report_to`` sink whose library is not installed."""
-    missing = [(name, _LIBRARIES[name][1]) for name in report_to if importlib.util.find_spec(_LIBRARIES[name][0])
-               is None]
+    missing = [
+        (name, _LIBRARIES[name][1]) for name in report_to if importlib.util.find_spec(_LIBRARIES[name][0]) is None
+    ]
     if missing:
         names = ", ".join(n for n, _ in missing)
-        raise BadInput(f"report_to: {names}: the library is not installed",
-                       f"pip install {' '.join(p for _, p in missing)} (or drop it from report_to)")
+        raise BadInput(
+            f"report_to: {names}: the library is not installed",
+            f"pip install {' '.join(p for _, p in missing)} (or drop it from report_to)",
+        )
 
 
 class Reporter:
@@ -72,9 +79,13 @@ class Reporter:
             self._fh.write(json.dumps(rec) + "\n")
             self._fh.flush()
         except OSError as exc:  # disk full: one message; a resume drops a torn last line (_truncate_after)
-            raise write_failed("metrics", self.path, exc, "the records before this step are kept",
-                               "free space on that disk (or move output_dir), then continue the run with --resume"
-                               ) from None
+            raise write_failed(
+                "metrics",
+                self.path,
+                exc,
+                "the records before this step are kept",
+                "free space on that disk (or move output_dir), then continue the run with --resume",
+            ) from None
         named = {_hf_name(k): v for k, v in metrics.items() if isinstance(v, (int, float))}
         for sink in self._sinks:
             sink.log(step, named)
@@ -124,8 +135,9 @@ class _Wandb:
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "oomdoctor"), name=run_name, dir=str(out_dir),
-                              config=config)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "oomdoctor"), name=run_name, dir=str(out_dir), config=config
+        )
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log(metrics, step=step)

@@ -58,8 +58,9 @@ def job() -> Job:
         except ValueError:
             return 0
 
-    return Job(os.environ.get("TORCHELASTIC_RUN_ID", ""), num("TORCHELASTIC_RESTART_COUNT"),
-               num("TORCHELASTIC_MAX_RESTARTS"))
+    return Job(
+        os.environ.get("TORCHELASTIC_RUN_ID", ""), num("TORCHELASTIC_RESTART_COUNT"), num("TORCHELASTIC_MAX_RESTARTS")
+    )
 
 
 @dataclass(frozen=True)
@@ -164,5 +165,17 @@ def earlier_failure(current: Job, any_attempt: bool = False) -> int | None:
         return None
 
 
-__all__ = ["MARKER", "INJECT_OOM_ENV", "Job", "job", "OOMRestart", "write_marker", "pending", "peer_ran_out",
-           "clear", "injected_oom", "record_failure", "earlier_failure"]
+__all__ = [
+    "MARKER",
+    "INJECT_OOM_ENV",
+    "Job",
+    "job",
+    "OOMRestart",
+    "write_marker",
+    "pending",
+    "peer_ran_out",
+    "clear",
+    "injected_oom",
+    "record_failure",
+    "earlier_failure",
+]

@@ -15,17 +15,47 @@ from oomdoctor.train.run import Event, Run, any_rank
 
 #: Config keys a resume may change: they alter how the run executes, not what it computes (the effective batch is
 #: fingerprinted instead of micro-batch / accumulation; max_steps, as HF allows, only moves the end).
-SAFE_TO_CHANGE = frozenset({
-    "max_steps", "num_train_epochs", "eval_steps", "per_device_eval_batch_size", "report_to", "merge_adapter",
-    "overwrite_output_dir", "dataset.eval_path", "micro_batch_size", "gradient_accumulation_steps",
-    "gradient_checkpointing", "offload_activations", "output_dir", "save_steps", "save_total_limit", "logging_steps",
-    "gpu_mem", "max_oom_retries", "device", "model.attn_implementation", "optim_impl", "reshard_after_forward",
-    "shard_group",
-})
+SAFE_TO_CHANGE = frozenset(
+    {
+        "max_steps",
+        "num_train_epochs",
+        "eval_steps",
+        "per_device_eval_batch_size",
+        "report_to",
+        "merge_adapter",
+        "overwrite_output_dir",
+        "dataset.eval_path",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "gradient_checkpointing",
+        "offload_activations",
+        "output_dir",
+        "save_steps",
+        "save_total_limit",
+        "logging_steps",
+        "gpu_mem",
+        "max_oom_retries",
+        "device",
+        "model.attn_implementation",
+        "optim_impl",
+        "reshard_after_forward",
+        "shard_group",
+    }
+)
 
 #: config.json keys that decide the shapes of the weights a checkpoint holds.
-SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings", "num_local_experts")
+SHAPE_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "num_local_experts",
+)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -66,8 +96,9 @@ def fingerprint_changes(saved: dict, now: dict) -> list[str]:
     defaults = json.loads(json.dumps(flatten(asdict(TrainConfig())), default=str))
     saved = {**{k: defaults[k] for k in now if k not in saved and k in defaults}, **saved}
     keys = sorted(set(saved) | set(now))
-    return [f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}"
-            for k in keys if saved.get(k) != now.get(k)]
+    return [
+        f"{k}: {saved.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}" for k in keys if saved.get(k) != now.get(k)
+    ]
 
 
 @dataclass
@@ -99,11 +130,15 @@ class RunState:
         micro = self.micro_batch
         if saved.get("configured_micro_batch") == self.configured_micro_batch:
             micro = int(saved.get("micro_batch", micro))  # keep what the OOM guard learned
-        return replace(self, step=int(saved["step"]), micro_batch=micro,
-                       samples_seen=int(saved.get("samples_seen", 0)),
-                       oom_recoveries=int(saved.get("oom_recoveries", 0)),
-                       losses=[float(x) for x in saved.get("losses", [])],
-                       recoveries=list(saved.get("recoveries", [])))
+        return replace(
+            self,
+            step=int(saved["step"]),
+            micro_batch=micro,
+            samples_seen=int(saved.get("samples_seen", 0)),
+            oom_recoveries=int(saved.get("oom_recoveries", 0)),
+            losses=[float(x) for x in saved.get("losses", [])],
+            recoveries=list(saved.get("recoveries", [])),
+        )
 
 
 def start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | None]:
@@ -130,8 +165,10 @@ def start_state(run: Run, resume: bool, emit: Event) -> tuple[RunState, str | No
             emit({"type": "info", "message": f"micro_batch_size changed since the checkpoint: using {micro}"})
         emit({"type": "info", "message": f"resumed from {path} at step {resumed.step}"})
         return resumed, str(path)
-    raise BadInput(f"--resume: no readable checkpoint in {out_dir} (every one is damaged)",
-                   "start over with --overwrite, or restore a checkpoint from a backup")
+    raise BadInput(
+        f"--resume: no readable checkpoint in {out_dir} (every one is damaged)",
+        "start over with --overwrite, or restore a checkpoint from a backup",
+    )
 
 
 def _read_same_run(run: Run, state: RunState, path: Path, emit: Event) -> dict | None:
@@ -150,17 +187,29 @@ def _read_same_run(run: Run, state: RunState, path: Path, emit: Event) -> dict |
         raise BadInput(
             f"--resume: {path} was written by a different run; changed settings:\n  " + "\n  ".join(changes),
             "resume with the original settings (safe to change: " + ", ".join(sorted(SAFE_TO_CHANGE)) + "), "
-            "or start over with --overwrite or another output_dir")
+            "or start over with --overwrite or another output_dir",
+        )
     saved, failed = None, None
     try:
         if run.averages_grads:
-            saved = ckpt.load_sharded_checkpoint(path, model=run.loaded.model, is_peft=run.loaded.is_peft,
-                                                 optimizer=run.step.optimizer, scheduler=run.scheduler,
-                                                 rank=run.dist.rank, engine=run.engine)
+            saved = ckpt.load_sharded_checkpoint(
+                path,
+                model=run.loaded.model,
+                is_peft=run.loaded.is_peft,
+                optimizer=run.step.optimizer,
+                scheduler=run.scheduler,
+                rank=run.dist.rank,
+                engine=run.engine,
+            )
         else:
-            saved = ckpt.load_checkpoint(path, model=run.loaded.model, is_peft=run.loaded.is_peft,
-                                         optimizer=run.step.optimizer, scheduler=run.scheduler,
-                                         scaler=run.step.scaler)
+            saved = ckpt.load_checkpoint(
+                path,
+                model=run.loaded.model,
+                is_peft=run.loaded.is_peft,
+                optimizer=run.step.optimizer,
+                scheduler=run.scheduler,
+                scaler=run.step.scaler,
+            )
     except ckpt.CorruptCheckpoint as exc:
         failed = exc
     if run.averages_grads and any_rank(failed is not None, run.dist):  # fall back together

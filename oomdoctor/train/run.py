@@ -107,8 +107,11 @@ class Run:
     def checkpoint_bytes(self) -> int:
         """About one checkpoint on disk: the saved weights (all of them, or the adapters) and fp32 optimizer state."""
         trainable = sum(p.numel() for p in self.loaded.trainable)
-        weights = trainable * 4 if self.loaded.is_peft else sum(
-            p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        weights = (
+            trainable * 4
+            if self.loaded.is_peft
+            else sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        )
         return weights + 2 * 4 * trainable
 
 

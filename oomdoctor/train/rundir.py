@@ -31,10 +31,23 @@ LOCK_NAME = ".oomdoctor.lock"
 #: Subdirectory of ``output_dir`` with the merged model (``merge_adapter: true``).
 MERGED_DIR = "merged"
 #: Files a finished or running oomdoctor run writes at the top of ``output_dir`` (besides ``checkpoint-N/``).
-RUN_FILES = ("summary.json", "metrics.jsonl", "config.json", "generation_config.json", "model.safetensors",
-             "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "runs", MERGED_DIR,
-             OOM_MARKER)
+RUN_FILES = (
+    "summary.json",
+    "metrics.jsonl",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "runs",
+    MERGED_DIR,
+    OOM_MARKER,
+)
 #: The final model is written into ``output_dir/.tmp-final-<pid>`` before it is moved in (``train.outputs``).
 FINAL_TMP_PREFIX = ".tmp-final-"
 TEMP_PREFIXES = (".tmp-checkpoint-", ".old-checkpoint-", FINAL_TMP_PREFIX)
@@ -91,8 +104,10 @@ def _take_lock(path: Path, emit: Callable[[str], None]) -> Path:
             pid = int(owner[0]) if owner and owner[0].isdigit() else -1
             host = owner[1] if len(owner) > 1 else "?"
             if pid > 0 and (host != socket.gethostname() or _pid_alive(pid)):
-                raise BadInput(f"output_dir {path} is in use by another run (pid {pid} on {host}; lock {lock})",
-                               "wait for it to finish, or choose another output_dir") from None
+                raise BadInput(
+                    f"output_dir {path} is in use by another run (pid {pid} on {host}; lock {lock})",
+                    "wait for it to finish, or choose another output_dir",
+                ) from None
             emit(f"removed a stale lock of a run that is gone (pid {pid}): {lock}")
             lock.unlink(missing_ok=True)
             continue
@@ -108,17 +123,20 @@ def _check_writable(path: Path) -> None:
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as exc:
-        raise BadInput(f"output_dir {path} is not writable ({exc.strerror or exc})",
-                       "fix its permissions or choose another output_dir") from None
+        raise BadInput(
+            f"output_dir {path} is not writable ({exc.strerror or exc})",
+            "fix its permissions or choose another output_dir",
+        ) from None
 
 
 def check_space(path: Path, needed_bytes: int) -> None:
     """Refuse to start when the filesystem of ``path`` cannot hold ``needed_bytes`` (one checkpoint)."""
     free = shutil.disk_usage(path).free
     if free < needed_bytes:
-        raise BadInput(f"output_dir {path}: {format_bytes(free)} free, one checkpoint needs about "
-                       f"{format_bytes(needed_bytes)}",
-                       "free some space or choose an output_dir on another disk")
+        raise BadInput(
+            f"output_dir {path}: {format_bytes(free)} free, one checkpoint needs about {format_bytes(needed_bytes)}",
+            "free some space or choose an output_dir on another disk",
+        )
 
 
 def _restore_moved_aside(path: Path, emit: Callable[[str], None]) -> None:
@@ -148,8 +166,14 @@ def _overwrite(path: Path, entries: list[str], emit: Callable[[str], None]) -> N
     emit(f"--overwrite: removed the previous run in {path} ({len(entries)} entries)")
 
 
-def open_run_dir(output_dir: str | Path, *, resume: bool, overwrite: bool,
-                 emit: Callable[[str], None] = lambda m: None, restarted: bool = False) -> RunDir:
+def open_run_dir(
+    output_dir: str | Path,
+    *,
+    resume: bool,
+    overwrite: bool,
+    emit: Callable[[str], None] = lambda m: None,
+    restarted: bool = False,
+) -> RunDir:
     """Validate, lock and tidy ``output_dir`` for a run (see the module docstring). ``restarted``: torchrun restarted
     this job, and the lock a dead process left is the previous attempt's (a rank leaves with ``os._exit`` after an
     OOM), taken over without a word."""
@@ -159,8 +183,10 @@ def open_run_dir(output_dir: str | Path, *, resume: bool, overwrite: bool,
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise BadInput(f"output_dir {path} cannot be created ({exc.strerror or exc})",
-                       "choose an output_dir in a writable location") from None
+        raise BadInput(
+            f"output_dir {path} cannot be created ({exc.strerror or exc})",
+            "choose an output_dir in a writable location",
+        ) from None
     _check_writable(path)
     lock = _take_lock(path, (lambda m: None) if restarted else emit)
     try:
@@ -168,8 +194,10 @@ def open_run_dir(output_dir: str | Path, *, resume: bool, overwrite: bool,
         entries = run_entries(path)
         if entries and not resume and not overwrite:
             shown = ", ".join(entries[:4]) + (" ..." if len(entries) > 4 else "")
-            raise BadInput(f"output_dir {path} already holds a run ({shown})",
-                           "continue it with --resume, replace it with --overwrite, or choose another output_dir")
+            raise BadInput(
+                f"output_dir {path} already holds a run ({shown})",
+                "continue it with --resume, replace it with --overwrite, or choose another output_dir",
+            )
         _clean_temporaries(path, emit)
         if entries and overwrite and not resume:
             _overwrite(path, entries, emit)

@@ -26,9 +26,11 @@ def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
     Strategies: ``single``/``ddp`` (normalized by the plan from the world size), ``fsdp`` (FSDP2; also what
     ``offload_params`` normalizes to) and DeepSpeed's ``zero2``/``zero3`` (the optional ``deepspeed`` extra)."""
     if cfg.world_size not in (1, world_size):
-        raise BadInput(f"world_size: {cfg.world_size} in the config, but this job has {world_size} process(es)",
-                       f"run `oomdoctor train CONFIG --nproc-per-node {cfg.world_size}` (or N per node with --nnodes), "
-                       "or remove world_size to follow the launcher")
+        raise BadInput(
+            f"world_size: {cfg.world_size} in the config, but this job has {world_size} process(es)",
+            f"run `oomdoctor train CONFIG --nproc-per-node {cfg.world_size}` (or N per node with --nnodes), "
+            "or remove world_size to follow the launcher",
+        )
     cfg = replace(cfg, world_size=world_size)
     plan = cfg.to_plan(micro_batch=cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1)
     if plan.strategy in DEEPSPEED:
@@ -40,8 +42,10 @@ def resolve_topology(cfg: TrainConfig, world_size: int) -> TrainConfig:
     problems = _sharding_problems(cfg, plan)
     if problems:
         what = "DeepSpeed ZeRO" if plan.strategy != "fsdp" else "offload_params" if plan.offload_params else "FSDP2"
-        raise BadInput(f"strategy {plan.strategy} ({what}): " + "; ".join(problems),
-                       "change the config, or run it with strategy ddp")
+        raise BadInput(
+            f"strategy {plan.strategy} ({what}): " + "; ".join(problems),
+            "change the config, or run it with strategy ddp",
+        )
     return cfg
 
 
@@ -51,9 +55,15 @@ def _sharding_problems(cfg: TrainConfig, plan: Plan) -> list[str]:
     if plan.quant is not None:
         problems.append("a bitsandbytes-quantized base (QLoRA) cannot be sharded by train; use strategy ddp")
     if plan.precision == "fp16-mixed":
-        problems.append("fp16-mixed: " + ("GradScaler's inf/NaN check would see only this rank's gradient shards"
-                                          if plan.strategy == "fsdp" else "DeepSpeed's fp16 runs a loss scaler of "
-                                          "its own that train does not drive") + "; use bf16-mixed (or fp32)")
+        problems.append(
+            "fp16-mixed: "
+            + (
+                "GradScaler's inf/NaN check would see only this rank's gradient shards"
+                if plan.strategy == "fsdp"
+                else "DeepSpeed's fp16 runs a loss scaler of its own that train does not drive"
+            )
+            + "; use bf16-mixed (or fp32)"
+        )
     if plan.optimizer not in TORCH_OPTIMIZERS:
         problems.append(f"optim {cfg.optim}: the sharded step runs torch optimizers only (adamw_torch, sgd)")
     if cfg.merge_adapter:
@@ -95,16 +105,32 @@ def setup(cfg: TrainConfig, gpu_mem: int | None, engine: str, emit: Event, tok, 
     loaded = _load(cfg, plan, device, info, tok)
     report("train", "setting up: the optimizer and the training step")
     optimizer = _optimizer(cfg, plan, loaded, device)
-    scheduler = make_scheduler(cfg.lr_scheduler_type, optimizer, warmup_steps=min(cfg.warmup_steps, steps),
-                               total_steps=steps)
+    scheduler = make_scheduler(
+        cfg.lr_scheduler_type, optimizer, warmup_steps=min(cfg.warmup_steps, steps), total_steps=steps
+    )
     ds_engine = _zero_engine(cfg, plan, loaded, optimizer, device, info, micro, eff)
     # the meter after DeepSpeed partitioned the model, before DDP wraps it
     meter = _meter(device, cap, loaded, optimizer)
     step = _train_step(cfg, plan, loaded, optimizer, ds_engine, device, info)
-    return Run(cfg=cfg, device=device, cap=cap, data=data, effective_batch=eff, plan=plan, memory=memory,
-               loaded=loaded, step=step, scheduler=scheduler, meter=meter, notes=notes, tokenizer=tok,
-               order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle),
-               total_steps=steps, eval_samples=held, dist=info)
+    return Run(
+        cfg=cfg,
+        device=device,
+        cap=cap,
+        data=data,
+        effective_batch=eff,
+        plan=plan,
+        memory=memory,
+        loaded=loaded,
+        step=step,
+        scheduler=scheduler,
+        meter=meter,
+        notes=notes,
+        tokenizer=tok,
+        order=SampleOrder(len(data), cfg.seed, cfg.dataset.shuffle),
+        total_steps=steps,
+        eval_samples=held,
+        dist=info,
+    )
 
 
 def _device(cfg: TrainConfig, info: Any) -> Any:
@@ -118,8 +144,11 @@ def _device(cfg: TrainConfig, info: Any) -> Any:
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
     if info.enabled and cfg.optimizer_in_backward:
-        raise BadInput("optimizer_in_backward steps each rank's local gradients in backward, before the ranks sum "
-                       "them: it cannot run data-parallel", "drop optimizer_in_backward, or train on one process")
+        raise BadInput(
+            "optimizer_in_backward steps each rank's local gradients in backward, before the ranks sum "
+            "them: it cannot run data-parallel",
+            "drop optimizer_in_backward, or train on one process",
+        )
     return device
 
 
@@ -142,8 +171,9 @@ def _effective_batch(cfg: TrainConfig, micro: int, world_size: int) -> int:
     the ranks and must divide among them."""
     eff = cfg.global_batch_size or micro * cfg.gradient_accumulation_steps * world_size
     if eff % world_size:
-        raise BadInput(f"global_batch_size {eff} is not divisible by the {world_size} processes",
-                       f"use a multiple of {world_size}")
+        raise BadInput(
+            f"global_batch_size {eff} is not divisible by the {world_size} processes", f"use a multiple of {world_size}"
+        )
     return eff
 
 
@@ -156,12 +186,14 @@ def _load(cfg: TrainConfig, plan: Plan, device: Any, info: Any, tok) -> Any:
     report("train", "setting up: loading the model" + (" (weights from disk)" if cfg.model.path else ""))
     source = model_source(cfg)
     if plan.strategy != "fsdp":
-        return load_model(source, plan, device, vocab_size=len(tok), seed=cfg.seed,
-                          compute_dtype=cfg.bnb_4bit_compute_dtype)
+        return load_model(
+            source, plan, device, vocab_size=len(tok), seed=cfg.seed, compute_dtype=cfg.bnb_4bit_compute_dtype
+        )
     from oomdoctor.execute.shard import device_mesh
 
-    loaded = load_sharded_model(source, plan, device, device_mesh(plan, device.type), is_main=info.is_main,
-                                vocab_size=len(tok), seed=cfg.seed)
+    loaded = load_sharded_model(
+        source, plan, device, device_mesh(plan, device.type), is_main=info.is_main, vocab_size=len(tok), seed=cfg.seed
+    )
     _agree_rng(info)
     return loaded
 
@@ -181,26 +213,38 @@ def _optimizer(cfg: TrainConfig, plan: Plan, loaded: Any, device: Any) -> Any:
     """The plan's optimizer over the trainable parameters (``oomdoctor.execute.optim``)."""
     from oomdoctor.execute.optim import OptimizerArgs, make_plan_optimizer
 
-    args = OptimizerArgs(learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-                         adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon)
+    args = OptimizerArgs(
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_epsilon=cfg.adam_epsilon,
+    )
     return make_plan_optimizer(loaded.trainable, plan, args, target="gpu" if device.type == "cuda" else "cpu")
 
 
-def _zero_engine(cfg: TrainConfig, plan: Plan, loaded: Any, optimizer: Any, device: Any, info: Any, micro: int,
-                 eff: int) -> Any:
+def _zero_engine(
+    cfg: TrainConfig, plan: Plan, loaded: Any, optimizer: Any, device: Any, info: Any, micro: int, eff: int
+) -> Any:
     """The DeepSpeed engine of a ZeRO plan (``oomdoctor.execute.zero``), None for the other strategies."""
     if plan.strategy not in DEEPSPEED:
         return None
     from oomdoctor.execute import zero as ds
 
-    config = ds.zero_config(plan, loaded.model.config.hidden_size, ds.ZeroRun(
-        micro_batch=micro, grad_accum=max(1, eff // (micro * info.world_size)),
-        max_grad_norm=cfg.max_grad_norm, device_type=device.type))
+    config = ds.zero_config(
+        plan,
+        loaded.model.config.hidden_size,
+        ds.ZeroRun(
+            micro_batch=micro,
+            grad_accum=max(1, eff // (micro * info.world_size)),
+            max_grad_norm=cfg.max_grad_norm,
+            device_type=device.type,
+        ),
+    )
     return ds.initialize(loaded.model, optimizer, config)
 
 
-def _train_step(cfg: TrainConfig, plan: Plan, loaded: Any, optimizer: Any, engine: Any, device: Any,
-                info: Any) -> Any:
+def _train_step(cfg: TrainConfig, plan: Plan, loaded: Any, optimizer: Any, engine: Any, device: Any, info: Any) -> Any:
     """The executor's step (``oomdoctor.execute.step.TrainStep``) for the strategy: through the DeepSpeed
     ``engine`` (ZeRO), on the FSDP2-sharded model, or on the model wrapped for DDP (alone: the model)."""
     from oomdoctor.execute.step import TrainStep
@@ -208,15 +252,23 @@ def _train_step(cfg: TrainConfig, plan: Plan, loaded: Any, optimizer: Any, engin
     if engine is not None:  # clipping, the step and zeroing the gradients are engine.step()'s
         from oomdoctor.execute.zero import EngineOptimizer
 
-        return TrainStep(engine, EngineOptimizer(engine), plan, device_type=device.type, max_grad_norm=None,
-                         backward=lambda loss: engine.backward(loss, scale_wrt_gas=False))
+        return TrainStep(
+            engine,
+            EngineOptimizer(engine),
+            plan,
+            device_type=device.type,
+            max_grad_norm=None,
+            backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
+        )
     if plan.strategy == "fsdp":
         from oomdoctor.execute.shard import clip_grad_norm
 
-        return TrainStep(loaded.model, optimizer, plan, device_type=device.type, max_grad_norm=cfg.max_grad_norm,
-                         clip=clip_grad_norm)
-    return TrainStep(dist.wrap(loaded.model, info, device), optimizer, plan, device_type=device.type,
-                     max_grad_norm=cfg.max_grad_norm)
+        return TrainStep(
+            loaded.model, optimizer, plan, device_type=device.type, max_grad_norm=cfg.max_grad_norm, clip=clip_grad_norm
+        )
+    return TrainStep(
+        dist.wrap(loaded.model, info, device), optimizer, plan, device_type=device.type, max_grad_norm=cfg.max_grad_norm
+    )
 
 
 def _meter(device: Any, cap: int | None, loaded: Any, optimizer: Any) -> Any:
@@ -234,8 +286,7 @@ def _meter(device: Any, cap: int | None, loaded: Any, optimizer: Any) -> Any:
     from oomdoctor.execute.tracking import LiveBytes
 
     meter = LiveBytes(cap_bytes=cap, history=False)
-    meter.track_module(loaded.model, None if isinstance(optimizer, CPUOffloadOptimizer) else optimizer,
-                       grad_hooks=True)
+    meter.track_module(loaded.model, None if isinstance(optimizer, CPUOffloadOptimizer) else optimizer, grad_hooks=True)
     return meter
 
 

@@ -28,8 +28,13 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        self._emit({"type": "info", "message": "Ctrl-C: finishing this step, then saving a checkpoint "
-                                               "(Ctrl-C again to stop at once without saving)"})
+        self._emit(
+            {
+                "type": "info",
+                "message": "Ctrl-C: finishing this step, then saving a checkpoint "
+                "(Ctrl-C again to stop at once without saving)",
+            }
+        )
 
     def __enter__(self) -> StopRequest:
         import signal

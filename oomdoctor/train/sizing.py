@@ -32,8 +32,9 @@ def predict_memory(cfg: TrainConfig, micro_batch: int, engine: str = "analytic",
         return spec, plan, None, f"memory engine {engine!r} unavailable: {exc}"
 
 
-def predict_for_run(cfg: TrainConfig, micro: int, engine: str, notes: list[str], device: str
-                    ) -> tuple[Plan, dict | None]:
+def predict_for_run(
+    cfg: TrainConfig, micro: int, engine: str, notes: list[str], device: str
+) -> tuple[Plan, dict | None]:
     """The plan at ``micro`` and its predicted breakdown on ``device`` (never stops a run: failures become notes)."""
     plan = cfg.to_plan(micro_batch=micro)
     try:
@@ -67,8 +68,10 @@ def auto_micro_batch(cfg: TrainConfig, budget: Budget | None, engine: str = "ana
     from oomdoctor.model.load import load_spec
 
     if budget is None:
-        raise BadInput("micro_batch_size: auto needs a memory budget",
-                       "pass --gpu-mem SIZE (or gpu_mem: in the config), or run on a GPU")
+        raise BadInput(
+            "micro_batch_size: auto needs a memory budget",
+            "pass --gpu-mem SIZE (or gpu_mem: in the config), or run on a GPU",
+        )
     spec = load_spec(cfg.model_ref)
     gbs = cfg.global_batch_size
     cache: dict[int, int] = {}
@@ -116,9 +119,11 @@ def check_host_ram(plan: Plan, memory: dict | None, notes: list[str]) -> None:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     need = node_host_bytes(per_node, plan, ranks)
     if need > ram:
-        raise DoesNotFit(f"offload: {ranks} rank(s) on this node offload {format_bytes(need)} > this host's "
-                         f"{format_bytes(ram)} of RAM", "shard over more ranks/nodes, use LoRA, or a host with more "
-                         "memory")
+        raise DoesNotFit(
+            f"offload: {ranks} rank(s) on this node offload {format_bytes(need)} > this host's "
+            f"{format_bytes(ram)} of RAM",
+            "shard over more ranks/nodes, use LoRA, or a host with more memory",
+        )
 
 
 __all__ = ["predict_memory", "predict_for_run", "run_budget", "auto_micro_batch", "total_steps", "check_host_ram"]

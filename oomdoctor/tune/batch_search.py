@@ -146,9 +146,18 @@ SEQ_STEP = 64
 MAX_SEQ_LEN = 1 << 21
 
 
-def longest_seq_len(spec: ModelSpec, plan: Plan, budget: Budget, estimator: Estimator, *, micro_batch: int = 1,
-                    limit: int = MAX_SEQ_LEN, overshoot: float = 1.0, start: int = SEQ_STEP,
-                    accept: Callable[[Plan, MemoryBreakdown], bool] | None = None) -> int:
+def longest_seq_len(
+    spec: ModelSpec,
+    plan: Plan,
+    budget: Budget,
+    estimator: Estimator,
+    *,
+    micro_batch: int = 1,
+    limit: int = MAX_SEQ_LEN,
+    overshoot: float = 1.0,
+    start: int = SEQ_STEP,
+    accept: Callable[[Plan, MemoryBreakdown], bool] | None = None,
+) -> int:
     """The longest sequence (a multiple of :data:`SEQ_STEP`, at most ``limit``) at which ``plan`` with
     ``micro_batch`` fits ``budget`` — its estimate times ``overshoot`` (a verified calibration), when given; 0 when
     not even one step does. Bisection: memory grows with the sequence. ``start``: a length known to be near or

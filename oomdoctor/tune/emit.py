@@ -41,8 +41,12 @@ SAMPLE_TOKENIZER = TINY_TOKENIZER
 #: ``--emit`` values: ``oomdoctor`` (the ``oomdoctor train`` YAML, the default) and the foreign trainers.
 EMIT_TARGETS: tuple[str, ...] = TRAINERS
 #: The tool each foreign trainer is, in prose.
-TOOL_NAMES: dict[str, str] = {"trl": "TRL", "hf": "transformers' Trainer", "axolotl": "axolotl",
-                              "accelerate": "an accelerate launch config"}
+TOOL_NAMES: dict[str, str] = {
+    "trl": "TRL",
+    "hf": "transformers' Trainer",
+    "axolotl": "axolotl",
+    "accelerate": "an accelerate launch config",
+}
 #: The file suffix each foreign trainer's document has.
 SUFFIXES: dict[str, str] = {"trl": ".yaml", "hf": ".json", "axolotl": ".yaml", "accelerate": ".yaml"}
 
@@ -125,16 +129,21 @@ def emit(req: DocumentRequest, header: tuple[str, ...] = ()) -> Emitted:
         raise BadInput(f"--emit {plan.trainer!r}: the foreign trainers are {', '.join(FOREIGN)}")
     refused = refusals(plan, req.spec.model_type)
     if refused:
-        raise BadInput(f"{TOOL_NAMES[plan.trainer]} cannot run {plan.label()}: " + "; ".join(map(str, refused)),
-                       f"tune with --emit {plan.trainer}: it searches only what that trainer runs")
+        raise BadInput(
+            f"{TOOL_NAMES[plan.trainer]} cannot run {plan.label()}: " + "; ".join(map(str, refused)),
+            f"tune with --emit {plan.trainer}: it searches only what that trainer runs",
+        )
     doc = document(req)
     knobs = tuple(knob_lines(plan, doc.data))
     notes = tuple(doc.notes) + tuple(version_notes(plan))
     versions = ", ".join(f"{d} {v}" for d, v in priced_versions(plan))
-    lines = header_lines(f"oomdoctor tune --emit {plan.trainer}", header,
-                         run_command(plan.trainer, "THIS" + SUFFIXES[plan.trainer]),
-                         f"Priced as {versions} run{'s' if len(priced_versions(plan)) == 1 else ''} this step.",
-                         tool=TOOL_NAMES[plan.trainer])
+    lines = header_lines(
+        f"oomdoctor tune --emit {plan.trainer}",
+        header,
+        run_command(plan.trainer, "THIS" + SUFFIXES[plan.trainer]),
+        f"Priced as {versions} run{'s' if len(priced_versions(plan)) == 1 else ''} this step.",
+        tool=TOOL_NAMES[plan.trainer],
+    )
     if plan.trainer == "hf":
         data = dict(doc.data)
         data["oomdoctor"] = {"about": lines, "knobs": list(knobs), "notes": list(notes)}
@@ -159,8 +168,9 @@ def default_output_path(directory: str | os.PathLike = ".") -> Path:
     return free_path(Path(directory) / DEFAULT_OUTPUT)
 
 
-def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = None,
-                  tokenizer: str | None = None, **extra: Any) -> str:
+def render_config(
+    result: TuneResult, model_ref: str, *, dataset: str | None = None, tokenizer: str | None = None, **extra: Any
+) -> str:
     """The ``oomdoctor train`` YAML for the tuned plan, through the train renderer (every key commented).
 
     A hub id or a weights directory becomes ``model.path`` (pretrained); a bare config (``config.json`` or a
@@ -190,19 +200,30 @@ def render_config(result: TuneResult, model_ref: str, *, dataset: str | None = N
     if not dataset and "dataset" not in extra:
         lines.append(f"dataset.path is the bundled sample ({SAMPLE_DATASET}): point it at your data.")
     if config_only and not tokenizer:
-        lines.append(f"model: built from the config with random weights and the bundled sample tokenizer "
-                     f"({SAMPLE_TOKENIZER}) - a smoke run; point model.path at real weights to fine-tune.")
+        lines.append(
+            f"model: built from the config with random weights and the bundled sample tokenizer "
+            f"({SAMPLE_TOKENIZER}) - a smoke run; point model.path at real weights to fine-tune."
+        )
     return render_yaml(cfg, header="\n".join(lines))
 
 
-def write_config(result: TuneResult, model_ref: str, path: str | os.PathLike | None = None, *,
-                 overwrite: bool = False, **render_kw: Any) -> Path:
+def write_config(
+    result: TuneResult,
+    model_ref: str,
+    path: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
+    **render_kw: Any,
+) -> Path:
     """Write the YAML atomically (temp file + rename in the same directory) and set ``result.config_path``.
 
     ``path=None``: :func:`default_output_path` (a fresh name, never overwriting). An explicit path that exists is
     refused (BadInput) unless ``overwrite``."""
-    out = write_text_atomic(path if path is not None else default_output_path(),
-                            render_config(result, model_ref, **render_kw), overwrite=overwrite)
+    out = write_text_atomic(
+        path if path is not None else default_output_path(),
+        render_config(result, model_ref, **render_kw),
+        overwrite=overwrite,
+    )
     result.config_path = str(out)
     return out
 
@@ -218,9 +239,16 @@ def schedule() -> dict[str, Any]:
         out["max_steps"] = d.max_steps
     else:
         out["num_train_epochs"] = d.num_train_epochs
-    out.update(lr_scheduler_type=d.lr_scheduler_type, warmup_steps=d.warmup_steps, weight_decay=d.weight_decay,
-               max_grad_norm=d.max_grad_norm, seed=d.seed, logging_steps=d.logging_steps, save_steps=d.save_steps,
-               save_total_limit=d.save_total_limit)
+    out.update(
+        lr_scheduler_type=d.lr_scheduler_type,
+        warmup_steps=d.warmup_steps,
+        weight_decay=d.weight_decay,
+        max_grad_norm=d.max_grad_norm,
+        seed=d.seed,
+        logging_steps=d.logging_steps,
+        save_steps=d.save_steps,
+        save_total_limit=d.save_total_limit,
+    )
     return out
 
 
@@ -232,9 +260,16 @@ def request_from_result(result: TuneResult, model_ref: str, dataset: str | None 
     ref = str(p.resolve()) if local else model_ref
     if local and p.is_file():
         ref = str(p.resolve().parent)
-    return DocumentRequest(plan=result.plan, spec=result.spec, model=ref, dataset=dataset,
-                           output_dir=TrainConfig().output_dir, schedule=schedule(), model_has_weights=has_weights,
-                           gpus_per_node=result.topology.gpus_per_node)
+    return DocumentRequest(
+        plan=result.plan,
+        spec=result.spec,
+        model=ref,
+        dataset=dataset,
+        output_dir=TrainConfig().output_dir,
+        schedule=schedule(),
+        model_has_weights=has_weights,
+        gpus_per_node=result.topology.gpus_per_node,
+    )
 
 
 def default_emit_path(target: str, directory: str | os.PathLike = ".") -> Path:
@@ -252,8 +287,14 @@ class EmitWritten:
     """How to run it (with the allocator setting tune recommends)."""
 
 
-def write_emitted(result: TuneResult, model_ref: str, path: str | os.PathLike | None = None, *,
-                  overwrite: bool = False, dataset: str | None = None) -> EmitWritten:
+def write_emitted(
+    result: TuneResult,
+    model_ref: str,
+    path: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
+    dataset: str | None = None,
+) -> EmitWritten:
     """Write the document of the tuned plan's trainer (``path=None``: :func:`default_emit_path`)."""
     target = result.plan.trainer
     em = emit(request_from_result(result, model_ref, dataset), result.summary_lines())
@@ -261,6 +302,23 @@ def write_emitted(result: TuneResult, model_ref: str, path: str | os.PathLike | 
     return EmitWritten(em, out, f"{ALLOC_CONF_VAR}={result.alloc_conf} " + em.command(out))
 
 
-__all__ = ["EMIT_TARGETS", "SAMPLE_DATASET", "SAMPLE_TOKENIZER", "EmitWritten", "Emitted", "SUFFIXES", "TOOL_NAMES",
-           "default_emit_path", "default_output_path", "emit", "header_lines", "knob_lines", "render_config",
-           "request_from_result", "run_command", "schedule", "write_config", "write_emitted"]
+__all__ = [
+    "EMIT_TARGETS",
+    "SAMPLE_DATASET",
+    "SAMPLE_TOKENIZER",
+    "EmitWritten",
+    "Emitted",
+    "SUFFIXES",
+    "TOOL_NAMES",
+    "default_emit_path",
+    "default_output_path",
+    "emit",
+    "header_lines",
+    "knob_lines",
+    "render_config",
+    "request_from_result",
+    "run_command",
+    "schedule",
+    "write_config",
+    "write_emitted",
+]

@@ -40,16 +40,28 @@ def tiling_finalists(found: list[tuple[int, Plan]]) -> list[tuple[int, Plan]]:
     for s, p in found:
         if p.optimizer_in_backward:
             continue
-        key = replace(p, optimizer=DEFAULTS["optimizer"], optimizer_impl=DEFAULTS["optimizer_impl"],
-                      double_quant=False, seq_len=SEQ_STEP)
+        key = replace(
+            p,
+            optimizer=DEFAULTS["optimizer"],
+            optimizer_impl=DEFAULTS["optimizer_impl"],
+            double_quant=False,
+            seq_len=SEQ_STEP,
+        )
         if s > best.get(key, (0, p))[0]:
             best[key] = (s, p)
     return sorted(best.values(), key=lambda sp: -sp[0])
 
 
-def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estimator: Estimator,
-                    profile: HardwareProfile, prefer: str, host_ram: int | None,
-                    world_size: int = 1) -> tuple[Plan, int]:
+def longest_context(
+    spec: ModelSpec,
+    pins: dict[str, Any],
+    budget: Budget,
+    estimator: Estimator,
+    profile: HardwareProfile,
+    prefer: str,
+    host_ram: int | None,
+    world_size: int = 1,
+) -> tuple[Plan, int]:
     """The plan that fits the longest sequence (micro-batch ``pins["micro_batch"]`` or 1) and that length: every
     candidate plan's longest sequence by bisection (:func:`longest_seq_len`, up to the model's positions,
     :attr:`ModelSpec.position_limit`; offload and paged-optimizer plans only within ``host_ram`` bytes of CPU RAM,
@@ -62,9 +74,13 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
     DoesNotFit when no plan fits even one step of tokens."""
     micro = int(pins.get("micro_batch", 1))
     tiled_pin = pins.get("tiled_mlp")
-    plans = enumerate_candidates({k: v for k, v in pins.items() if k not in ("micro_batch", "tiled_mlp")},
-                                 Plan(seq_len=SEQ_STEP), bf16_supported=profile.bf16,
-                                 chunked_loss=spec.arch_kind == "decoder", model_type=spec.model_type)
+    plans = enumerate_candidates(
+        {k: v for k, v in pins.items() if k not in ("micro_batch", "tiled_mlp")},
+        Plan(seq_len=SEQ_STEP),
+        bf16_supported=profile.bf16,
+        chunked_loss=spec.arch_kind == "decoder",
+        model_type=spec.model_type,
+    )
 
     def host_fits(p: Plan, mem) -> bool:  # what it offloads or pages out must fit this machine's RAM
         return host_ram is None or host_bytes(mem, budget, p) <= host_ram
@@ -75,8 +91,15 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
     reach = min(MAX_SEQ_LEN, spec.position_limit or MAX_SEQ_LEN)  # never past the model's positions
 
     def longest_of(plans: list[Plan], start: int = SEQ_STEP, limit: int = reach) -> list[tuple[int, Plan]]:
-        found = [(longest_seq_len(spec, p, budget, estimator, micro_batch=micro, start=start, limit=limit,
-                                  accept=host_fits), p) for p in plans]
+        found = [
+            (
+                longest_seq_len(
+                    spec, p, budget, estimator, micro_batch=micro, start=start, limit=limit, accept=host_fits
+                ),
+                p,
+            )
+            for p in plans
+        ]
         return [(s, at(p, s)) for s, p in found if s > 0]
 
     def gains(p: Plan, s: int) -> bool:  # one more step fits
@@ -97,21 +120,25 @@ def longest_context(spec: ModelSpec, pins: dict[str, Any], budget: Budget, estim
             tiled += longest_of([tp], start=s + SEQ_STEP if not tiled_pin else s, limit=limit)
         found = tiled if tiled_pin else found + tiled
     if not found:
-        raise DoesNotFit(f"no plan fits {budget.describe()} even at {SEQ_STEP} tokens per sequence",
-                         f"see `oomdoctor diagnose {spec.name} --seq-len {SEQ_STEP}` for what is missing")
+        raise DoesNotFit(
+            f"no plan fits {budget.describe()} even at {SEQ_STEP} tokens per sequence",
+            f"see `oomdoctor diagnose {spec.name} --seq-len {SEQ_STEP}` for what is missing",
+        )
     longest = max(s for s, _ in found)
     ties = [Candidate(p, estimator(spec, p), None) for s, p in found if s == longest]
     best = min(ties, key=lambda c: (fidelity_key(c.plan) if prefer == "quality" else (0,), c.plan.tiled_mlp))
     return best.plan, longest
 
 
-def calibrated_context(spec: ModelSpec, plan: Plan, budget: Budget, estimator: Estimator, trials: list[Trial],
-                       failed: int) -> int:
+def calibrated_context(
+    spec: ModelSpec, plan: Plan, budget: Budget, estimator: Estimator, trials: list[Trial], failed: int
+) -> int:
     """The longest sequence below ``failed`` at which ``plan`` fits once the memory model is scaled by the worst
     verified overshoot (measured / predicted peak of the failed trials); 0 when none does."""
     k = max(t.measured_peak_bytes / max(t.predicted_peak_bytes, 1) for t in trials if t.measured_peak_bytes)
-    return longest_seq_len(spec, plan, budget, estimator, micro_batch=plan.micro_batch, limit=failed - 1,
-                           overshoot=max(k, 1.0))
+    return longest_seq_len(
+        spec, plan, budget, estimator, micro_batch=plan.micro_batch, limit=failed - 1, overshoot=max(k, 1.0)
+    )
 
 
 __all__ = ["NOT_PINNED_BY_MAX", "TILED_REACH", "calibrated_context", "longest_context", "tiling_finalists"]

@@ -19,8 +19,15 @@ METHOD_RANK = {"full": 0, "lora": 1, "qlora": 2}
 QUANT_RANK = {None: 0, "int8": 1, "nf4": 2, "fp4": 3}
 #: fp32 weights with bf16 autocast keep fp32 master weights: same fidelity tier as fp32.
 PRECISION_RANK = {"fp32": 0, "bf16-mixed": 0, "fp16-mixed": 1, "bf16": 2}
-OPTIMIZER_RANK = {"adamw": 0, "paged-adamw": 0, "adamw-8bit": 1, "paged-adamw-8bit": 1, "adafactor": 2, "lion": 3,
-                  "sgd": 4}
+OPTIMIZER_RANK = {
+    "adamw": 0,
+    "paged-adamw": 0,
+    "adamw-8bit": 1,
+    "paged-adamw-8bit": 1,
+    "adafactor": 2,
+    "lion": 3,
+    "sgd": 4,
+}
 
 
 def fidelity_key(plan: Plan) -> tuple[int, ...]:
@@ -94,5 +101,14 @@ def rank_key(c: Candidate, prefer: Prefer = "quality") -> tuple:
     return (fidelity_key(c.plan), -tps_r)
 
 
-__all__ = ["Prefer", "PREFERS", "METHOD_RANK", "QUANT_RANK", "PRECISION_RANK", "OPTIMIZER_RANK", "fidelity_key",
-           "Candidate", "rank_key"]
+__all__ = [
+    "Prefer",
+    "PREFERS",
+    "METHOD_RANK",
+    "QUANT_RANK",
+    "PRECISION_RANK",
+    "OPTIMIZER_RANK",
+    "fidelity_key",
+    "Candidate",
+    "rank_key",
+]

@@ -123,8 +123,12 @@ class TuneResult:
             f"batch {plan.effective_batch}.",
             f"Predicted {self.budget.counted.replace('_', ' ')} {format_bytes(self.budget.needed(self.memory))} of "
             f"{format_bytes(self.budget_bytes)} budget; verification: {self.verification}"
-            + (f", {'measured' if self.verification == 'gpu' else 'replayed'} {format_bytes(measured)}"
-               if measured is not None else "") + ".",
+            + (
+                f", {'measured' if self.verification == 'gpu' else 'replayed'} {format_bytes(measured)}"
+                if measured is not None
+                else ""
+            )
+            + ".",
         )
 
     @property

@@ -54,9 +54,15 @@ class SearchResult:
         return min(self.candidates, key=lambda c: self.budget.needed(c.memory))
 
 
-def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_supported: bool = True,
-                         chunked_loss: bool = True, tiled_mlp: bool = False,
-                         model_type: str | None = None) -> list[Plan]:
+def enumerate_candidates(
+    pins: dict[str, Any] | None,
+    base: Plan,
+    *,
+    bf16_supported: bool = True,
+    chunked_loss: bool = True,
+    tiled_mlp: bool = False,
+    model_type: str | None = None,
+) -> list[Plan]:
     """Plans tune considers: the technique matrix (``oomdoctor.diagnose.matrix``) for the pins, minus optimizer swaps
     (Adafactor/Lion/SGD) unless the optimizer is pinned; on GPUs without bf16 the bf16 plans become fp16-mixed;
     then, unless pinned, every AdamW plan with each AdamW of bitsandbytes too (8-bit states, paged states in CUDA
@@ -94,9 +100,14 @@ def enumerate_candidates(pins: dict[str, Any] | None, base: Plan, *, bf16_suppor
     if "kbit_upcast" not in pins:
         plans += [p.with_(kbit_upcast=False) for p in plans if upcast_changes_bytes(p) and p.kbit_upcast]
     if "optimizer_in_backward" not in pins:  # gradients freed as they are used (LoRA's adapters' too)
-        plans += [p.with_(optimizer_in_backward=True) for p in plans
-                  if not p.offload_optimizer and p.precision != "fp16-mixed" and not p.optimizer_in_backward
-                  and not p.tiled_mlp]
+        plans += [
+            p.with_(optimizer_in_backward=True)
+            for p in plans
+            if not p.offload_optimizer
+            and p.precision != "fp16-mixed"
+            and not p.optimizer_in_backward
+            and not p.tiled_mlp
+        ]
     if not any(k in pins for k in ("offload_activations", "offload_optimizer", "offload_params")):
         plans += [p.with_(offload_activations=True) for p in plans if not p.offload_activations]
     if "loss" not in pins and chunked_loss:  # changes no numbers: searched next to every plan
@@ -130,22 +141,37 @@ def price(
     trace = trace if trace is not None else SearchTrace()
     # optimizer in backward cannot accumulate: the micro-batch alone must reach the global batch
     oib = plan.optimizer_in_backward and global_batch is not None
-    choice, mem = micro_batch_search(spec, plan, budget, estimator, global_batch=None if oib else global_batch,
-                                     limit=min(micro_limit, global_batch) if oib else micro_limit, trace=trace)
+    choice, mem = micro_batch_search(
+        spec,
+        plan,
+        budget,
+        estimator,
+        global_batch=None if oib else global_batch,
+        limit=min(micro_limit, global_batch) if oib else micro_limit,
+        trace=trace,
+    )
     if choice is None:
         return Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None)
     if oib and choice.micro_batch < global_batch:
-        return Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
-                         why_not=f"optimizer in backward cannot accumulate gradients: the global batch "
-                                 f"{global_batch} needs micro-batch {global_batch}, at most "
-                                 f"{choice.micro_batch} fits")
+        return Candidate(
+            plan.with_(micro_batch=1, grad_accum=1),
+            mem,
+            None,
+            why_not=f"optimizer in backward cannot accumulate gradients: the global batch "
+            f"{global_batch} needs micro-batch {global_batch}, at most "
+            f"{choice.micro_batch} fits",
+        )
     if oib:
         choice = BatchChoice(choice.max_micro_batch, global_batch, 1, global_batch)
     host = host_bytes(mem, budget, plan, gpus_per_node)
     if host_ram is not None and host > host_ram:
-        return Candidate(plan.with_(micro_batch=1, grad_accum=1), mem, None,
-                         why_not=f"needs {format_bytes(host)} of host RAM per node (what it offloads, paged "
-                                 f"optimizer states the card cannot hold), the machine has {format_bytes(host_ram)}")
+        return Candidate(
+            plan.with_(micro_batch=1, grad_accum=1),
+            mem,
+            None,
+            why_not=f"needs {format_bytes(host)} of host RAM per node (what it offloads, paged "
+            f"optimizer states the card cannot hold), the machine has {format_bytes(host_ram)}",
+        )
     sized = plan.with_(micro_batch=choice.micro_batch, grad_accum=choice.grad_accum)
     return Candidate(sized, mem, choice, estimate_throughput(spec, sized, profile, mem))
 
@@ -192,24 +218,46 @@ def search(
     plans = list(plans)
 
     def priced(ps: list[Plan]) -> list[Candidate]:
-        return [price(spec, plan, budget, global_batch=global_batch, estimator=estimator, profile=profile,
-                      micro_limit=micro_limit, host_ram=host_ram, gpus_per_node=gpus_per_node, trace=trace)
-                for plan in ps]
+        return [
+            price(
+                spec,
+                plan,
+                budget,
+                global_batch=global_batch,
+                estimator=estimator,
+                profile=profile,
+                micro_limit=micro_limit,
+                host_ram=host_ram,
+                gpus_per_node=gpus_per_node,
+                trace=trace,
+            )
+            for plan in ps
+        ]
 
     result = rank(priced(plans), budget, prefer, len(trace.evaluations))
     if tiles:
         known = set(plans)
         limit = min(micro_limit, global_batch or micro_limit)
-        extra = [c.plan.with_(tiled_mlp=True, micro_batch=1, grad_accum=1) for c in result.candidates
-                 if tiling_could_help(spec, c, result.best, budget, estimator, prefer, limit)]
+        extra = [
+            c.plan.with_(tiled_mlp=True, micro_batch=1, grad_accum=1)
+            for c in result.candidates
+            if tiling_could_help(spec, c, result.best, budget, estimator, prefer, limit)
+        ]
         extra = [p for p in dict.fromkeys(extra) if p.with_(micro_batch=1, grad_accum=1) not in known]
         if extra:
             result = rank(result.candidates + priced(extra), budget, prefer, len(trace.evaluations))
     return result
 
 
-def tiling_could_help(spec: ModelSpec, c: Candidate, best: Candidate | None, budget: Budget, estimator: Estimator,
-                      prefer: Prefer, micro_limit: int) -> bool:
+def tiling_could_help(
+    spec: ModelSpec,
+    c: Candidate,
+    best: Candidate | None,
+    budget: Budget,
+    estimator: Estimator,
+    prefer: Prefer,
+    micro_limit: int,
+) -> bool:
     """Whether ``c``'s plan with tiled MLPs could rank above ``best``: a plan tiles can run (not tiled, no optimizer
     in backward, not out for its host RAM) of a quality tier at least ``best``'s (any, for ``--prefer speed``) that
     tiles may let fit one more sequence than it does — the bytes the fits rule counts, less everything tiles could
@@ -229,5 +277,13 @@ def tiling_could_help(spec: ModelSpec, c: Candidate, best: Candidate | None, bud
     return budget.needed(mem) - freeable <= budget.limit_bytes
 
 
-__all__ = ["ADAMW_FAMILY", "SearchResult", "enumerate_candidates", "host_bytes", "price", "rank", "search",
-           "tiling_could_help"]
+__all__ = [
+    "ADAMW_FAMILY",
+    "SearchResult",
+    "enumerate_candidates",
+    "host_bytes",
+    "price",
+    "rank",
+    "search",
+    "tiling_could_help",
+]

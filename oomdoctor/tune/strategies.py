@@ -69,8 +69,10 @@ def topology(world_size: int | None, gpus_per_node: int | None) -> Topology:
         raise BadInput(f"--gpus must be a positive integer, got {world_size!r}")
     g = n if gpus_per_node is None else gpus_per_node
     if isinstance(g, bool) or not isinstance(g, int) or g < 1 or n % g:
-        raise BadInput(f"--gpus-per-node {gpus_per_node} must be a positive divisor of --gpus {n}",
-                       f"e.g. --gpus {n} --gpus-per-node {n} (one node)")
+        raise BadInput(
+            f"--gpus-per-node {gpus_per_node} must be a positive divisor of --gpus {n}",
+            f"e.g. --gpus {n} --gpus-per-node {n} (one node)",
+        )
     return Topology(n, g)
 
 
@@ -116,8 +118,13 @@ class StrategyTrial:
     """``chosen``, or why it is out (``ddp needs 26.7 GB > 24 GB``)."""
 
     def to_dict(self) -> dict:
-        return {"strategy": self.label, "fits": self.fits, "needed_bytes": self.needed_bytes,
-                "host_per_node_bytes": self.host_per_node_bytes, "reason": self.reason}
+        return {
+            "strategy": self.label,
+            "fits": self.fits,
+            "needed_bytes": self.needed_bytes,
+            "host_per_node_bytes": self.host_per_node_bytes,
+            "reason": self.reason,
+        }
 
 
 def strategy_label(plan: Plan) -> str:
@@ -163,16 +170,28 @@ def per_rank_batch(global_batch: int | None, world_size: int) -> int | None:
         return global_batch
     if global_batch % world_size:
         lower = global_batch // world_size * world_size
-        raise BadInput(f"--global-batch {global_batch} does not split over {world_size} GPUs "
-                       "(effective batch = micro-batch x accumulation x GPUs)",
-                       f"use a multiple of {world_size}, e.g. --global-batch {lower or world_size} or "
-                       f"{lower + world_size}")
+        raise BadInput(
+            f"--global-batch {global_batch} does not split over {world_size} GPUs "
+            "(effective batch = micro-batch x accumulation x GPUs)",
+            f"use a multiple of {world_size}, e.g. --global-batch {lower or world_size} or {lower + world_size}",
+        )
     return global_batch // world_size
 
 
-def climb(spec: ModelSpec, stacks: list[Plan], budget: Budget, topo: Topology, pins: dict[str, Any], *,
-          global_batch: int | None, estimator: Estimator, prefer: str, profile: HardwareProfile,
-          micro_limit: int, host_ram: int | None) -> tuple[SearchResult, dict[Plan, list[Candidate]]]:
+def climb(
+    spec: ModelSpec,
+    stacks: list[Plan],
+    budget: Budget,
+    topo: Topology,
+    pins: dict[str, Any],
+    *,
+    global_batch: int | None,
+    estimator: Estimator,
+    prefer: str,
+    profile: HardwareProfile,
+    micro_limit: int,
+    host_ram: int | None,
+) -> tuple[SearchResult, dict[Plan, list[Candidate]]]:
     """Each stack climbs its strategy ladder (:func:`ladder`) until a rung fits; the kept rungs are ranked like
     single-GPU plans. Returns the ranking and every stack's priced rungs (ladder order)."""
     trace = SearchTrace()
@@ -183,8 +202,18 @@ def climb(spec: ModelSpec, stacks: list[Plan], budget: Budget, topo: Topology, p
         for plan in ladder(stack, topo, pins):
             if refusals(plan, spec.model_type):  # a strategy rung the stack's trainer cannot run (TRL has no HSDP...)
                 continue
-            c = price(spec, plan, budget, global_batch=global_batch, estimator=estimator, profile=profile,
-                      micro_limit=micro_limit, host_ram=host_ram, gpus_per_node=topo.gpus_per_node, trace=trace)
+            c = price(
+                spec,
+                plan,
+                budget,
+                global_batch=global_batch,
+                estimator=estimator,
+                profile=profile,
+                micro_limit=micro_limit,
+                host_ram=host_ram,
+                gpus_per_node=topo.gpus_per_node,
+                trace=trace,
+            )
             rungs.append(c)
             if c.fits:
                 break
@@ -192,14 +221,17 @@ def climb(spec: ModelSpec, stacks: list[Plan], budget: Budget, topo: Topology, p
             ladders[stack] = rungs
             cands.append(rungs[-1] if rungs[-1].fits else min(rungs, key=lambda c: budget.needed(c.memory)))
     if not cands:
-        raise BadInput(f"no plan can run with these topology flags on {topo.world_size} GPU(s): "
-                       + ", ".join(f"{k}={v}" for k, v in pins.items()),
-                       "see `oomdoctor diagnose MODEL --gpus N --strategy ...` for what each strategy accepts")
+        raise BadInput(
+            f"no plan can run with these topology flags on {topo.world_size} GPU(s): "
+            + ", ".join(f"{k}={v}" for k, v in pins.items()),
+            "see `oomdoctor diagnose MODEL --gpus N --strategy ...` for what each strategy accepts",
+        )
     return rank(cands, budget, prefer, len(trace.evaluations)), ladders  # type: ignore[arg-type]
 
 
-def strategy_table(chosen: Candidate, ladders: dict[Plan, list[Candidate]], budget: Budget,
-                   topo: Topology) -> list[StrategyTrial]:
+def strategy_table(
+    chosen: Candidate, ladders: dict[Plan, list[Candidate]], budget: Budget, topo: Topology
+) -> list[StrategyTrial]:
     """The rungs of the chosen plan's stack (after those of its on-device twin when the chosen plan offloads), each
     with the host RAM per node it needs by the search's rule (``oomdoctor.tune.search.host_bytes``: what it offloads
     and the paged optimizer state the card cannot hold)."""
@@ -215,5 +247,17 @@ def strategy_table(chosen: Candidate, ladders: dict[Plan, list[Candidate]], budg
     return trials(rungs, budget, chosen, lambda c: host_bytes(c.memory, budget, c.plan, topo.gpus_per_node))
 
 
-__all__ = ["DEEPSPEED", "TOPOLOGY_FIELDS", "TORCH_LADDER", "StrategyTrial", "Topology", "climb", "ladder",
-           "per_rank_batch", "strategy_label", "strategy_table", "topology", "trials"]
+__all__ = [
+    "DEEPSPEED",
+    "TOPOLOGY_FIELDS",
+    "TORCH_LADDER",
+    "StrategyTrial",
+    "Topology",
+    "climb",
+    "ladder",
+    "per_rank_batch",
+    "strategy_label",
+    "strategy_table",
+    "topology",
+    "trials",
+]

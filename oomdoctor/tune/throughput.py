@@ -111,8 +111,9 @@ class Throughput:
         }
 
 
-def estimate_throughput(spec: ModelSpec, plan: Plan, profile: HardwareProfile,
-                        memory: MemoryBreakdown | None = None) -> Throughput:
+def estimate_throughput(
+    spec: ModelSpec, plan: Plan, profile: HardwareProfile, memory: MemoryBreakdown | None = None
+) -> Throughput:
     """Roofline-style estimate of training tokens/s for ``plan`` (micro-batch and accumulation included).
 
     Compute (Kaplan et al. 2020, "Scaling Laws", sec. 2.1; Chinchilla appendix F): a forward pass costs
@@ -158,8 +159,15 @@ def estimate_throughput(spec: ModelSpec, plan: Plan, profile: HardwareProfile,
 
     trainable = trainable_params(spec, plan)
     wbytes = plan.weight_dtype_bytes
-    state_bytes = {"adamw": 2 * wbytes, "paged-adamw": 8, "adamw-8bit": 2, "paged-adamw-8bit": 2,
-                   "adafactor": 1, "lion": wbytes, "sgd": wbytes if plan.sgd_momentum else 0}.get(plan.optimizer, 8)
+    state_bytes = {
+        "adamw": 2 * wbytes,
+        "paged-adamw": 8,
+        "adamw-8bit": 2,
+        "paged-adamw-8bit": 2,
+        "adafactor": 1,
+        "lion": wbytes,
+        "sgd": wbytes if plan.sgd_momentum else 0,
+    }.get(plan.optimizer, 8)
     opt_bytes = trainable * (2 * wbytes + wbytes + 2 * state_bytes)
     memory_step = 0.0 if plan.offload_optimizer else opt_bytes / profile.hbm_bytes_per_s
 
@@ -169,8 +177,11 @@ def estimate_throughput(spec: ModelSpec, plan: Plan, profile: HardwareProfile,
         transfer_step += trainable * 2 * wbytes / profile.pcie_bytes_per_s  # grads down, weights up
         transfer_step += opt_bytes / profile.cpu_bytes_per_s
     if plan.offload_activations:
-        act = memory.cpu_offloaded if (memory is not None and memory.cpu_offloaded) else (
-            memory.activations if memory is not None else 0)
+        act = (
+            memory.cpu_offloaded
+            if (memory is not None and memory.cpu_offloaded)
+            else (memory.activations if memory is not None else 0)
+        )
         transfer_micro += 2 * act / profile.pcie_bytes_per_s
     if plan.offload_params:
         pbytes = N * (1 if plan.quant == "int8" else 0.5 if plan.quant else wbytes)
@@ -218,5 +229,13 @@ def communication_bytes(spec: ModelSpec, plan: Plan) -> float:
     return ga * per_micro + across
 
 
-__all__ = ["HardwareProfile", "REFERENCE_PROFILE", "GPU_PROFILES", "profile_for", "trainable_params", "Throughput",
-           "communication_bytes", "estimate_throughput"]
+__all__ = [
+    "HardwareProfile",
+    "REFERENCE_PROFILE",
+    "GPU_PROFILES",
+    "profile_for",
+    "trainable_params",
+    "Throughput",
+    "communication_bytes",
+    "estimate_throughput",
+]

@@ -83,37 +83,65 @@ class Trial:
 Prober = Callable[[Plan, int], Trial]
 
 
-def simulate_prober(spec: ModelSpec, budget: Budget, predicted: Callable[[Plan], int],
-                    device: str = "cuda") -> Prober:
+def simulate_prober(spec: ModelSpec, budget: Budget, predicted: Callable[[Plan], int], device: str = "cuda") -> Prober:
     """Verification without a GPU: ``estimate(spec, plan, "simulate", device)`` (the real HF step on fake tensors),
     judged by ``budget.fits``."""
 
     def run(plan: Plan, micro: int) -> Trial:
         p = plan.with_(micro_batch=micro)
-        report("verify", f"verifying {p.label()} at micro-batch {micro} x {p.grad_accum}: the training step "
-                         "replayed on fake tensors")
+        report(
+            "verify",
+            f"verifying {p.label()} at micro-batch {micro} x {p.grad_accum}: the training step "
+            "replayed on fake tensors",
+        )
         t0 = time.perf_counter()
         try:
             with warnings.catch_warnings():  # transformers deprecation chatter from the replayed step
                 warnings.simplefilter("ignore")
                 mem = estimate(spec, p, "simulate", device)
         except Exception as exc:  # noqa: BLE001 - any simulator failure is reported, not fatal
-            return Trial(micro, p.grad_accum, "error", "simulate", p.label(), predicted(p),
-                         seconds=time.perf_counter() - t0, message=f"{type(exc).__name__}: {exc}"[:500])
+            return Trial(
+                micro,
+                p.grad_accum,
+                "error",
+                "simulate",
+                p.label(),
+                predicted(p),
+                seconds=time.perf_counter() - t0,
+                message=f"{type(exc).__name__}: {exc}"[:500],
+            )
         ok = budget.fits(mem)
         return Trial(
-            micro, p.grad_accum, "fits" if ok else "oom", "simulate", p.label(), predicted(p),
-            measured_peak_bytes=budget.needed(mem), measured_peak_allocated_bytes=mem.peak_allocated,
-            steps=2, seconds=time.perf_counter() - t0,
-            message=None if ok else (f"simulated {budget.counted.replace('_', ' ')} {format_bytes(budget.needed(mem))}"
-                                     f" > budget {format_bytes(budget.limit_bytes)}"),
+            micro,
+            p.grad_accum,
+            "fits" if ok else "oom",
+            "simulate",
+            p.label(),
+            predicted(p),
+            measured_peak_bytes=budget.needed(mem),
+            measured_peak_allocated_bytes=mem.peak_allocated,
+            steps=2,
+            seconds=time.perf_counter() - t0,
+            message=None
+            if ok
+            else (
+                f"simulated {budget.counted.replace('_', ' ')} {format_bytes(budget.needed(mem))}"
+                f" > budget {format_bytes(budget.limit_bytes)}"
+            ),
         )
 
     return run
 
 
-def gpu_prober(model_ref: str, spec: ModelSpec, capacity: int, predicted: Callable[[Plan], int], *,
-               steps: int = 2, timeout_s: float = 900.0) -> Prober:
+def gpu_prober(
+    model_ref: str,
+    spec: ModelSpec,
+    capacity: int,
+    predicted: Callable[[Plan], int],
+    *,
+    steps: int = 2,
+    timeout_s: float = 900.0,
+) -> Prober:
     """Verification on the local GPU: a child process runs ``steps`` real steps (``oomdoctor.engines.probe``), its
     allocator capped at ``capacity`` so that an OOM means "does not fit the card you planned for"."""
 
@@ -121,13 +149,24 @@ def gpu_prober(model_ref: str, spec: ModelSpec, capacity: int, predicted: Callab
         from oomdoctor.engines.probe import run_probe
 
         p = plan.with_(micro_batch=micro)
-        report("verify", f"verifying {p.label()} at micro-batch {micro} x {p.grad_accum}: {steps} real steps on the "
-                         "GPU in a child process")
+        report(
+            "verify",
+            f"verifying {p.label()} at micro-batch {micro} x {p.grad_accum}: {steps} real steps on the "
+            "GPU in a child process",
+        )
         res = run_probe(model_ref, p, device="cuda", steps=steps, cap_bytes=capacity, timeout_s=timeout_s)
         return Trial(
-            micro, p.grad_accum, res.outcome, "gpu", p.label(), predicted(p),
-            measured_peak_bytes=res.peak_device_bytes, measured_peak_allocated_bytes=res.peak_allocated_bytes,
-            steps=res.steps, seconds=res.seconds, message=res.message,
+            micro,
+            p.grad_accum,
+            res.outcome,
+            "gpu",
+            p.label(),
+            predicted(p),
+            measured_peak_bytes=res.peak_device_bytes,
+            measured_peak_allocated_bytes=res.peak_allocated_bytes,
+            steps=res.steps,
+            seconds=res.seconds,
+            message=res.message,
         )
 
     return run
@@ -173,8 +212,16 @@ def verify(
             return t.outcome == "fits", t.measured_peak_bytes
 
         try:
-            best, _ = verify_and_refine(cand.plan.micro_batch, allowed, lambda b: predicted_peak(sized(b)), trial,
-                                        limit, capacity, max_trials=max_trials - len(trials), refine=refine)
+            best, _ = verify_and_refine(
+                cand.plan.micro_batch,
+                allowed,
+                lambda b: predicted_peak(sized(b)),
+                trial,
+                limit,
+                capacity,
+                max_trials=max_trials - len(trials),
+                refine=refine,
+            )
         except _ProbeFailed:
             return cand, None, trials
         if best:
@@ -196,8 +243,9 @@ def peak_predictor(spec: ModelSpec, budget: Budget, estimator: Estimator) -> Cal
     return predicted_peak
 
 
-def verification_mode(requested: str, plan: Plan, gpu: GpuInfo | None, gpu_mem: int | None,
-                      world_size: int) -> tuple[str, str | None]:
+def verification_mode(
+    requested: str, plan: Plan, gpu: GpuInfo | None, gpu_mem: int | None, world_size: int
+) -> tuple[str, str | None]:
     """``(mode, note)``: what verifies ``plan`` when ``--verify requested``. ``auto`` is the GPU when one is there
     with the memory planned for (``gpu_mem`` at most its free memory), the plan runs one process and is oomdoctor's
     own step, else the simulated step; a DeepSpeed plan is not verified (``note`` says so). BadInput where ``gpu``
@@ -206,23 +254,37 @@ def verification_mode(requested: str, plan: Plan, gpu: GpuInfo | None, gpu_mem: 
     mode = requested
     if mode == "auto" and plan.strategy in DEEPSPEED:
         mode = "none"
-        note = (f"{plan.strategy}: DeepSpeed is priced by its formulas only (the simulated engine replays FSDP ranks "
-                "and DDP, not DeepSpeed): the plan is unverified")
+        note = (
+            f"{plan.strategy}: DeepSpeed is priced by its formulas only (the simulated engine replays FSDP ranks "
+            "and DDP, not DeepSpeed): the plan is unverified"
+        )
     foreign = plan.trainer != DEFAULTS["trainer"]
     if mode == "auto":
         on_gpu = gpu is not None and (gpu_mem is None or gpu_mem <= gpu.free_bytes)
         # the GPU probe runs oomdoctor's own step: another trainer's plan is verified by replaying that trainer's
         mode = "gpu" if on_gpu and world_size == 1 and not foreign else "simulate"
     if mode == "gpu" and foreign:
-        raise BadInput(f"--verify gpu runs oomdoctor's own step, not {plan.trainer}'s",
-                       "use --verify simulate (the trainer's own step replayed on fake tensors) or none")
+        raise BadInput(
+            f"--verify gpu runs oomdoctor's own step, not {plan.trainer}'s",
+            "use --verify simulate (the trainer's own step replayed on fake tensors) or none",
+        )
     if mode == "gpu" and gpu is None:
         raise BadInput("--verify gpu: no NVIDIA GPU found", "use --verify simulate (fake-tensor replay) or none")
     if mode == "gpu" and world_size > 1:
-        raise BadInput(f"--verify gpu probes one process; a plan for {world_size} GPUs cannot run there",
-                       "use --verify simulate (one rank replayed with a fake process group) or none")
+        raise BadInput(
+            f"--verify gpu probes one process; a plan for {world_size} GPUs cannot run there",
+            "use --verify simulate (one rank replayed with a fake process group) or none",
+        )
     return mode, note
 
 
-__all__ = ["VERIFY_MODES", "Prober", "Trial", "gpu_prober", "peak_predictor", "simulate_prober", "verification_mode",
-           "verify"]
+__all__ = [
+    "VERIFY_MODES",
+    "Prober",
+    "Trial",
+    "gpu_prober",
+    "peak_predictor",
+    "simulate_prober",
+    "verification_mode",
+    "verify",
+]

@@ -55,12 +55,22 @@ def document(req: DocumentRequest) -> Document:
         else:
             doc["lora_target_modules"] = targets
     if p.quant in ("nf4", "fp4"):
-        doc["bnb_config_kwargs"] = {"bnb_4bit_quant_type": p.quant, "bnb_4bit_use_double_quant": p.double_quant,
-                                    "bnb_4bit_compute_dtype": p.compute_dtype}
+        doc["bnb_config_kwargs"] = {
+            "bnb_4bit_quant_type": p.quant,
+            "bnb_4bit_use_double_quant": p.double_quant,
+            "bnb_4bit_compute_dtype": p.compute_dtype,
+        }
     if p.uses_lora:  # on by default for lora/qlora: they save other activations than peft's layers, as priced
         doc.update(lora_mlp_kernel=False, lora_qkv_kernel=False, lora_o_kernel=False, lora_embedding_kernel=False)
-    doc.update(datasets=[data], output_dir=req.output_dir, sequence_len=p.seq_len, sample_packing=False,
-               pad_to_sequence_len=True, micro_batch_size=p.micro_batch, gradient_accumulation_steps=p.grad_accum)
+    doc.update(
+        datasets=[data],
+        output_dir=req.output_dir,
+        sequence_len=p.seq_len,
+        sample_packing=False,
+        pad_to_sequence_len=True,
+        micro_batch_size=p.micro_batch,
+        gradient_accumulation_steps=p.grad_accum,
+    )
     s = dict(req.schedule)
     if "max_steps" in s:
         doc["max_steps"] = s["max_steps"]
@@ -98,12 +108,18 @@ def _topology(req: DocumentRequest) -> tuple[dict[str, Any], list[str]]:
     p = req.plan
     if p.world_size == 1 and p.strategy == "single":
         return {}, []
-    notes = [f"{p.world_size} GPUs: `axolotl train THIS.yaml -- --num_processes {p.world_size}` "
-             "(micro_batch_size is per GPU)"]
+    notes = [
+        f"{p.world_size} GPUs: `axolotl train THIS.yaml -- --num_processes {p.world_size}` "
+        "(micro_batch_size is per GPU)"
+    ]
     doc: dict[str, Any] = {}
     if p.strategy == "fsdp":
-        cfg: dict[str, Any] = {"reshard_after_forward": p.reshard_after_forward, "offload_params": p.offload_params,
-                               "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "state_dict_type": "SHARDED_STATE_DICT"}
+        cfg: dict[str, Any] = {
+            "reshard_after_forward": p.reshard_after_forward,
+            "offload_params": p.offload_params,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "state_dict_type": "SHARDED_STATE_DICT",
+        }
         layer = decoder_layer_class(req.spec)
         if layer:
             cfg["transformer_layer_cls_to_wrap"] = layer

@@ -15,8 +15,13 @@ from oomdoctor.plan.techniques import ALL_LINEAR, HF_OPTIM_NAMES
 #: Dataset written when no data file was given (the bundled sample only exists inside this package).
 DATASET_PLACEHOLDER = "PATH/TO/YOUR/train.jsonl"
 #: ``load_dataset`` builder for a local data file, by suffix.
-DATA_BUILDERS: dict[str, str] = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
-                                 ".txt": "text"}
+DATA_BUILDERS: dict[str, str] = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
 #: Directory the trainers write checkpoints to when none is given.
 DEFAULT_OUTPUT_DIR = "runs/train"
 
@@ -74,8 +79,11 @@ class Precision:
 
 def precision(plan: Plan) -> Precision:
     """fp32 -> no bf16/fp16; fp16-/bf16-mixed -> fp16/bf16 autocast on fp32 weights; bf16 -> bfloat16 weights."""
-    return Precision(bf16=plan.precision in ("bf16-mixed", "bf16"), fp16=plan.precision == "fp16-mixed",
-                     dtype="bfloat16" if plan.precision == "bf16" else "float32")
+    return Precision(
+        bf16=plan.precision in ("bf16-mixed", "bf16"),
+        fp16=plan.precision == "fp16-mixed",
+        dtype="bfloat16" if plan.precision == "bf16" else "float32",
+    )
 
 
 def hf_optim(plan: Plan) -> tuple[str, str | None]:
@@ -131,14 +139,21 @@ def training_args_topology(req: DocumentRequest) -> tuple[dict[str, Any], list[s
     if p.world_size == 1 and p.strategy == "single":
         return {}, []
     nodes = f" --nnodes {req.machines}" if req.machines > 1 else ""
-    notes = [f"{p.world_size} GPUs: launch with `torchrun --nproc-per-node {p.world_size // req.machines}{nodes}` "
-             "(per_device_train_batch_size is per GPU)"]
+    notes = [
+        f"{p.world_size} GPUs: launch with `torchrun --nproc-per-node {p.world_size // req.machines}{nodes}` "
+        "(per_device_train_batch_size is per GPU)"
+    ]
     doc: dict[str, Any] = {}
     if p.strategy == "fsdp":
         layer = decoder_layer_class(req.spec)
-        cfg: dict[str, Any] = {"version": 2, "reshard_after_forward": p.reshard_after_forward,
-                               "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "cpu_ram_efficient_loading": True,
-                               "state_dict_type": "SHARDED_STATE_DICT", "cpu_offload": p.offload_params}
+        cfg: dict[str, Any] = {
+            "version": 2,
+            "reshard_after_forward": p.reshard_after_forward,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "cpu_ram_efficient_loading": True,
+            "state_dict_type": "SHARDED_STATE_DICT",
+            "cpu_offload": p.offload_params,
+        }
         if layer:
             cfg["transformer_layer_cls_to_wrap"] = [layer]
         else:
@@ -167,11 +182,26 @@ def common_notes(req: DocumentRequest) -> list[str]:
     if not req.model_has_weights:
         notes.append(f"{req.model} is a config without weights: point the model at real weights")
     if req.spec.towers and req.plan.method == "full":
-        notes.append(f"priced as text-only fine-tuning with {', '.join(req.spec.towers)} frozen and never run: set "
-                     "requires_grad=False on them (DDP refuses trainable parameters that get no gradient)")
+        notes.append(
+            f"priced as text-only fine-tuning with {', '.join(req.spec.towers)} frozen and never run: set "
+            "requires_grad=False on them (DDP refuses trainable parameters that get no gradient)"
+        )
     return notes
 
 
-__all__ = ["DATASET_PLACEHOLDER", "DATA_BUILDERS", "DEFAULT_OUTPUT_DIR", "Document", "DocumentRequest", "Precision",
-           "common_notes", "dataset_kwargs", "decoder_layer_class", "deepspeed_config", "hf_optim", "lora_targets",
-           "precision", "training_args_topology"]
+__all__ = [
+    "DATASET_PLACEHOLDER",
+    "DATA_BUILDERS",
+    "DEFAULT_OUTPUT_DIR",
+    "Document",
+    "DocumentRequest",
+    "Precision",
+    "common_notes",
+    "dataset_kwargs",
+    "decoder_layer_class",
+    "deepspeed_config",
+    "hf_optim",
+    "lora_targets",
+    "precision",
+    "training_args_topology",
+]

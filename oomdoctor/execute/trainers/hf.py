@@ -39,13 +39,28 @@ from oomdoctor.execute.trainers.common import (
 from oomdoctor.plan.techniques import HF_ATTN_NAMES
 
 #: Keys of the file that are the script's, not TrainingArguments'.
-EXTRA_KEYS: tuple[str, ...] = ("model_name_or_path", "model_init_kwargs", "quantization_config",
-                               "prepare_model_for_kbit_training", "peft_config", "adapter_dtype", "dataset",
-                               "max_length", "oomdoctor")
+EXTRA_KEYS: tuple[str, ...] = (
+    "model_name_or_path",
+    "model_init_kwargs",
+    "quantization_config",
+    "prepare_model_for_kbit_training",
+    "peft_config",
+    "adapter_dtype",
+    "dataset",
+    "max_length",
+    "oomdoctor",
+)
 #: ``liger_kernel_config`` for Liger's fused linear cross-entropy and none of its other kernels (keys a model's
 #: ``apply_liger_kernel_to_*`` does not take are dropped by liger-kernel).
-LIGER_LOSS_ONLY: dict[str, bool] = {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False,
-                                    "rms_norm": False, "layer_norm": False, "swiglu": False, "geglu": False}
+LIGER_LOSS_ONLY: dict[str, bool] = {
+    "fused_linear_cross_entropy": True,
+    "cross_entropy": False,
+    "rope": False,
+    "rms_norm": False,
+    "layer_norm": False,
+    "swiglu": False,
+    "geglu": False,
+}
 #: The command that runs an HF document.
 COMMAND = "python -m oomdoctor.execute.trainers.hf {path}"
 
@@ -83,22 +98,34 @@ def document(req: DocumentRequest) -> Document:
     if p.quant == "int8":
         quant = {"load_in_8bit": True}
     elif p.quant in ("nf4", "fp4"):
-        quant = {"load_in_4bit": True, "bnb_4bit_quant_type": p.quant, "bnb_4bit_use_double_quant": p.double_quant,
-                 "bnb_4bit_compute_dtype": p.compute_dtype}
+        quant = {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": p.quant,
+            "bnb_4bit_use_double_quant": p.double_quant,
+            "bnb_4bit_compute_dtype": p.compute_dtype,
+        }
     peft = None
     if p.uses_lora:
-        peft = {"r": p.lora_r, "lora_alpha": p.lora_alpha, "lora_dropout": p.lora_dropout,
-                "target_modules": lora_targets(p, req.spec), "bias": "none", "task_type": "CAUSAL_LM"}
-    doc.update({
-        "model_name_or_path": req.model,
-        "model_init_kwargs": {"dtype": prec.dtype, "attn_implementation": HF_ATTN_NAMES[p.attn]},
-        "quantization_config": quant,
-        "prepare_model_for_kbit_training": p.upcasts_kbit,
-        "peft_config": peft,
-        "adapter_dtype": p.adapter_dtype if p.uses_lora else None,
-        "dataset": dataset_kwargs(req.dataset),
-        "max_length": p.seq_len,
-    })
+        peft = {
+            "r": p.lora_r,
+            "lora_alpha": p.lora_alpha,
+            "lora_dropout": p.lora_dropout,
+            "target_modules": lora_targets(p, req.spec),
+            "bias": "none",
+            "task_type": "CAUSAL_LM",
+        }
+    doc.update(
+        {
+            "model_name_or_path": req.model,
+            "model_init_kwargs": {"dtype": prec.dtype, "attn_implementation": HF_ATTN_NAMES[p.attn]},
+            "quantization_config": quant,
+            "prepare_model_for_kbit_training": p.upcasts_kbit,
+            "peft_config": peft,
+            "adapter_dtype": p.adapter_dtype if p.uses_lora else None,
+            "dataset": dataset_kwargs(req.dataset),
+            "max_length": p.seq_len,
+        }
+    )
     return Document(doc, tuple(notes))
 
 
@@ -173,12 +200,20 @@ def load_data(doc: dict[str, Any], tokenizer, dataset: str | None = None):
     kwargs = dataset_kwargs(dataset) if dataset else dict(doc["dataset"])
     data = load_dataset(**kwargs)
     max_length = int(doc["max_length"])
-    return data.map(lambda rec: tokenizer(rec["text"], truncation=True, max_length=max_length),
-                    remove_columns=data.column_names)
+    return data.map(
+        lambda rec: tokenizer(rec["text"], truncation=True, max_length=max_length), remove_columns=data.column_names
+    )
 
 
-def build_trainer(doc: dict[str, Any], *, model=None, load: Callable[[str, dict[str, Any]], Any] | None = None,
-                  tokenizer=None, train_dataset=None, **overrides: Any):
+def build_trainer(
+    doc: dict[str, Any],
+    *,
+    model=None,
+    load: Callable[[str, dict[str, Any]], Any] | None = None,
+    tokenizer=None,
+    train_dataset=None,
+    **overrides: Any,
+):
     """The Trainer of the recipe (module docstring) for ``doc``; ``model`` replaces steps 1-3 (a prepared model),
     ``load`` step 1 only (:func:`load_model`), ``tokenizer`` / ``train_dataset`` the tokenizer load / step 4,
     ``overrides`` TrainingArguments keys (``use_cpu=True``)."""
@@ -193,8 +228,12 @@ def build_trainer(doc: dict[str, Any], *, model=None, load: Callable[[str, dict[
         model = load_model(doc, load)
     if train_dataset is None:
         train_dataset = load_data(doc, tokenizer)
-    return Trainer(model=model, args=args, train_dataset=train_dataset,
-                   data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(doc["model_name_or_path"])
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    trainer = build_trainer(doc, tokenizer=tokenizer, train_dataset=load_data(doc, tokenizer, ns.dataset),
-                            **overrides)
+    trainer = build_trainer(doc, tokenizer=tokenizer, train_dataset=load_data(doc, tokenizer, ns.dataset), **overrides)
     trainer.train()
     trainer.save_model()
     return 0
@@ -230,5 +268,16 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["COMMAND", "EXTRA_KEYS", "LIGER_LOSS_ONLY", "build_trainer", "document", "from_pretrained_kwargs",
-           "load_data", "load_model", "main", "prepare_model", "training_arguments"]
+__all__ = [
+    "COMMAND",
+    "EXTRA_KEYS",
+    "LIGER_LOSS_ONLY",
+    "build_trainer",
+    "document",
+    "from_pretrained_kwargs",
+    "load_data",
+    "load_model",
+    "main",
+    "prepare_model",
+    "training_arguments",
+]

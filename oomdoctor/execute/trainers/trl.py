@@ -61,8 +61,7 @@ def document(req: DocumentRequest) -> Document:
         if isinstance(targets, list) and len(targets) == 1:
             # TRL passes a one-element list to peft as a string, which peft full-matches against the module path
             targets = rf".*\.{targets[0]}"
-        doc.update(lora_r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=p.lora_dropout,
-                   lora_target_modules=targets)
+        doc.update(lora_r=p.lora_r, lora_alpha=p.lora_alpha, lora_dropout=p.lora_dropout, lora_target_modules=targets)
     doc["load_in_4bit"] = p.quant in ("nf4", "fp4")
     doc["load_in_8bit"] = p.quant == "int8"
     if p.quant in ("nf4", "fp4"):
@@ -98,8 +97,12 @@ def parse(data: dict[str, Any], **overrides: Any) -> tuple:
 def model_init_kwargs(training_args, model_args) -> dict[str, Any]:
     """The ``model_init_kwargs`` ``trl sft`` hands SFTTrainer (trl 1.16 ``scripts/sft.py`` ``main``: revision,
     trust_remote_code, attn_implementation, dtype, then ``SFTConfig.model_init_kwargs``)."""
-    kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
-                  attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
     if training_args.model_init_kwargs is not None:
         kwargs.update(training_args.model_init_kwargs)
     return kwargs
@@ -120,8 +123,14 @@ def from_pretrained_kwargs(init_kwargs: dict[str, Any], quantization_config=None
     return kwargs
 
 
-def build_trainer(data: dict[str, Any], *, load: Callable[[str, dict[str, Any]], Any] | None = None, tokenizer=None,
-                  train_dataset=None, **overrides: Any):
+def build_trainer(
+    data: dict[str, Any],
+    *,
+    load: Callable[[str, dict[str, Any]], Any] | None = None,
+    tokenizer=None,
+    train_dataset=None,
+    **overrides: Any,
+):
     """The ``SFTTrainer`` ``trl sft --config FILE`` builds from ``data`` (trl 1.16 ``scripts/sft.py`` ``main``):
     the file parsed by TRL's own parser (:func:`parse`, ``overrides`` as command-line keys), the model created from
     ``model_name_or_path`` with the ``model_init_kwargs``, ``get_quantization_config`` and ``get_peft_config``
@@ -143,9 +152,15 @@ def build_trainer(data: dict[str, Any], *, load: Callable[[str, dict[str, Any]],
         train_dataset = dataset[_script.dataset_train_split]
         if training_args.eval_strategy != "no":
             eval_dataset = dataset[_script.dataset_test_split]
-    return SFTTrainer(model=model, args=training_args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                      processing_class=tokenizer, quantization_config=quantization_config,
-                      peft_config=get_peft_config(model_args))
+    return SFTTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        quantization_config=quantization_config,
+        peft_config=get_peft_config(model_args),
+    )
 
 
 __all__ = ["COMMAND", "build_trainer", "document", "from_pretrained_kwargs", "model_init_kwargs", "parse"]

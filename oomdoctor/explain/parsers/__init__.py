@@ -9,7 +9,13 @@ from oomdoctor.explain.text import FlatText
 
 #: Every parser, in precedence order.
 PARSERS: tuple[Parser, ...] = (
-    cuda.parse, mps.parse, cpu.parse, oom_killer.parse, offload.parse, batch_size.parse, cuda_error.parse,
+    cuda.parse,
+    mps.parse,
+    cpu.parse,
+    oom_killer.parse,
+    offload.parse,
+    batch_size.parse,
+    cuda_error.parse,
 )
 
 

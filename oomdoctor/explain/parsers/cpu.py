@@ -18,7 +18,14 @@ def parse(text: FlatText) -> Found | None:
     m = _CPU_RE.search(text.flat)
     if not m:
         return None
-    return Found(OomMessage(
-        kind="cpu-allocator", format="torch-cpu", device="cpu", message=m.group(0),
-        requested_bytes=int(m.group(1)), occurrences=len(_CPU_RE.findall(text.flat)),
-    ), m.start())
+    return Found(
+        OomMessage(
+            kind="cpu-allocator",
+            format="torch-cpu",
+            device="cpu",
+            message=m.group(0),
+            requested_bytes=int(m.group(1)),
+            occurrences=len(_CPU_RE.findall(text.flat)),
+        ),
+        m.start(),
+    )

@@ -61,7 +61,7 @@ def _message_text(flat: str, start: int) -> str:
     """The OOM sentence starting at ``start``: up to the allocator summary, else the closing parenthesis."""
     end = flat.find(_MESSAGE_END, start)
     if 0 <= end and end - start <= 3000:
-        return flat[start:end + len(_MESSAGE_END) + 1].strip()
+        return flat[start : end + len(_MESSAGE_END) + 1].strip()
     end = flat.find(")", start)
     end = end + 1 if 0 <= end - start < 600 else min(len(flat), start + 200)
     return flat[start:end].strip()
@@ -98,9 +98,12 @@ def unknown_usage_note(unknown: list[str], procs: list[ProcessUse]) -> list[str]
     if not unknown:
         return []
     others_unknown = any(p.bytes is None for p in procs if not p.is_self)
-    return ["per-process memory is not available from the driver here (printed as " + ", ".join(unknown)
-            + "; typical of WSL/Windows WDDM and some containers)"
-            + (": other processes' share is unknown" if others_unknown else "")]
+    return [
+        "per-process memory is not available from the driver here (printed as "
+        + ", ".join(unknown)
+        + "; typical of WSL/Windows WDDM and some containers)"
+        + (": other processes' share is unknown" if others_unknown else "")
+    ]
 
 
 Rule = Callable[[list[ProcessUse], "int | None"], "tuple[ProcessUse, str] | None"]
@@ -111,9 +114,11 @@ def lone_entry(procs: list[ProcessUse], reserved: int | None) -> tuple[ProcessUs
     if len(procs) != 1 or procs[0].is_self:
         return None
     me = procs[0]
-    return me, (f"the message lists one process, process {me.pid} ({_usage(me.bytes)}): the process that ran out "
-                "holds a context on the card, so it is this one (torch names it 'Process N' when its PID differs "
-                "from the driver's, e.g. in containers or WSL)")
+    return me, (
+        f"the message lists one process, process {me.pid} ({_usage(me.bytes)}): the process that ran out "
+        "holds a context on the card, so it is this one (torch names it 'Process N' when its PID differs "
+        "from the driver's, e.g. in containers or WSL)"
+    )
 
 
 def listed_twice(procs: list[ProcessUse], reserved: int | None) -> tuple[ProcessUse, str] | None:
@@ -123,8 +128,10 @@ def listed_twice(procs: list[ProcessUse], reserved: int | None) -> tuple[Process
     if len(others) != 1 or len(selfs) != 1 or others[0].bytes is None or others[0].bytes != selfs[0].bytes:
         return None
     me = others[0]
-    return me, (f"process {me.pid} reports the same {_usage(me.bytes)} as 'this process': this process listed "
-                "twice (its PID differs from the driver's, e.g. in containers or WSL), not another process")
+    return me, (
+        f"process {me.pid} reports the same {_usage(me.bytes)} as 'this process': this process listed "
+        "twice (its PID differs from the driver's, e.g. in containers or WSL), not another process"
+    )
 
 
 def holding_reservation(procs: list[ProcessUse], reserved: int | None) -> tuple[ProcessUse, str] | None:
@@ -138,9 +145,11 @@ def holding_reservation(procs: list[ProcessUse], reserved: int | None) -> tuple[
     if not holding:
         return None
     me = min(holding, key=lambda p: p.bytes - reserved)
-    return me, (f"no 'this process' entry (PID namespaces in containers hide it): process {me.pid} "
-                f"({format_bytes(me.bytes)}) holds PyTorch's {format_bytes(reserved)} reservation, taken to be this "
-                "process")
+    return me, (
+        f"no 'this process' entry (PID namespaces in containers hide it): process {me.pid} "
+        f"({format_bytes(me.bytes)}) holds PyTorch's {format_bytes(reserved)} reservation, taken to be this "
+        "process"
+    )
 
 
 #: How a ``Process N`` entry is known to be this process, tried in order.
@@ -189,12 +198,20 @@ def _read_new(base: OomMessage, win: str, new: re.Match, dev: str) -> OomMessage
         self_notes.append("the message lists no processes (NVML unavailable): other processes' share unknown")
     fmt = "torch-2.1" if new.group(2) == "capacty" else ("torch-xpu" if dev == "xpu" else "torch>=2.2")
     return replace(
-        base, format=fmt, device=f"{dev}:{new.group(1)}", total_bytes=total, free_bytes=free,
-        allocated_bytes=allocated, reserved_bytes=reserved, reserved_unallocated_bytes=unallocated,
+        base,
+        format=fmt,
+        device=f"{dev}:{new.group(1)}",
+        total_bytes=total,
+        free_bytes=free,
+        allocated_bytes=allocated,
+        reserved_bytes=reserved,
+        reserved_unallocated_bytes=unallocated,
         private_pool_bytes=size(alloc.group(2)) if alloc and alloc.group(2) else None,
         allowed_bytes=size(allowed.group(1)) if allowed else None,
-        this_process_bytes=selfs[0].bytes if selfs else None, processes=tuple(procs),
-        other_processes_bytes=other_processes_bytes(procs), notes=tuple(notes + proc_notes + self_notes),
+        this_process_bytes=selfs[0].bytes if selfs else None,
+        processes=tuple(procs),
+        other_processes_bytes=other_processes_bytes(procs),
+        notes=tuple(notes + proc_notes + self_notes),
     )
 
 
@@ -205,9 +222,14 @@ def _read_old(base: OomMessage, old: re.Match, dev: str) -> OomMessage:
     free = size(old.group(4))
     allocated, reserved = size(old.group(3)), size(old.group(6))
     return replace(
-        base, format="torch<1.5" if old.group(7) == "cached" else "torch<=2.0", device=f"{dev}:{old.group(1)}",
-        total_bytes=total, free_bytes=None if is_absurd(free, total) else free, allocated_bytes=allocated,
-        allowed_bytes=size(old.group(5)) if old.group(5) else None, reserved_bytes=reserved,
+        base,
+        format="torch<1.5" if old.group(7) == "cached" else "torch<=2.0",
+        device=f"{dev}:{old.group(1)}",
+        total_bytes=total,
+        free_bytes=None if is_absurd(free, total) else free,
+        allocated_bytes=allocated,
+        allowed_bytes=size(old.group(5)) if old.group(5) else None,
+        reserved_bytes=reserved,
         reserved_unallocated_bytes=max(0, reserved - allocated),
         notes=("this torch version does not list processes: other processes' share is not printed",),
     )
@@ -219,8 +241,12 @@ def read_message(flat: str, start: int, end: int, backend: str) -> OomMessage:
     m = _CUDA_OOM_RE.match(win)
     dev = backend.lower() if backend.upper() != "HIP" else "cuda"
     base = OomMessage(
-        kind="cuda-allocator", format="", device=dev, message=_message_text(flat, start),
-        requested_bytes=size(m.group(2)) if m and m.group(2) else None, alloc_conf_var=_alloc_conf_var(win, backend),
+        kind="cuda-allocator",
+        format="",
+        device=dev,
+        message=_message_text(flat, start),
+        requested_bytes=size(m.group(2)) if m and m.group(2) else None,
+        alloc_conf_var=_alloc_conf_var(win, backend),
     )
     new, old = _NEW_TOTAL_RE.search(win), _OLD_RE.search(win)
     if new and (not old or new.start() < old.start()):
@@ -229,8 +255,10 @@ def read_message(flat: str, start: int, end: int, backend: str) -> OomMessage:
         msg = _read_old(base, old, dev)
     else:
         return replace(
-            base, format="torch (numbers not printed)" if base.requested_bytes is None else "torch (partial)",
-            notes=("the message carries no capacity/free/allocated numbers (truncated or reworded)",))
+            base,
+            format="torch (numbers not printed)" if base.requested_bytes is None else "torch (partial)",
+            notes=("the message carries no capacity/free/allocated numbers (truncated or reworded)",),
+        )
     if None in (msg.total_bytes, msg.free_bytes, msg.reserved_bytes):
         return msg
     return replace(msg, non_pytorch_bytes=max(0, msg.total_bytes - msg.free_bytes - msg.reserved_bytes))
@@ -247,8 +275,10 @@ def parse(text: FlatText) -> Found | None:
     if not hits:
         return None
     bounds = [h.start() for h in hits[1:]] + [len(flat)]
-    found = [Found(read_message(flat, h.start(), min(b, h.start() + WINDOW), h.group(1)), h.start())
-             for h, b in zip(hits, bounds)]
+    found = [
+        Found(read_message(flat, h.start(), min(b, h.start() + WINDOW), h.group(1)), h.start())
+        for h, b in zip(hits, bounds)
+    ]
     with_request = [f for f in found if f.message.requested_bytes is not None]
     first = ([f for f in found if _has_numbers(f)] or with_request or found)[0]
     # Distinct messages, not the echoes of one.

@@ -20,13 +20,16 @@ _CUDA_ERR_RE = re.compile(
     r"Cuda failure '?out of memory|CUDA driver error: out of memory|CUDNN_STATUS_ALLOC_FAILED|"
     r"CUDNN_STATUS_NOT_SUPPORTED"
 )
-_NOTE = ("raised by the CUDA runtime/cuBLAS outside PyTorch's caching allocator (context creation, "
-         "library workspaces, NCCL): no sizes are printed, and HF auto_find_batch_size / accelerate's "
-         "should_reduce_batch_size do not recognise it as an OOM")
+_NOTE = (
+    "raised by the CUDA runtime/cuBLAS outside PyTorch's caching allocator (context creation, "
+    "library workspaces, NCCL): no sizes are printed, and HF auto_find_batch_size / accelerate's "
+    "should_reduce_batch_size do not recognise it as an OOM"
+)
 _NOT_SUPPORTED_NOTE = (
     "cuDNN says NOT_SUPPORTED when no convolution/RNN algorithm's workspace fits in the free memory, so with large "
     "batches it is an out-of-memory error in disguise (accelerate's should_reduce_batch_size treats it as one); it "
-    "also means a non-contiguous input: if a smaller batch does not make it go away, check the input's layout")
+    "also means a non-contiguous input: if a smaller batch does not make it go away, check the input's layout"
+)
 
 
 def after_oom_note(flat: str, oom_start: int) -> str | None:
@@ -35,8 +38,10 @@ def after_oom_note(flat: str, oom_start: int) -> str | None:
     later = _CUDA_ERR_RE.search(flat, oom_start + 1)
     if later is None:
         return None
-    return (f"a later {later.group(0)} error in the same log followed this out-of-memory error: the same shortage "
-            "seen by cuDNN/cuBLAS after the allocator ran out (fix the OOM above and it goes away)")
+    return (
+        f"a later {later.group(0)} error in the same log followed this out-of-memory error: the same shortage "
+        "seen by cuDNN/cuBLAS after the allocator ran out (fix the OOM above and it goes away)"
+    )
 
 
 def parse(text: FlatText) -> Found | None:
@@ -44,7 +49,14 @@ def parse(text: FlatText) -> Found | None:
     if not m:
         return None
     note = _NOT_SUPPORTED_NOTE if m.group(0) == "CUDNN_STATUS_NOT_SUPPORTED" else _NOTE
-    return Found(OomMessage(
-        kind="cuda-error", format="cudnn" if m.group(0).startswith("CUDNN") else "cuda-runtime", device="cuda",
-        message=m.group(0), occurrences=len(_CUDA_ERR_RE.findall(text.flat)), notes=(note,),
-    ), m.start())
+    return Found(
+        OomMessage(
+            kind="cuda-error",
+            format="cudnn" if m.group(0).startswith("CUDNN") else "cuda-runtime",
+            device="cuda",
+            message=m.group(0),
+            occurrences=len(_CUDA_ERR_RE.findall(text.flat)),
+            notes=(note,),
+        ),
+        m.start(),
+    )

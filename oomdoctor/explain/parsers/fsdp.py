@@ -9,8 +9,10 @@ import re
 _CLONE_RE = re.compile(r"Failed to clone\(\) tensor with name (\S+) on rank (\d+)")
 
 #: Appended to the report's notes: what the warning means for the saved checkpoint.
-NOTE = ("FSDP only warned: the run went on, but the saved state-dict entry may point to invalid memory "
-        "(the checkpoint can be silently broken)")
+NOTE = (
+    "FSDP only warned: the run went on, but the saved state-dict entry may point to invalid memory "
+    "(the checkpoint can be silently broken)"
+)
 
 
 def clone_tensor_before(flat: str, oom_start: int) -> str | None:

@@ -47,10 +47,19 @@ def parse(text: FlatText) -> Found | None:
     where = "host RAM"
     if cgroup:
         where = "its container's memory cgroup" + (f" (limit {format_bytes(limit)})" if limit else "")
-    note = (f"the kernel killed process {m.group(2)} ({m.group(3)}): {where} ran out, not the GPU"
-            + (f"; it held {format_bytes(rss)} resident" if rss else ""))
-    return Found(OomMessage(
-        kind="cpu-oom-killer", format="linux-oom-killer-cgroup" if cgroup else "linux-oom-killer", device="cpu",
-        message=m.group(0), total_bytes=limit, this_process_bytes=rss,
-        occurrences=len(_OOM_KILLER_RE.findall(text.flat)), notes=(note,),
-    ), m.start())
+    note = f"the kernel killed process {m.group(2)} ({m.group(3)}): {where} ran out, not the GPU" + (
+        f"; it held {format_bytes(rss)} resident" if rss else ""
+    )
+    return Found(
+        OomMessage(
+            kind="cpu-oom-killer",
+            format="linux-oom-killer-cgroup" if cgroup else "linux-oom-killer",
+            device="cpu",
+            message=m.group(0),
+            total_bytes=limit,
+            this_process_bytes=rss,
+            occurrences=len(_OOM_KILLER_RE.findall(text.flat)),
+            notes=(note,),
+        ),
+        m.start(),
+    )

@@ -48,6 +48,7 @@ _DATA_KINDS = {k.name: k.kind for k in DATASET.values()}
 
 def _check_kind(key: str, value: Any, kind: Any, problems: list[str]) -> Any:
     """Return the normalized value or append a problem naming ``key``."""
+
     def bad(expect: str) -> None:
         problems.append(f"{key}: expected {expect}, got {value!r} ({type(value).__name__})")
 
@@ -140,8 +141,14 @@ def _unknown(key: str, known: list[str], section: str) -> str:
     return f"{key}: unknown key{where}{dym}"
 
 
-def _section(raw: Any, kinds: dict[str, Any], prefix: str, problems: list[str], aliases: dict[str, str] | None = None,
-             extra_known: tuple[str, ...] = ()) -> dict[str, Any]:
+def _section(
+    raw: Any,
+    kinds: dict[str, Any],
+    prefix: str,
+    problems: list[str],
+    aliases: dict[str, str] | None = None,
+    extra_known: tuple[str, ...] = (),
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     aliases = aliases or {}
     known = list(kinds) + list(aliases) + list(extra_known)
@@ -181,11 +188,13 @@ def _looks_like_hub_id(p: str) -> bool:
     import re
 
     return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", p)) and not p.endswith(
-        (".json", ".yaml", ".yml", ".jsonl", ".safetensors", ".bin"))
+        (".json", ".yaml", ".yml", ".jsonl", ".safetensors", ".bin")
+    )
 
 
-def _apply_plan_only(given: dict[str, Any], top: dict[str, Any], model: dict[str, Any] | None,
-                     problems: list[str]) -> None:
+def _apply_plan_only(
+    given: dict[str, Any], top: dict[str, Any], model: dict[str, Any] | None, problems: list[str]
+) -> None:
     """Translate the plan-vocabulary keys (``schema.PLAN_ONLY``) into the train keys that express them, reporting
     conflicts with those keys and values train cannot execute yet."""
     attn_keys = [k for k in ("attn", "attn_implementation") if k in given]
@@ -197,8 +206,10 @@ def _apply_plan_only(given: dict[str, Any], top: dict[str, Any], model: dict[str
         value = values[attn_keys[0]]
         if model is not None:
             if model.get("attn_implementation", value) != value:
-                problems.append(f"{attn_keys[0]}: {given[attn_keys[0]]!r} conflicts with model.attn_implementation "
-                                f"{model['attn_implementation']!r}")
+                problems.append(
+                    f"{attn_keys[0]}: {given[attn_keys[0]]!r} conflicts with model.attn_implementation "
+                    f"{model['attn_implementation']!r}"
+                )
             model["attn_implementation"] = value
     if "quant" in given:
         q = given["quant"]
@@ -218,12 +229,15 @@ def _apply_plan_only(given: dict[str, Any], top: dict[str, Any], model: dict[str
         top["target_modules"] = mods
     for name in (t.name for t in TECHNIQUES if not t.train_executes):
         if name in given and given[name] != DEFAULTS[name]:
-            problems.append(f"{name}: {given[name]!r}: train does not execute this yet (only "
-                            f"{DEFAULTS[name]!r}); diagnose/tune price it: {technique(name).help}")
+            problems.append(
+                f"{name}: {given[name]!r}: train does not execute this yet (only "
+                f"{DEFAULTS[name]!r}); diagnose/tune price it: {technique(name).help}"
+            )
 
 
-def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None = None,
-                       check_paths: bool = True) -> TrainConfig:
+def parse_train_config(
+    raw: Any, source: str = "config", base_dir: Path | None = None, check_paths: bool = True
+) -> TrainConfig:
     """Validate a parsed YAML mapping into a :class:`TrainConfig` (every problem reported at once)."""
     problems: list[str] = []
     if not isinstance(raw, dict):
@@ -233,8 +247,9 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
         raw = {k: v for k, v in raw.items() if k != "max_steps"}
     if raw.get("report_to") in ("none", ["none"]):
         raw = {**raw, "report_to": []}
-    top = _section(raw, _TOP_KINDS, "", problems, TOP_ALIASES, extra_known=("model", "dataset") + PRECISION_BOOLS
-                   + PLAN_ONLY)
+    top = _section(
+        raw, _TOP_KINDS, "", problems, TOP_ALIASES, extra_known=("model", "dataset") + PRECISION_BOOLS + PLAN_ONLY
+    )
     if top.get("optim") in HF_OPTIM_NAMES:  # the plan's own name (optimizer: adamw-8bit): written as HF's
         top["optim"] = HF_OPTIM_NAMES[top["optim"]]
     plan_only = _section({k: v for k, v in raw.items() if k in PLAN_ONLY}, PLAN_ONLY_KINDS, "", problems)
@@ -290,8 +305,9 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
             model["init"] = init
         if init == "pretrained":
             if not model.get("path"):
-                problems.append("model.path: missing (init: pretrained loads weights from it); "
-                                "or set model.config + init: random")
+                problems.append(
+                    "model.path: missing (init: pretrained loads weights from it); or set model.config + init: random"
+                )
             if model.get("config") and model.get("path"):
                 problems.append("model.config: only used with init: random (model.path already gives the config)")
         else:
@@ -319,8 +335,10 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
                     from oomdoctor.model.load import registry_entry
 
                     if registry_entry(c) is None:
-                        problems.append(f"model.config: {c!r} is neither a file/directory nor a bundled model id "
-                                        "(`oomdoctor models`)")
+                        problems.append(
+                            f"model.config: {c!r} is neither a file/directory nor a bundled model id "
+                            "(`oomdoctor models`)"
+                        )
     if data and check_paths:
         if data.get("path") is None:
             problems.append("dataset.path: missing")
@@ -352,8 +370,10 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
     if l4 and l8:
         problems.append("load_in_4bit and load_in_8bit are both true: choose one")
     if method == "full" and (l4 or l8):
-        problems.append("method: full cannot train a bitsandbytes-quantized base (load_in_4bit/8bit); "
-                        "use method: qlora (LoRA adapters on the quantized base)")
+        problems.append(
+            "method: full cannot train a bitsandbytes-quantized base (load_in_4bit/8bit); "
+            "use method: qlora (LoRA adapters on the quantized base)"
+        )
     if method == "lora" and (l4 or l8):
         top["method"] = "qlora"
     if method == "qlora" and not (l4 or l8):
@@ -373,15 +393,20 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
             if mb * top["gradient_accumulation_steps"] * ws != gbs:
                 problems.append(
                     f"global_batch_size: {gbs} != micro_batch_size {mb} x gradient_accumulation_steps "
-                    f"{top['gradient_accumulation_steps']}" + (f" x world_size {ws}" if ws > 1 else "")
+                    f"{top['gradient_accumulation_steps']}"
+                    + (f" x world_size {ws}" if ws > 1 else "")
                     + "; drop one of them"
                 )
         elif gbs % (mb * ws):
-            problems.append(f"global_batch_size: {gbs} is not a multiple of micro_batch_size {mb}"
-                            + (f" x world_size {ws}" if ws > 1 else ""))
+            problems.append(
+                f"global_batch_size: {gbs} is not a multiple of micro_batch_size {mb}"
+                + (f" x world_size {ws}" if ws > 1 else "")
+            )
         elif gbs < mb * ws:
-            problems.append(f"global_batch_size: {gbs} is smaller than micro_batch_size {mb}"
-                            + (f" x world_size {ws}" if ws > 1 else ""))
+            problems.append(
+                f"global_batch_size: {gbs} is smaller than micro_batch_size {mb}"
+                + (f" x world_size {ws}" if ws > 1 else "")
+            )
         else:
             top["gradient_accumulation_steps"] = gbs // (mb * ws)
     if top.get("max_steps") is not None and top.get("warmup_steps", 0) > top["max_steps"]:
@@ -399,8 +424,10 @@ def parse_train_config(raw: Any, source: str = "config", base_dir: Path | None =
     if optim and OPTIM_VALUES[optim][1] and "optim_impl" in top and top["optim_impl"] != OPTIM_VALUES[optim][1]:
         problems.append(f"optim_impl: {top['optim_impl']!r} conflicts with optim {optim!r}")
     if top.get("optimizer_in_backward") and top.get("max_grad_norm", default("max_grad_norm")) is not None:
-        problems.append("optimizer_in_backward: gradient clipping needs every gradient at once; set "
-                        "max_grad_norm: null (torchtune does the same)")
+        problems.append(
+            "optimizer_in_backward: gradient clipping needs every gradient at once; set "
+            "max_grad_norm: null (torchtune does the same)"
+        )
     if top.get("offload_optimizer") and optim and OPTIM_VALUES[optim][0] in PAGED_OPTIMIZERS:
         problems.append("offload_optimizer: paged optimizers already page state to the CPU; use one or the other")
 
@@ -426,11 +453,13 @@ def load_train_config(path: str | os.PathLike) -> TrainConfig:
     try:
         text = p.read_text()
     except OSError as exc:
-        raise BadInput(f"cannot read {p}: {exc.strerror or exc}",
-                       "pass a train config such as configs/train/tiny-cpu.yaml") from None
+        raise BadInput(
+            f"cannot read {p}: {exc.strerror or exc}", "pass a train config such as configs/train/tiny-cpu.yaml"
+        ) from None
     except UnicodeDecodeError:
-        raise BadInput(f"{p} is not a text file (not UTF-8: binary?)",
-                       "pass a train YAML such as configs/train/tiny-cpu.yaml") from None
+        raise BadInput(
+            f"{p} is not a text file (not UTF-8: binary?)", "pass a train YAML such as configs/train/tiny-cpu.yaml"
+        ) from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -440,8 +469,6 @@ def load_train_config(path: str | os.PathLike) -> TrainConfig:
     if raw is None:
         raise ConfigErrors(str(p), ["the file is empty"], "start from configs/train/tiny-cpu.yaml")
     return parse_train_config(raw, source=str(p), base_dir=p.resolve().parent)
-
-
 
 
 __all__ = ["load_train_config", "parse_train_config"]

@@ -122,8 +122,12 @@ def render_yaml(cfg: TrainConfig, header: str | None = None) -> str:
         lines.append(f"{name}:")
         for f in fields(obj):
             v = getattr(obj, f.name)
-            if v is None and keys[f.name].kind == "str|null" or v is None and f.name in ("pad_to_multiple_of",
-                                                                                      "max_samples"):
+            if (
+                v is None
+                and keys[f.name].kind == "str|null"
+                or v is None
+                and f.name in ("pad_to_multiple_of", "max_samples")
+            ):
                 continue
             lines.append(f"  {f.name}: {_y(v)}  # {_comment(keys[f.name])}")
 

@@ -242,8 +242,7 @@ def to_plan(cfg: TrainConfig, micro_batch: int | None = None) -> Plan:
     mb = micro_batch if micro_batch is not None else cfg.micro_batch_size
     if not isinstance(mb, int):
         raise BadInput(
-            "micro_batch_size is 'auto': the plan needs a number",
-            "run `oomdoctor tune` or pass to_plan(micro_batch=N)",
+            "micro_batch_size is 'auto': the plan needs a number", "run `oomdoctor tune` or pass to_plan(micro_batch=N)"
         )
     eff = cfg.effective_batch_size
     per_step = mb * cfg.world_size  # sequences one micro-batch round takes over every rank
