@@ -13,6 +13,9 @@ os.environ.setdefault("OOMDOCTOR_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # measured block activations (oomdoctor.engines.blocks) are cached per test session, not in the user's cache
 os.environ.setdefault("OOMDOCTOR_CACHE", tempfile.mkdtemp(prefix="oomdoctor-cache-"))
+# measured in the test process, one after the other: a pool's workers each import torch (~8 s of CPU), more than a
+# tiny config's measurements take (tests/test_block_pool.py runs the pool)
+os.environ.setdefault("OOMDOCTOR_WORKERS", "1")
 
 #: A tiny Llama-shaped config: 2 layers, hidden 64 (the size every CPU test uses).
 TINY_LLAMA = {

@@ -12,6 +12,7 @@ from typing import Any
 from oomdoctor.diagnose.advice import Advice, SmallerModel, advise, smaller_model_that_fits
 from oomdoctor.diagnose.matrix import enumerate_plans
 from oomdoctor.engines import estimate
+from oomdoctor.engines.block_pool import prefetch
 from oomdoctor.errors import BadInput
 from oomdoctor.gpu import GpuInfo, detect_gpu
 from oomdoctor.memory import MemoryBreakdown
@@ -148,6 +149,8 @@ def diagnose(
     def priced(s: ModelSpec, p: Plan) -> MemoryBreakdown:
         return estimate(s, p, "analytic", device)
 
+    if engine == "analytic":
+        prefetch(spec, plans)  # the blocks the plans' estimates measure, on every core
     headline = {p.method: p for p in reversed(plans)}  # most faithful plan of each method: full advice path
     for i, plan in enumerate(plans):
         if engine != "analytic":  # a replay (or a GPU run) per plan: seconds each

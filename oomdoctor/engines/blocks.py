@@ -23,7 +23,8 @@ the plan's tokens cut into sequences of :data:`LOOP_SEQ_LEN` (and of twice it, a
 :func:`along_the_sequence` takes out what grows with the number of sequences); the other blocks still run at the
 plan's length. Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
 ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config, the plan's settings at
-micro-batch 1 and the versions of torch, transformers and peft. Each replay run of a measurement is reported
+micro-batch 1 and the versions of torch, transformers and peft (``diagnose`` and ``tune`` make the measurements their
+plans need first, in worker processes: ``engines/block_pool``). Each replay run of a measurement is reported
 (``oomdoctor.progress``, task ``blocks``: the CLI draws it on stderr).
 """
 
@@ -32,12 +33,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from contextlib import suppress
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from oomdoctor.engines.kinds import extend
+from oomdoctor.errors import BadInput, WriteFailed
+from oomdoctor.files import write_file_atomic
 from oomdoctor.memory.measured import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 from oomdoctor.progress import report
@@ -108,7 +112,9 @@ def measured_seq_len(seq_len: int) -> int:
     return max(64, 1 << max(seq_len - 1, 0).bit_length())
 
 
-def _key(spec: "ModelSpec", plan: "Plan") -> str:
+def cache_key(spec: "ModelSpec", plan: "Plan") -> str:
+    """The cache key of ``spec``'s measurement under ``plan`` (a :func:`measured_plan`): the model config and depth,
+    the plan's settings, :data:`VERSION` and the versions of the libraries whose code decides what is saved."""
     from importlib.metadata import version
 
     libs = {lib: version(lib) for lib in ("torch", "transformers", "peft")}  # their code decides what is saved
@@ -155,14 +161,49 @@ def _bytes_of(doc: dict) -> BlockBytes:
     )
 
 
+#: Measurements made in other processes for this one (``engines/block_pool.prefetch``), by cache key: what
+#: :func:`_cached` takes when the cache directory could not keep them (read-only), and the models they could not
+#: measure (None), so that the serial pricing does not measure them again.
+PREFETCHED: dict[str, BlockSaves | None] = {}
+
+
 @lru_cache(maxsize=512)
 def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
-    path = cache_dir() / f"{_key(spec, plan)}.json"
+    key = cache_key(spec, plan)
+    saves = read_entry(key)
+    if saves is not None:
+        return saves
+    if key in PREFETCHED:
+        return PREFETCHED[key]
+    return measure_entry(spec, plan)
+
+
+def entry_path(key: str) -> Path:
+    """The cache file of the measurement keyed ``key`` (:func:`cache_key`)."""
+    return cache_dir() / f"{key}.json"
+
+
+def discard_partial(key: str) -> None:
+    """Remove the temporary file a writer of the entry keyed ``key`` left when it was killed before renaming it
+    (``files.write_file_atomic``)."""
+    with suppress(OSError):
+        for tmp in cache_dir().glob(f".{entry_path(key).name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
+def read_entry(key: str) -> BlockSaves | None:
+    """The cached measurement keyed ``key``; None when there is none or it is damaged (measured again then)."""
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(entry_path(key).read_text())
         return BlockSaves(_bytes_of(doc["one"]), _bytes_of(doc["two"]), bool(doc["checkpointed"]), int(doc["seq_len"]))
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        return None
+
+
+def measure_entry(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
+    """Measure ``spec``'s blocks under ``plan`` (a :func:`measured_plan`) and write the cache entry (to a file at
+    the side, renamed into place: ``files.write_file_atomic``; a reader sees the whole entry or none); None, and no
+    entry, when the executor cannot build or replay the model."""
     try:
         saves = measure_saves(spec, plan)
     except Exception:  # noqa: BLE001 - passing blocks through broke a model whose blocks depend on each other
@@ -170,23 +211,17 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
             saves = measure_saves(spec, plan, one_per_kind=False)
         except Exception:  # noqa: BLE001 - a model the executor cannot build or replay: the formulas price it
             return None
+    doc = {
+        "model": spec.name,
+        "one": _bytes_doc(saves.one),
+        "two": _bytes_doc(saves.two),
+        "checkpointed": saves.checkpointed,
+        "seq_len": saves.seq_len,
+    }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(
-            json.dumps(
-                {
-                    "model": spec.name,
-                    "one": _bytes_doc(saves.one),
-                    "two": _bytes_doc(saves.two),
-                    "checkpointed": saves.checkpointed,
-                    "seq_len": saves.seq_len,
-                }
-            )
-        )
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs the next run a replay
+        write_file_atomic(entry_path(cache_key(spec, plan)), json.dumps(doc), what="block cache entry", overwrite=True)
+    except (BadInput, WriteFailed):
+        pass  # a read-only or full cache only costs the next run a replay
     return saves
 
 

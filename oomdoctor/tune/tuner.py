@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from oomdoctor.engines import estimate
+from oomdoctor.engines.block_pool import prefetch
 from oomdoctor.errors import BadInput, DoesNotFit
 from oomdoctor.gpu import GpuInfo, detect_gpu, host_ram_bytes
 from oomdoctor.memory.breakdown import MemoryBreakdown
@@ -107,6 +108,7 @@ def tune(
             "no --gpu-mem given and no NVIDIA GPU found (NVML): tune needs to know how much memory to plan for",
             "pass the card's memory, e.g. `oomdoctor tune MODEL --gpu-mem 24GB`",
         )
+    analytic = estimator is None
     if estimator is None:
 
         def estimator(s: ModelSpec, p: Plan) -> MemoryBreakdown:
@@ -157,6 +159,8 @@ def tune(
         model_type=spec.model_type,
     )
     report("tune", f"searching {len(plans)} plans with the analytic memory model")
+    if analytic:
+        prefetch(spec, plans)  # the blocks the plans' estimates measure, on every core
     if topo.world_size == 1 and not topo_pins:
         result = search(
             spec,
