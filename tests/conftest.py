@@ -46,7 +46,7 @@ def _cuda_available() -> bool:
 #: ``make test`` (what CI runs) keeps every slow test function but, of a slow parametrized grid, only every
 #: GRID_STRIDE-th case (the first always); ``make test-all`` (``OOMDOCTOR_FULL_GRIDS=1``) runs every case. Tests
 #: marked ``every_case`` (each benchmark, each case a different script) are never sampled.
-GRID_STRIDE = 4
+GRID_STRIDE = 8
 FULL_GRIDS_ENV = "OOMDOCTOR_FULL_GRIDS"
 
 
