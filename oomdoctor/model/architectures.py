@@ -1,5 +1,7 @@
 """Module inventories per architecture, from config.json alone (pure Python: no torch, no transformers).
 
+One job, over 600 lines: one hand builder per architecture family, each a short function.
+
 Each builder mirrors the module tree of the transformers implementation for that ``model_type`` (names as in HF,
 so LoRA ``target_modules`` match), and a test checks every bundled config against a meta-device build of the real
 transformers model: same parameter count, same linear shapes.

@@ -1,6 +1,8 @@
 """What each trainer can run: for every knob of the technique table, the key(s) that carry it in the trainer's own
 config, or why the trainer cannot run that value.
 
+One job, over 600 lines: the rule table (one :class:`Rule` per knob and trainer) and the few functions that read it.
+
 Trainers (``Plan.trainer``, the ``tune --emit`` targets): ``oomdoctor`` (``oomdoctor train``), ``trl`` (TRL's
 ``SFTTrainer`` through ``trl sft --config``), ``hf`` (transformers' ``Trainer`` driven by the JSON ``tune --emit hf``
 writes, ``python -m oomdoctor.execute.trainers.hf``), ``axolotl`` (``axolotl train``) and ``accelerate`` (the user's
