@@ -65,7 +65,7 @@ def sampled_out(items: list) -> list:
 
 
 def pytest_collection_modifyitems(config, items):
-    if not os.environ.get(FULL_GRIDS_ENV) and config.getoption("markexpr", "") != "not slow":
+    if not os.environ.get(FULL_GRIDS_ENV):
         dropped = set(map(id, sampled_out(items)))
         if dropped:
             config.hook.pytest_deselected(items=[i for i in items if id(i) in dropped])

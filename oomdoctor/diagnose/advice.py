@@ -100,14 +100,7 @@ def candidate_changes(spec: ModelSpec, plan: Plan) -> list[tuple[str, str, int, 
     if not plan.gradient_checkpointing:
         c.append(("gradient-checkpointing", CHANGES["gradient-checkpointing"], 1, dict(gradient_checkpointing=True)))
     if plan.world_size > 1 and plan.strategy == "ddp":
-        c.append(
-            (
-                "strategy:fsdp",
-                CHANGES["strategy:fsdp"].replace("the GPUs", f"the {plan.world_size} GPUs"),
-                1,
-                dict(strategy="fsdp"),
-            )
-        )
+        c.append(("strategy:fsdp", f"{plan.world_size} GPUs: " + CHANGES["strategy:fsdp"], 1, dict(strategy="fsdp")))
     if plan.strategy == "zero2":
         c.append(("strategy:zero3", CHANGES["strategy:zero3"], 1, dict(strategy="zero3")))
     if plan.strategy == "fsdp" and not plan.reshard_after_forward:
