@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_blocks import JAMBA, tiny
+from test_blocks import JAMBA, JAMBA_3, tiny
 
 from oomdoctor.diagnose.report import diagnose
 from oomdoctor.engines import block_pool, blocks
@@ -26,10 +26,12 @@ PINS = dict(method="lora", precision="bf16", seq_len=32)
 def test_workers_are_the_idle_cores_or_what_the_environment_says(monkeypatch):
     monkeypatch.delenv(block_pool.WORKERS_ENV, raising=False)
     cores = len(os.sched_getaffinity(0))
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.0, 0.0))
+    monkeypatch.setattr(block_pool, "busy_cores", lambda: 0.3)
     assert block_pool.worker_count() == cores  # an idle machine: every core
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 1.5, 0.0, 0.0))
+    monkeypatch.setattr(block_pool, "busy_cores", lambda: cores + 1.5)
     assert block_pool.worker_count() == 1  # every core busy: workers would only add their imports
+    monkeypatch.setattr(block_pool, "busy_cores", lambda: cores - 0.8)
+    assert block_pool.worker_count() == 1  # most of one core idle: one worker is the serial path
     monkeypatch.setenv(block_pool.WORKERS_ENV, "1")
     assert block_pool.worker_count() == 1
     monkeypatch.setenv(block_pool.WORKERS_ENV, "512")
@@ -38,6 +40,21 @@ def test_workers_are_the_idle_cores_or_what_the_environment_says(monkeypatch):
         monkeypatch.setenv(block_pool.WORKERS_ENV, bad)
         with pytest.raises(BadInput, match=block_pool.WORKERS_ENV):
             block_pool.worker_count()
+
+
+def test_busy_cores_sees_a_process_that_spins():
+    import subprocess
+    import sys
+    import time
+
+    assert 0 <= block_pool.busy_cores() <= os.cpu_count()
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        assert block_pool.busy_cores() >= 0.5
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def test_pending_lists_each_uncached_measurement_once(monkeypatch, tmp_path):
@@ -66,8 +83,8 @@ def test_pending_lists_each_uncached_measurement_once(monkeypatch, tmp_path):
 
 
 def _cold(monkeypatch, tmp_path: Path, workers: str, during=None) -> tuple[str, list]:
-    """A cold diagnose of the tiny Jamba (fresh cache directory and memory) with ``workers``: its JSON document and
-    the progress it reported; ``during(report)`` runs on each report."""
+    """A cold diagnose of the tiny three-block Jamba (fresh cache directory and memory) with ``workers``: its JSON
+    document and the progress it reported; ``during(report)`` runs on each report."""
     monkeypatch.setenv(blocks.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(block_pool.WORKERS_ENV, workers)
     blocks._cached.cache_clear()
@@ -80,7 +97,7 @@ def _cold(monkeypatch, tmp_path: Path, workers: str, during=None) -> tuple[str, 
         if during:
             during(p)
 
-    spec = spec_from_config(tiny("jamba", **JAMBA), name="jamba")
+    spec = spec_from_config(tiny("jamba", **JAMBA_3), name="jamba")
     with listening(listen):
         doc = diagnose(spec, PINS, advice=False).to_dict()
     return json.dumps(doc, sort_keys=True), heard

@@ -271,9 +271,9 @@ def test_eager_experts_of_a_measured_type_are_measured(method, precision, gc):
 @pytest.mark.slow
 def test_a_measured_blocks_own_gradients_are_not_counted_twice():
     """Jamba: a measured block's backward transient holds the weight gradients it makes, which the bottom moment
-    counted as made too — an MoE block's far more than the average block's (+0.74 % here; +3.2 % at the default
-    config's width: scripts/blocks_vs_simulate.py)."""
-    spec = spec_from_config(tiny("jamba", layers=4), name="jamba")
+    counted as made too — an MoE block's far more than the average block's (+0.93 % here, a Mamba + MLP and a
+    Mamba + MoE block; +3.2 % at the default config's width: scripts/blocks_vs_simulate.py)."""
+    spec = spec_from_config(tiny("jamba", layers=2), name="jamba")
     plan = validate(Plan(method="full", precision="bf16", seq_len=256, micro_batch=2, gradient_checkpointing=True))
     a, s = estimate(spec, plan, "analytic"), estimate(spec, plan, "simulate")
     assert any("measured by replaying" in n for n in a.notes)
@@ -341,16 +341,21 @@ def test_jambas_block_kinds_are_transformers_layer_types():
 
 #: The same at a wider width: a Mamba step's per-token state dwarfs the tensors under the allocator's 512 bytes.
 WIDE = dict(hidden_size=1024, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+#: Jamba's three kinds (Mamba + MLP, Mamba + MoE, attention + MLP) in three blocks: the reference replays its two
+#: Mamba blocks token by token.
+JAMBA_3 = dict(
+    layers=3, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, num_experts=4
+)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model_type, kw, plan_kw",
     [
-        ("jamba", dict(JAMBA, mamba_dt_rank=64, **WIDE), dict(method="lora", precision="bf16", seq_len=256)),
+        ("jamba", dict(JAMBA_3, mamba_dt_rank=64, **WIDE), dict(method="lora", precision="bf16", seq_len=256)),
         (
             "jamba",
-            dict(JAMBA, mamba_dt_rank=64, **WIDE),
+            dict(JAMBA_3, mamba_dt_rank=64, **WIDE),
             dict(method="qlora", quant="int8", precision="bf16-mixed", gradient_checkpointing=True, seq_len=256),
         ),
         (
@@ -366,16 +371,11 @@ def test_blocks_that_loop_over_the_tokens_are_measured_on_short_sequences(model_
     measures — what they save and their backward peak within 0.1 %, their forward peak within 2 % (int8 with
     checkpointing at micro-batch 2: -1.6 %, the per-sequence scan state of many short sequences peaking where the
     plan's two long ones peak elsewhere; the QLoRA plan's 2 x 1,024 tokens cross bitsandbytes' 1,536-row kernel
-    switch as the plan's do) — in a fraction of the time."""
-    import time
-
+    switch as the plan's do) — in a fraction of the time (benchmarks/cold_diagnose.py)."""
     spec = spec_from_config(tiny(model_type, **kw), name=model_type)
     plan = blocks.measured_plan(validate(Plan(**plan_kw)))
-    t0 = time.perf_counter()
     fast = blocks.measure_saves(spec, plan)
-    t1 = time.perf_counter()
     ref = (blocks.measure_block_bytes(spec, plan), blocks.measure_block_bytes(spec, plan.with_(micro_batch=2)))
-    t2 = time.perf_counter()
     assert blocks._LOOPING[json.dumps([spec.config, spec.num_layers, True], sort_keys=True, default=str)]
     for got, want in zip((fast.one, fast.two), ref):
         for a, b, tolerance in [
@@ -386,7 +386,6 @@ def test_blocks_that_loop_over_the_tokens_are_measured_on_short_sequences(model_
             (got.backward_over_gradients, want.backward_over_gradients, 0.001),
         ]:
             assert abs(a - b) <= tolerance * b, (got, want)
-    assert t1 - t0 < (t2 - t1) / 2
 
 
 def test_a_measurement_reports_its_runs_once():

@@ -16,21 +16,23 @@ _cfg = scaleout_cfg
 _run = run_json
 
 
-def test_fsdp_equals_ddp_resumes_from_dcp_and_restarts_smaller_after_an_oom(tmp_path):
-    """The same global batch gives the same losses under DDP and FSDP2 (both divide by the global token count);
-    the final model is a plain HF directory with the same weights; a sharded checkpoint resumes exactly, also on
+def test_fsdp_equals_one_process_resumes_from_dcp_and_restarts_smaller_after_an_oom(tmp_path):
+    """The same global batch gives the same losses on one process and under FSDP2 on two (both divide by the global
+    token count; DDP equals one process: test_train_ddp.py); the final model is a plain HF directory with the same
+    weights; a sharded checkpoint resumes exactly, also on
     another shard layout (DCP reshards; shard_group is safe to change); an OOM on
     one rank (injected: OOMDOCTOR_INJECT_OOM, the mechanism of multi-gpu.md §6) restarts every rank from the last
     sharded checkpoint with half the micro-batch: same steps, same losses; so does a real per-rank --gpu-mem cap."""
-    ddp = write_yaml(tmp_path / "ddp.yaml", _cfg(tmp_path, "ddp"))
+    one = write_yaml(tmp_path / "one.yaml", _cfg(tmp_path, "one", gradient_accumulation_steps=4))
     sharded = _cfg(tmp_path, "fsdp", strategy="fsdp", save_steps=1, save_total_limit=None)
     fsdp = write_yaml(tmp_path / "fsdp.yaml", sharded)
     hsdp = write_yaml(tmp_path / "hsdp.yaml", replace(sharded, shard_group=1))  # same run, 2 replicas x 1 shard
-    a, _ = _run(ddp, "--nproc-per-node", "2")
+    a, _ = _run(one)
     b, _ = _run(fsdp, "--nproc-per-node", "2")
     assert (b["world_size"], b["strategy"], b["restarts"]) == (2, "fsdp", 0)
+    assert a["effective_batch_size"] == b["effective_batch_size"] == 32
     assert b["losses"] == pytest.approx(a["losses"], abs=1e-5)
-    assert max_abs_diff(load_weights(tmp_path / "ddp"), load_weights(tmp_path / "fsdp")) < 1e-5
+    assert max_abs_diff(load_weights(tmp_path / "one"), load_weights(tmp_path / "fsdp")) < 1e-5
     assert (tmp_path / "fsdp" / "checkpoint-2" / "sharded" / ".metadata").exists()
 
     shutil.rmtree(tmp_path / "fsdp" / "checkpoint-3")  # resume from the DCP checkpoint of step 2, resharded (HSDP)

@@ -35,20 +35,48 @@ WORKERS_ENV = "OOMDOCTOR_WORKERS"
 
 def worker_count() -> int:
     """Processes the measurements may use: :data:`WORKERS_ENV` when set (at most the cores this process may run on),
-    else this process's core and the cores the others leave idle (the last minute's load average): each worker
-    imports torch, transformers and peft (~8 s of CPU) and warms its caches again, which only pays where it gets a
-    core of its own (on 2 busy cores, 2 workers made a cold diagnose of Gemma 4 153 s where the serial path took
-    134 s: benchmarks/cold_diagnose.py)."""
+    else the cores other processes leave idle now (:func:`busy_cores`; at least one): each worker imports torch,
+    transformers and peft (~8 s of CPU) and warms its caches again, which only pays where it gets a core of its own
+    (on 2 busy cores, 2 workers made a cold diagnose of Gemma 4 153 s where the serial path took 134 s:
+    benchmarks/cold_diagnose.py). This process waits for the workers meanwhile."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     raw = os.environ.get(WORKERS_ENV, "").strip()
     if not raw:
-        return max(1, min(cores, 1 + int(cores - os.getloadavg()[0])))
+        return max(1, min(cores, round(cores - busy_cores())))
     if not raw.isdigit() or int(raw) < 1:
         raise BadInput(
             f"{WORKERS_ENV}={raw!r}: give a number of processes (1 measures in this one)",
             f"unset {WORKERS_ENV} to use every core, or set it to 1",
         )
     return min(int(raw), cores)
+
+
+#: How long :func:`busy_cores` watches the machine's CPU time.
+SAMPLE_S = 0.2
+
+
+def busy_cores() -> float:
+    """Cores the machine's other processes keep busy now: the CPU time ``/proc/stat`` counts over :data:`SAMPLE_S`
+    (this process sleeps meanwhile), else (no ``/proc``: macOS) the last minute's load average, which also counts
+    what ended up to a minute ago (a diagnose just before this one)."""
+    import time
+
+    try:
+        before = _cpu_ticks()
+        time.sleep(SAMPLE_S)
+        after = _cpu_ticks()
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0]
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return (os.cpu_count() or 1) * busy / total if total > 0 else 0.0
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of every core since boot (the ``cpu`` line of ``/proc/stat``: user nice system idle
+    iowait irq softirq steal ...; idle and iowait are the idle ones)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
 
 
 def pending(spec: "ModelSpec", plans: Iterable["Plan"]) -> dict[str, "Plan"]:
@@ -177,4 +205,4 @@ def _measure(spec: "ModelSpec", plan: "Plan") -> "BlockSaves | None":
     return measure_entry(spec, plan)
 
 
-__all__ = ["WORKERS_ENV", "pending", "prefetch", "worker_count"]
+__all__ = ["WORKERS_ENV", "busy_cores", "pending", "prefetch", "worker_count"]
