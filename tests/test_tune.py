@@ -436,6 +436,12 @@ def test_host_mem_lets_offload_plans_reach_longer_contexts(monkeypatch, tmp_path
     assert not small["offload_activations"] and large["offload_activations"]
     # longer by half, or as far as the model's positions go (131,072 on Llama-3.1-8B)
     assert large["seq_len"] > 1.5 * small["seq_len"] or large["seq_len"] == 131072 > small["seq_len"]
+    text = _cli(
+        [a for a in args if a != "--json"] + ["--host-mem", "512GB", "--force", "--output", str(tmp_path / "big.yaml")],
+        monkeypatch,
+        tmp_path,
+    )
+    assert "of host RAM per node (checked against --host-mem)" in " ".join(text.stdout.split()), text.stdout
     assert isinstance(_cli(args + ["--host-mem", "512"], monkeypatch, tmp_path).exception, BadInput)  # no unit
 
 

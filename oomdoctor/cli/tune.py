@@ -198,7 +198,7 @@ def tune(
             doc["command"] = written.command
         emit_json(doc)
     else:
-        _print(result, written)
+        _print(result, written, host_mem_given=host is not None)
     if launch:
         from oomdoctor.memory.runtime import ALLOC_CONF_VAR
 
@@ -210,7 +210,7 @@ def tune(
         raise typer.Exit(rc)
 
 
-def _print(r, written=None) -> None:
+def _print(r, written=None, host_mem_given: bool = False) -> None:
     from oomdoctor.memory.breakdown import LABELS, TENSOR_COMPONENTS
     from oomdoctor.units import format_bytes
 
@@ -313,9 +313,10 @@ def _print(r, written=None) -> None:
         alt.add_row(*cells)
     print_table(con, alt)
     if r.memory.cpu_offloaded:
+        against = "--host-mem" if host_mem_given else "this machine's RAM"
         con.print(
             f"[yellow]the plan offloads to the CPU: it needs {format_bytes(r.host_per_node_bytes)} of host RAM "
-            "per node (checked against this machine's RAM); no on-device plan of its quality tier fits[/]"
+            f"per node (checked against {against}); no on-device plan of its quality tier fits[/]"
         )
     for c in r.search.candidates:
         if c.why_not:
