@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Rewrite the ``listing`` of every entry in ``configs/models/registry.json`` from its spec (``load_spec``).
 
-``oomdoctor models`` prints these precomputed fields instead of building a spec per entry (the families without a builder
-go through transformers, seconds each); tests/test_bundled_configs.py fails when a listing and its spec disagree,
-and this script is the fix. ``--check`` only reports the entries that differ (exit 1 when any does).
+``oomdoctor models`` prints these precomputed fields instead of building a spec per entry (the families without a
+builder go through transformers, seconds each); tests/test_bundled_configs.py fails when a listing and its spec
+disagree, and this script is the fix. ``--check`` only reports the entries that differ (exit 1 when any does).
 
 Usage: python scripts/registry_listing.py [--check]
 """
