@@ -30,6 +30,7 @@ from oomdoctor.plan.targets import RULES, applies, priced_versions, refusals, ve
 from oomdoctor.plan.techniques import DEFAULTS, TECHNIQUES, TRAINERS
 from oomdoctor.resources import TINY_DATASET, TINY_TOKENIZER, bundled_path, is_bundled
 from oomdoctor.train.config import TrainConfig
+from oomdoctor.train.config.render import comment_lines
 from oomdoctor.tune.result import DEFAULT_OUTPUT, TuneResult
 
 #: The bundled sample dataset the emitted config points at unless ``--dataset`` is given (a ``bundled:`` name:
@@ -155,7 +156,7 @@ def emit(req: DocumentRequest, header: tuple[str, ...] = ()) -> Emitted:
         lines += [f"  - {n}" for n in notes]
     import yaml
 
-    text = "".join(f"# {ln}\n" for ln in lines)
+    text = "".join(f"{ln}\n" for ln in comment_lines(lines))
     text += yaml.safe_dump(doc.data, sort_keys=False, default_flow_style=False, width=120)
     return Emitted(plan.trainer, text, knobs, notes)
 

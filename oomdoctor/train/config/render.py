@@ -109,12 +109,15 @@ def _comment(key: Key) -> str:
     return note
 
 
+def comment_lines(lines: list[str]) -> list[str]:
+    """``lines`` as YAML comments (an empty line a bare ``#``)."""
+    return [f"# {ln}" if ln else "#" for ln in lines]
+
+
 def render_yaml(cfg: TrainConfig, header: str | None = None) -> str:
     """The config as YAML with every key commented with its effect (memory first), from ``schema``. Round-trips
     through :func:`oomdoctor.train.config.load_train_config`."""
-    lines: list[str] = []
-    if header:
-        lines += [f"# {h}" if h else "#" for h in header.splitlines()]
+    lines: list[str] = comment_lines(header.splitlines()) if header else []
     lines.append("# oomdoctor train config: run `oomdoctor train THIS.yaml` (--dry-run to check it fits first).")
     lines.append("# Keys follow Hugging Face TrainingArguments / peft LoraConfig / BitsAndBytesConfig names.")
 
