@@ -417,6 +417,9 @@ def test_tune_result_on_the_bundled_tiny_model(tmp_path, gpu_bf16):
     assert r.plan.trainer == "trl" and not refusals(r.plan)
     req = request_from_result(r, TINY_MODEL, "bundled:tiny/train.jsonl")
     assert req.model == TINY_MODEL and not req.model_has_weights and req.plan == r.plan
+    # bundled names, which another trainer cannot resolve, become the package's files
+    req = request_from_result(r, "bundled:tiny/model/config.json", "bundled:tiny/train.jsonl")
+    assert (req.model, req.dataset) == (TINY_MODEL, str(tiny_dir() / "train.jsonl")) and not req.model_has_weights
     w = write_emitted(r, TINY_MODEL, tmp_path / "t.yaml", dataset="bundled:tiny/train.jsonl")
     assert w.command.endswith(f"trl sft --config {tmp_path / 't.yaml'}")
     assert any("config without weights" in n for n in w.emitted.notes)

@@ -180,12 +180,9 @@ def render_config(
     budget."""
     from oomdoctor.train.config import config_from_plan, render_yaml
 
-    bundled = is_bundled(model_ref)
-    p = bundled_path(model_ref) if bundled else Path(model_ref).expanduser()
-    local = p.exists()
-    config_only = local and not holds_weights(p)
-    # a bundled name stays as written (it resolves wherever the package is installed); local paths become absolute
-    ref = model_ref if bundled or not local else str(p.resolve())
+    # a bundled name stays as written (oomdoctor train resolves it wherever the package is installed)
+    ref, weights = model_location(model_ref, keep_bundled=True)
+    config_only = not weights
     kwargs: dict[str, Any] = dict(extra)
     if config_only:
         kwargs.update(init="random", tokenizer=tokenizer or SAMPLE_TOKENIZER)
@@ -253,22 +250,34 @@ def schedule() -> dict[str, Any]:
     return out
 
 
+def model_location(model_ref: str, *, keep_bundled: bool) -> tuple[str, bool]:
+    """(what a written config names the model by, whether weights are there) for ``tune``'s MODEL: a hub id as it
+    is (weights on the hub); a local file or directory as an absolute path, a ``bundled:`` name too unless
+    ``keep_bundled`` (``oomdoctor train`` resolves those, another trainer does not); a config file, for a trainer
+    that loads a directory (not ``keep_bundled``), as the directory holding it."""
+    bundled = is_bundled(model_ref)
+    p = bundled_path(model_ref) if bundled else Path(model_ref).expanduser()
+    if not p.exists():
+        return model_ref, True
+    weights = holds_weights(p)
+    if bundled and keep_bundled:
+        return model_ref, weights
+    p = p.resolve()
+    return str(p.parent if p.is_file() and not keep_bundled else p), weights
+
+
 def request_from_result(result: TuneResult, model_ref: str, dataset: str | None = None) -> DocumentRequest:
-    """A :class:`DocumentRequest` for a tune result: a local model resolved to an absolute directory."""
-    p = Path(model_ref).expanduser()
-    local = p.exists()
-    has_weights = not local or holds_weights(p)
-    ref = str(p.resolve()) if local else model_ref
-    if local and p.is_file():
-        ref = str(p.resolve().parent)
+    """A :class:`DocumentRequest` for a tune result: a local or bundled model resolved to an absolute directory, a
+    bundled dataset to its file (another trainer knows no ``bundled:`` names)."""
+    ref, weights = model_location(model_ref, keep_bundled=False)
     return DocumentRequest(
         plan=result.plan,
         spec=result.spec,
         model=ref,
-        dataset=dataset,
+        dataset=str(bundled_path(dataset)) if dataset and is_bundled(dataset) else dataset,
         output_dir=TrainConfig().output_dir,
         schedule=schedule(),
-        model_has_weights=has_weights,
+        model_has_weights=weights,
         gpus_per_node=result.topology.gpus_per_node,
     )
 
