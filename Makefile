@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:  `make demo` (main job)  and  `make test` (test suite).
-# `make test-fast` skips the tests marked slow (every module still covered); `make test-all` runs every case of the
-# slow grids `make test` samples; `make bench` runs every benchmark.
+# `make test-fast` skips the tests marked slow (every module still covered); `make test-all` adds what `make test`
+# leaves out (the heavy tests, the cases of slow grids off its sample); `make bench` runs every benchmark.
 #
 # Where it installs: the active virtualenv when one is active ($VIRTUAL_ENV), else a project venv in .venv (created
 # here; `make clean` removes it). Nothing goes into the system interpreter.
@@ -52,9 +52,9 @@ test: lint
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST) -m "not slow"
 
-# Every case of every grid (make test samples the slow parametrized grids: tests/conftest.py); about twice as long.
+# Everything: the heavy tests and every case of every grid (make test leaves those out: tests/conftest.py).
 test-all: $(STAMP)
-	OOMDOCTOR_FULL_GRIDS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST)
+	OOMDOCTOR_TEST_ALL=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q $(XDIST)
 
 # Every benchmark in its quick mode (a smoke run of each table against its goal); drop --quick for the real figures.
 bench: $(STAMP)

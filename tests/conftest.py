@@ -43,18 +43,22 @@ def _cuda_available() -> bool:
         return False
 
 
-#: ``make test`` (what CI runs) keeps every slow test function but, of a slow parametrized grid, only every
-#: GRID_STRIDE-th case (the first always); ``make test-all`` (``OOMDOCTOR_FULL_GRIDS=1``) runs every case. Tests
-#: marked ``every_case`` (each benchmark, each case a different script) are never sampled.
+#: ``make test`` (what CI runs) leaves out the tests marked ``heavy`` and, of a slow parametrized grid, runs only
+#: every GRID_STRIDE-th case (the first always); ``make test-all`` (``OOMDOCTOR_TEST_ALL=1``) runs everything.
+#: Tests marked ``every_case`` (each benchmark, each case a different script) are never sampled.
 GRID_STRIDE = 8
-FULL_GRIDS_ENV = "OOMDOCTOR_FULL_GRIDS"
+TEST_ALL_ENV = "OOMDOCTOR_TEST_ALL"
 
 
 def sampled_out(items: list) -> list:
-    """The cases of slow parametrized grids ``make test`` leaves to ``make test-all``, in collection order."""
+    """The tests ``make test`` leaves to ``make test-all``, in collection order: the heavy ones and the cases of
+    slow parametrized grids off the sample."""
     seen: dict[tuple, int] = {}
     out = []
     for item in items:
+        if "heavy" in item.keywords:
+            out.append(item)
+            continue
         if not hasattr(item, "callspec") or "slow" not in item.keywords or "every_case" in item.keywords:
             continue
         key = (item.path, item.originalname)
@@ -65,7 +69,10 @@ def sampled_out(items: list) -> list:
 
 
 def pytest_collection_modifyitems(config, items):
-    if not os.environ.get(FULL_GRIDS_ENV):
+    for item in items:
+        if "heavy" in item.keywords:
+            item.add_marker(pytest.mark.slow)  # make test-fast leaves them out too
+    if not os.environ.get(TEST_ALL_ENV):
         dropped = set(map(id, sampled_out(items)))
         if dropped:
             config.hook.pytest_deselected(items=[i for i in items if id(i) in dropped])

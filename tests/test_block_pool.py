@@ -115,7 +115,7 @@ def _kill_a_worker(p) -> None:
 
 
 @pytest.mark.slow
-def test_a_cold_parallel_diagnose_prices_what_the_serial_one_does(monkeypatch, tmp_path, capfd):
+def test_a_cold_parallel_diagnose_prices_what_the_serial_one_does(monkeypatch, tmp_path):
     monkeypatch.setenv(block_pool.WORKERS_ENV, "2")
     if block_pool.worker_count() < 2:
         pytest.skip("one core: the measurements run serially")
@@ -126,15 +126,26 @@ def test_a_cold_parallel_diagnose_prices_what_the_serial_one_does(monkeypatch, t
     # measured by the workers only, reported by the parent as each measurement ends
     assert [(p.step, p.steps) for p in heard] == [(0, 2), (1, 2), (2, 2)]
     assert "in 2 processes" in heard[0].message
+    assert _entries(tmp_path / "parallel") == _entries(tmp_path / "serial")
+    assert all(e.endswith(".json") for e in _entries(tmp_path / "parallel"))
 
-    def entries(run: str) -> list[str]:
-        return sorted(e.name for e in (tmp_path / run / "blocks").iterdir())
 
-    assert entries("parallel") == entries("serial") and all(e.endswith(".json") for e in entries("parallel"))
-    # a worker lost: the serial path measures what it did not bring back, with the same prices, no half-written entry
+def _entries(directory: Path) -> list[str]:
+    return sorted(e.name for e in (directory / "blocks").iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_lost_worker_leaves_its_measurement_to_the_serial_path(monkeypatch, tmp_path, capfd):
+    """A worker killed mid-import or mid-measurement: the serial path measures what it did not bring back, with the
+    same prices and no half-written entry."""
+    monkeypatch.setenv(block_pool.WORKERS_ENV, "2")
+    if block_pool.worker_count() < 2:
+        pytest.skip("one core: the measurements run serially")
+    serial, _ = _cold(monkeypatch, tmp_path / "serial", "1")
     capfd.readouterr()
     broken, heard = _cold(monkeypatch, tmp_path / "broken", "2", during=_kill_a_worker)
     assert broken == serial
     assert any(p.message.startswith("measuring what jamba blocks save under lora") for p in heard)  # serially
     assert "Traceback" not in capfd.readouterr().err
-    assert entries("broken") == entries("serial")
+    assert _entries(tmp_path / "broken") == _entries(tmp_path / "serial")

@@ -268,7 +268,7 @@ def test_eager_experts_of_a_measured_type_are_measured(method, precision, gc):
     assert abs(a.peak_allocated - s.peak_allocated) <= 0.02 * s.peak_allocated, (a.peak_allocated, s.peak_allocated)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # Jamba's measurement itself: test_blocks_that_loop_over_the_tokens_are_measured...
 def test_a_measured_blocks_own_gradients_are_not_counted_twice():
     """Jamba: a measured block's backward transient holds the weight gradients it makes, which the bottom moment
     counted as made too — an MoE block's far more than the average block's (+0.93 % here, a Mamba + MLP and a

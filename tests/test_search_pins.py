@@ -25,6 +25,8 @@ from oomdoctor.tune.throughput import REFERENCE_PROFILE
 from oomdoctor.tune.tuner import tune
 from oomdoctor.units import parse_size
 
+pytestmark = pytest.mark.heavy  # sweeps of tune's whole search, a pin at a time (the search itself: test_search.py)
+
 SMALL = dict(
     model_type="llama",
     hidden_size=512,

@@ -278,7 +278,7 @@ def test_timeline_for_plots(tiny_spec):
     assert max(sum(c.values()) for _, _, c in r.timeline) == r.breakdown.peak_allocated
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # extrapolation itself: test_extrapolation_matches_full_simulation
 def test_periodic_blocks_extrapolate_by_period():
     """Gemma 2 alternates sliding-window and global attention: extrapolate in whole periods (2 blocks)."""
     from oomdoctor.engines.kinds import layer_period

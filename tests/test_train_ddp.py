@@ -42,6 +42,7 @@ def test_ddp_on_two_processes_equals_one_process_with_the_same_effective_batch(t
     assert capped["losses"] == pytest.approx(b["losses"], abs=1e-5)
 
 
+@pytest.mark.heavy  # torchrun itself runs every rank in test_ddp_on_two_processes...
 def test_torchrun_module_entry_and_a_failing_rank_is_one_message(tmp_path):
     import os
     import subprocess
@@ -77,6 +78,7 @@ def test_torchrun_module_entry_and_a_failing_rank_is_one_message(tmp_path):
     assert q.returncode == 2 and "already holds a run" in q.stderr and "Traceback" not in q.stderr
 
 
+@pytest.mark.heavy  # Ctrl-C of one process: tests/test_train_rundir.py
 def test_ctrl_c_under_the_launcher_saves_once_and_exits_130(tmp_path):
     import os
     import signal

@@ -16,17 +16,14 @@ _cfg = scaleout_cfg
 _run = run_json
 
 
-def test_fsdp_equals_one_process_resumes_from_dcp_and_restarts_smaller_after_an_oom(tmp_path):
+def test_fsdp_equals_one_process_and_restarts_smaller_after_an_oom(tmp_path):
     """The same global batch gives the same losses on one process and under FSDP2 on two (both divide by the global
     token count; DDP equals one process: test_train_ddp.py); the final model is a plain HF directory with the same
-    weights; a sharded checkpoint resumes exactly, also on
-    another shard layout (DCP reshards; shard_group is safe to change); an OOM on
-    one rank (injected: OOMDOCTOR_INJECT_OOM, the mechanism of multi-gpu.md §6) restarts every rank from the last
-    sharded checkpoint with half the micro-batch: same steps, same losses; so does a real per-rank --gpu-mem cap."""
+    weights; an OOM on one rank (injected: OOMDOCTOR_INJECT_OOM, the mechanism of multi-gpu.md §6) restarts every rank from the last
+    sharded checkpoint with half the micro-batch: same steps, same losses."""
     one = write_yaml(tmp_path / "one.yaml", _cfg(tmp_path, "one", gradient_accumulation_steps=4))
     sharded = _cfg(tmp_path, "fsdp", strategy="fsdp", save_steps=1, save_total_limit=None)
     fsdp = write_yaml(tmp_path / "fsdp.yaml", sharded)
-    hsdp = write_yaml(tmp_path / "hsdp.yaml", replace(sharded, shard_group=1))  # same run, 2 replicas x 1 shard
     a, _ = _run(one)
     b, _ = _run(fsdp, "--nproc-per-node", "2")
     assert (b["world_size"], b["strategy"], b["restarts"]) == (2, "fsdp", 0)
@@ -34,10 +31,6 @@ def test_fsdp_equals_one_process_resumes_from_dcp_and_restarts_smaller_after_an_
     assert b["losses"] == pytest.approx(a["losses"], abs=1e-5)
     assert max_abs_diff(load_weights(tmp_path / "one"), load_weights(tmp_path / "fsdp")) < 1e-5
     assert (tmp_path / "fsdp" / "checkpoint-2" / "sharded" / ".metadata").exists()
-
-    shutil.rmtree(tmp_path / "fsdp" / "checkpoint-3")  # resume from the DCP checkpoint of step 2, resharded (HSDP)
-    r, _ = _run(hsdp, "--nproc-per-node", "2", "--resume")
-    assert r["resumed_from"].endswith("checkpoint-2") and r["losses"] == pytest.approx(b["losses"], abs=1e-6)
 
     o, err = _run(fsdp, "--nproc-per-node", "2", "--overwrite", env_extra={"OOMDOCTOR_INJECT_OOM": "2:1"})
     assert "rank 1: out of memory at step 2" in err
@@ -47,15 +40,29 @@ def test_fsdp_equals_one_process_resumes_from_dcp_and_restarts_smaller_after_an_
     assert o["losses"] == pytest.approx(b["losses"], abs=1e-5)
     assert not (tmp_path / "fsdp" / "oom-restart.json").exists()
 
-    # a real per-rank cap (the live-bytes meter counts FSDP's resize_): micro 8 peaks at 9.3 MB per rank, micro 4
-    # at 5.4 MB; under 7 MiB both ranks run out in step 1's forward and torchrun restarts them with micro 4
-    c, err = _run(fsdp, "--nproc-per-node", "2", "--overwrite", "--gpu-mem", "7MiB")
+
+@pytest.mark.heavy
+def test_a_per_rank_memory_cap_restarts_smaller_and_dcp_resumes_on_another_shard_layout(tmp_path):
+    """A real per-rank cap (the live-bytes meter counts FSDP's resize_): micro 8 peaks at 9.3 MB per rank, micro 4
+    at 5.4 MB; under 7 MiB both ranks run out in step 1's forward and torchrun restarts them with micro 4: the
+    losses of the uncapped run. Its sharded checkpoint resumes exactly on another shard layout (DCP reshards;
+    shard_group is safe to change)."""
+    one = write_yaml(tmp_path / "one.yaml", _cfg(tmp_path, "one", gradient_accumulation_steps=4))
+    sharded = _cfg(tmp_path, "fsdp", strategy="fsdp", save_steps=1, save_total_limit=None)
+    fsdp = write_yaml(tmp_path / "fsdp.yaml", sharded)
+    hsdp = write_yaml(tmp_path / "hsdp.yaml", replace(sharded, shard_group=1))  # same run, 2 replicas x 1 shard
+    a, _ = _run(one)
+    c, err = _run(fsdp, "--nproc-per-node", "2", "--gpu-mem", "7MiB")
     assert "out of memory at step 1 (forward) with micro-batch 8" in err
     assert (c["restarts"], c["micro_batch_size"], c["gradient_accumulation_steps"]) == (1, 4, 4)
     assert c["optimizer_steps"] == 3 and c["measured_peak_bytes"] <= 7 * 2**20
-    assert c["losses"] == pytest.approx(b["losses"], abs=1e-5)
+    assert c["losses"] == pytest.approx(a["losses"], abs=1e-5)
+    shutil.rmtree(tmp_path / "fsdp" / "checkpoint-3")  # resume from the DCP checkpoint of step 2, resharded (HSDP)
+    r, _ = _run(hsdp, "--nproc-per-node", "2", "--resume")
+    assert r["resumed_from"].endswith("checkpoint-2") and r["losses"] == pytest.approx(c["losses"], abs=1e-6)
 
 
+@pytest.mark.heavy
 def test_fsdp_lora_gradient_checkpointing_hsdp_output_loads_with_peft(tmp_path):
     """FSDP2 + LoRA + GC on an HSDP mesh (2 replicas x 1 shard) trains and saves a peft adapter."""
     from peft import PeftModel
@@ -87,6 +94,7 @@ def test_fsdp_lora_gradient_checkpointing_hsdp_output_loads_with_peft(tmp_path):
     assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) == res["num_trainable_params"]
 
 
+@pytest.mark.heavy
 def test_fsdp_oom_at_micro_batch_one_exits_4_with_one_message(tmp_path):
     cfg = write_yaml(tmp_path / "m1.yaml", _cfg(tmp_path, "m1", strategy="fsdp", micro_batch_size=1))
     p = cli("train", cfg, "--nproc-per-node", "2", env_extra={"OOMDOCTOR_INJECT_OOM": "1:0"}, timeout=300)
@@ -94,6 +102,7 @@ def test_fsdp_oom_at_micro_batch_one_exits_4_with_one_message(tmp_path):
     assert p.stderr.count("error: out of memory at step 1") == 1 and "Traceback" not in p.stderr
 
 
+@pytest.mark.heavy
 def test_offload_params_runs_fsdp_at_world_size_one(tmp_path):
     """offload_params on one process: the plan runs FSDP2 with CPUOffloadPolicy on a one-rank group; same losses as
     the plain single-process run (CPU: the offload moves nothing)."""
