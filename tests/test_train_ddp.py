@@ -24,8 +24,7 @@ def _cfg(tmp_path, name: str, accum: int):
 
 def test_ddp_on_two_processes_equals_one_process_with_the_same_effective_batch(tmp_path):
     """effective batch = micro x accumulation x world size: 8 x 2 x 2 processes == 8 x 4 x 1, and the losses (which
-    divide by the global token count) agree to float rounding; a per-rank memory cap splits micro-batches inside
-    no_sync without a hang and changes nothing."""
+    divide by the global token count) agree to float rounding."""
     ddp = write_yaml(tmp_path / "ddp.yaml", _cfg(tmp_path, "ddp", 2))
     one = write_yaml(tmp_path / "one.yaml", _cfg(tmp_path, "one", 4))
     p = cli("train", ddp, "--nproc-per-node", "2", "--json", timeout=300)
@@ -35,7 +34,14 @@ def test_ddp_on_two_processes_equals_one_process_with_the_same_effective_batch(t
     assert (a["world_size"], a["strategy"], a["restarts"]) == (2, "ddp", 0)
     assert a["effective_batch_size"] == b["effective_batch_size"] == 32 and a["gradient_accumulation_steps"] == 2
     assert a["losses"] == pytest.approx(b["losses"], abs=1e-5)
-    c = cli("train", ddp, "--nproc-per-node", "2", "--json", "--gpu-mem", "8MB", "--overwrite", timeout=300)
+
+
+@pytest.mark.heavy  # the split of one process: tests/test_train_oom.py
+def test_a_per_rank_cap_splits_micro_batches_inside_no_sync_without_a_hang(tmp_path):
+    ddp = write_yaml(tmp_path / "ddp.yaml", _cfg(tmp_path, "ddp", 2))
+    one = write_yaml(tmp_path / "one.yaml", _cfg(tmp_path, "one", 4))
+    b = json.loads(cli("train", one, "--json").stdout)
+    c = cli("train", ddp, "--nproc-per-node", "2", "--json", "--gpu-mem", "8MB", timeout=300)
     assert c.returncode == 0, c.stderr
     capped = json.loads(c.stdout)
     assert capped["oom_recoveries"] >= 1 and capped["micro_batch_size"] < 8

@@ -46,6 +46,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_resume_conti
     assert (out / "model.safetensors").exists() and not _temporaries(out)
 
 
+@pytest.mark.heavy  # the same atomic writer as the checkpoint's (the test before)
 def test_a_full_disk_while_the_final_model_is_written_leaves_no_partial_model(tmp_path, small_fs):
     disk = small_fs(2000 * 1024)  # the last checkpoint fits, the final model next to it does not
     out = disk / "run"

@@ -445,6 +445,7 @@ def test_host_mem_lets_offload_plans_reach_longer_contexts(monkeypatch, tmp_path
     assert isinstance(_cli(args + ["--host-mem", "512"], monkeypatch, tmp_path).exception, BadInput)  # no unit
 
 
+@pytest.mark.heavy  # --seq-len max from the CLI: the test before; tiles on every stack: test_search_pins.py
 def test_seq_len_max_tiles_the_mlp_past_the_longest_untiled_context(monkeypatch, tmp_path):
     """The longest plans are bisected again with tiled MLPs (their blocks replayed): on Llama-3.2-1B QLoRA with a
     24 GB card the tiled plan reaches further than any untiled one, within the host RAM its offload needs; the
