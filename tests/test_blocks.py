@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from oomdoctor.cache import CACHE_ENV
 from oomdoctor.engines import blocks, estimate, kinds
 from oomdoctor.errors import BadInput
 from oomdoctor.memory.activations import layer_activations
@@ -109,7 +110,7 @@ def test_types_with_formulas_are_not_measured(tiny_config):
 
 
 def test_measurements_are_cached_on_disk(monkeypatch, tmp_path):
-    monkeypatch.setenv(blocks.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     spec = spec_from_config(tiny("seed_oss"), name="seed_oss")
     plan = validate(Plan(method="lora", precision="bf16", seq_len=128))
     first = blocks.block_saves(spec, plan)
@@ -131,7 +132,7 @@ def test_measurements_are_cached_on_disk(monkeypatch, tmp_path):
     blocks._cached.cache_clear()
     entry.write_text("{not json")  # a damaged entry is measured again, never trusted
     monkeypatch.undo()
-    monkeypatch.setenv(blocks.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     assert blocks.block_saves(spec, plan) == first
     blocks._cached.cache_clear()
 

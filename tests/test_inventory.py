@@ -132,3 +132,29 @@ def test_llama_like_new_types_full_fine_tune_within_2_percent_of_the_simulation(
     sim = simulate.simulate_plan(spec, plan, layers="full", round_to=1).breakdown.peak_allocated
     est = estimate_analytic(spec, plan).peak_allocated
     assert abs(est - sim) / sim <= 0.02, (est, sim)
+
+
+def test_a_built_inventory_is_read_back_from_the_cache_on_disk(monkeypatch, tmp_path):
+    """The next run reads the spec transformers' model gave (``oomdoctor.cache``, kind ``specs``) instead of importing
+    the model's code and building it again; a damaged entry is built again."""
+    from oomdoctor import cache
+    from oomdoctor.model import inventory
+
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
+    cfg, _, _ = load_config("CohereLabs/c4ai-command-r7b-12-2024")
+    inventory._on_disk.cache_clear()
+    built = spec_from_transformers(cfg, "first")
+    (entry,) = (tmp_path / "specs").iterdir()
+
+    def not_again(*_):
+        raise AssertionError("built again")
+
+    inventory._on_disk.cache_clear()
+    monkeypatch.setattr(inventory, "_cached", not_again)
+    read = spec_from_transformers(cfg, "second")
+    assert read == type(built)(**{**built.__dict__, "name": "second"}) and read.config == built.config
+    entry.write_text("{damaged")
+    inventory._on_disk.cache_clear()
+    with pytest.raises(AssertionError, match="built again"):
+        spec_from_transformers(cfg, "third")
+    inventory._on_disk.cache_clear()

@@ -22,6 +22,7 @@ RANK: dict[str, int] = {
     "files": 0,
     "progress": 0,
     "imports": 0,
+    "cache": 0,
     "plan": 1,
     "model": 2,
     "memory": 3,

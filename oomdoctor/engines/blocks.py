@@ -30,18 +30,15 @@ plans need first, in worker processes: ``engines/block_pool``). Each replay run 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from contextlib import suppress
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from oomdoctor import cache
 from oomdoctor.engines.kinds import extend
-from oomdoctor.errors import BadInput, WriteFailed
-from oomdoctor.files import write_file_atomic
 from oomdoctor.memory.measured import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 from oomdoctor.progress import report
@@ -118,19 +115,14 @@ def cache_key(spec: "ModelSpec", plan: "Plan") -> str:
     from importlib.metadata import version
 
     libs = {lib: version(lib) for lib in ("torch", "transformers", "peft")}  # their code decides what is saved
-    doc = {"v": VERSION, "libs": libs, "config": spec.config, "layers": spec.num_layers, "plan": plan.settings()}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-#: Environment variable naming the cache directory (default ``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``).
-CACHE_ENV = "OOMDOCTOR_CACHE"
+    return cache.key_of(
+        {"v": VERSION, "libs": libs, "config": spec.config, "layers": spec.num_layers, "plan": plan.settings()}
+    )
 
 
 def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]) / "blocks"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "oomdoctor" / "blocks"
+    """The directory of the block measurements (``oomdoctor.cache``)."""
+    return cache.cache_dir("blocks")
 
 
 def block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
@@ -193,17 +185,17 @@ def discard_partial(key: str) -> None:
 
 def read_entry(key: str) -> BlockSaves | None:
     """The cached measurement keyed ``key``; None when there is none or it is damaged (measured again then)."""
+    doc = cache.read_json("blocks", key)
     try:
-        doc = json.loads(entry_path(key).read_text())
         return BlockSaves(_bytes_of(doc["one"]), _bytes_of(doc["two"]), bool(doc["checkpointed"]), int(doc["seq_len"]))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):  # none (None), or damaged
         return None
 
 
 def measure_entry(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
-    """Measure ``spec``'s blocks under ``plan`` (a :func:`measured_plan`) and write the cache entry (to a file at
-    the side, renamed into place: ``files.write_file_atomic``; a reader sees the whole entry or none); None, and no
-    entry, when the executor cannot build or replay the model."""
+    """Measure ``spec``'s blocks under ``plan`` (a :func:`measured_plan`) and write the cache entry
+    (``oomdoctor.cache``: a reader sees the whole entry or none); None, and no entry, when the executor cannot build
+    or replay the model."""
     try:
         saves = measure_saves(spec, plan)
     except Exception:  # noqa: BLE001 - passing blocks through broke a model whose blocks depend on each other
@@ -218,10 +210,7 @@ def measure_entry(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
         "checkpointed": saves.checkpointed,
         "seq_len": saves.seq_len,
     }
-    try:
-        write_file_atomic(entry_path(cache_key(spec, plan)), json.dumps(doc), what="block cache entry", overwrite=True)
-    except (BadInput, WriteFailed):
-        pass  # a read-only or full cache only costs the next run a replay
+    cache.write_json("blocks", cache_key(spec, plan), doc)  # a read-only or full cache costs the next run a replay
     return saves
 
 

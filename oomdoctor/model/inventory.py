@@ -471,10 +471,46 @@ def _cached(cfg_items: tuple, name: str) -> ModelSpec:
 
 
 def spec_from_transformers(cfg: dict, name: str) -> ModelSpec:
-    """The :class:`ModelSpec` of ``cfg`` from the model transformers builds on the meta device (cached)."""
+    """The :class:`ModelSpec` of ``cfg`` from the model transformers builds on the meta device (cached in memory
+    and on disk: :func:`_on_disk`)."""
     import json
 
-    return _cached((json.dumps(cfg, sort_keys=True, default=str),), name)
+    return _on_disk((json.dumps(cfg, sort_keys=True, default=str),), name)
+
+
+#: Bump when what a spec holds changes: specs cached by another version are built again.
+SPEC_CACHE_VERSION = 1
+
+
+@lru_cache(maxsize=32)
+def _on_disk(cfg_items: tuple, name: str) -> ModelSpec:
+    """:func:`_cached`, kept in oomdoctor's cache (``oomdoctor.cache``, kind ``specs``) by the config and the
+    versions of transformers and torch that build the model: a later run reads the inventory instead of importing
+    the model's code and building it (seconds)."""
+    from dataclasses import asdict, replace
+    from importlib.metadata import version
+
+    from oomdoctor import cache
+
+    libs = {lib: version(lib) for lib in ("torch", "transformers")}
+    key = cache.key_of({"v": SPEC_CACHE_VERSION, "libs": libs, "config": cfg_items[0]})
+    doc = cache.read_json("specs", key)
+    if doc is not None:
+        try:
+            return _spec_of(doc, cfg_items, name)
+        except (KeyError, TypeError, ValueError):  # damaged: built again
+            pass
+    spec = _cached(cfg_items, name)
+    cache.write_json("specs", key, {k: v for k, v in asdict(replace(spec, name="")).items() if k != "config"})
+    return spec
+
+
+def _spec_of(doc: dict, cfg_items: tuple, name: str) -> ModelSpec:
+    import json
+
+    groups = tuple(ParamGroup(**g) for g in doc.pop("groups"))
+    towers = tuple(doc.pop("towers"))
+    return ModelSpec(**{**doc, "name": name, "groups": groups, "towers": towers, "config": json.loads(cfg_items[0])})
 
 
 __all__ = [
