@@ -37,10 +37,15 @@ def key_of(doc: dict) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def entry_path(kind: str, key: str) -> Path:
+    """The file of the entry ``key`` of ``kind``."""
+    return cache_dir(kind) / f"{key}.json"
+
+
 def read_json(kind: str, key: str) -> dict | None:
     """The entry ``key`` of ``kind``; None when there is none or it cannot be read."""
     try:
-        doc = json.loads((cache_dir(kind) / f"{key}.json").read_text())
+        doc = json.loads(entry_path(kind, key).read_text())
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
@@ -49,6 +54,6 @@ def read_json(kind: str, key: str) -> dict | None:
 def write_json(kind: str, key: str, doc: dict) -> None:
     """Write the entry ``key`` of ``kind`` (atomically); a cache that cannot be written is left as it is."""
     try:
-        write_file_atomic(cache_dir(kind) / f"{key}.json", json.dumps(doc), what=f"{kind} cache entry", overwrite=True)
+        write_file_atomic(entry_path(kind, key), json.dumps(doc), what=f"{kind} cache entry", overwrite=True)
     except (BadInput, WriteFailed):
         pass

@@ -172,7 +172,7 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
 
 def entry_path(key: str) -> Path:
     """The cache file of the measurement keyed ``key`` (:func:`cache_key`)."""
-    return cache_dir() / f"{key}.json"
+    return cache.entry_path("blocks", key)
 
 
 def discard_partial(key: str) -> None:
