@@ -19,8 +19,8 @@ _run = run_json
 def test_fsdp_equals_one_process_and_restarts_smaller_after_an_oom(tmp_path):
     """The same global batch gives the same losses on one process and under FSDP2 on two (both divide by the global
     token count; DDP equals one process: test_train_ddp.py); the final model is a plain HF directory with the same
-    weights; an OOM on one rank (injected: OOMDOCTOR_INJECT_OOM, the mechanism of multi-gpu.md §6) restarts every rank from the last
-    sharded checkpoint with half the micro-batch: same steps, same losses."""
+    weights; an OOM on one rank (injected: OOMDOCTOR_INJECT_OOM, the mechanism of multi-gpu.md §6) restarts every
+    rank from the last sharded checkpoint with half the micro-batch: same steps, same losses."""
     one = write_yaml(tmp_path / "one.yaml", _cfg(tmp_path, "one", gradient_accumulation_steps=4))
     sharded = _cfg(tmp_path, "fsdp", strategy="fsdp", save_steps=1, save_total_limit=None)
     fsdp = write_yaml(tmp_path / "fsdp.yaml", sharded)
@@ -41,7 +41,7 @@ def test_fsdp_equals_one_process_and_restarts_smaller_after_an_oom(tmp_path):
     assert not (tmp_path / "fsdp" / "oom-restart.json").exists()
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy  # the restart across ranks: the test before (an injected OOM)
 def test_a_per_rank_memory_cap_restarts_smaller_and_dcp_resumes_on_another_shard_layout(tmp_path):
     """A real per-rank cap (the live-bytes meter counts FSDP's resize_): micro 8 peaks at 9.3 MB per rank, micro 4
     at 5.4 MB; under 7 MiB both ranks run out in step 1's forward and torchrun restarts them with micro 4: the
@@ -62,7 +62,7 @@ def test_a_per_rank_memory_cap_restarts_smaller_and_dcp_resumes_on_another_shard
     assert r["resumed_from"].endswith("checkpoint-2") and r["losses"] == pytest.approx(c["losses"], abs=1e-6)
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy  # FSDP2's step and DCP checkpoints: test_fsdp_equals_one_process...
 def test_fsdp_lora_gradient_checkpointing_hsdp_output_loads_with_peft(tmp_path):
     """FSDP2 + LoRA + GC on an HSDP mesh (2 replicas x 1 shard) trains and saves a peft adapter."""
     from peft import PeftModel
@@ -94,7 +94,7 @@ def test_fsdp_lora_gradient_checkpointing_hsdp_output_loads_with_peft(tmp_path):
     assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) == res["num_trainable_params"]
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy  # an OOM at micro-batch 1 on one process: tests/test_train_oom.py
 def test_fsdp_oom_at_micro_batch_one_exits_4_with_one_message(tmp_path):
     cfg = write_yaml(tmp_path / "m1.yaml", _cfg(tmp_path, "m1", strategy="fsdp", micro_batch_size=1))
     p = cli("train", cfg, "--nproc-per-node", "2", env_extra={"OOMDOCTOR_INJECT_OOM": "1:0"}, timeout=300)
@@ -102,7 +102,7 @@ def test_fsdp_oom_at_micro_batch_one_exits_4_with_one_message(tmp_path):
     assert p.stderr.count("error: out of memory at step 1") == 1 and "Traceback" not in p.stderr
 
 
-@pytest.mark.heavy
+@pytest.mark.heavy  # FSDP2 on two ranks: test_fsdp_equals_one_process...
 def test_offload_params_runs_fsdp_at_world_size_one(tmp_path):
     """offload_params on one process: the plan runs FSDP2 with CPUOffloadPolicy on a one-rank group; same losses as
     the plain single-process run (CPU: the offload moves nothing)."""
