@@ -12,6 +12,7 @@ the work again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,15 @@ def cache_dir(kind: str) -> Path:
         return Path(os.environ[CACHE_ENV]) / kind
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "oomdoctor" / kind
+
+
+@functools.cache
+def versions(*libs: str) -> dict[str, str]:
+    """The installed versions of ``libs`` (whose code decides an entry), looked up once per process (~1 ms each: a
+    tune prices hundreds of plans)."""
+    from importlib.metadata import version
+
+    return {lib: version(lib) for lib in libs}
 
 
 def key_of(doc: dict) -> str:

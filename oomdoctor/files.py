@@ -81,6 +81,21 @@ def check_output_path(
     return out
 
 
+#: The file :func:`write_file_atomic` writes before renaming it into place: ``.NAME.<random>.tmp`` beside it.
+_PARTIAL_PREFIX, _PARTIAL_SUFFIX = ".{}.", ".tmp"
+
+
+def discard_partial_write(path: str | os.PathLike) -> None:
+    """Remove what a :func:`write_file_atomic` of ``path`` killed before its rename left beside it (a process
+    stopped from outside: its own ``except`` never ran)."""
+    p = Path(path)
+    try:
+        for tmp in p.parent.glob(f"{_PARTIAL_PREFIX.format(p.name)}*{_PARTIAL_SUFFIX}"):
+            tmp.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def write_file_atomic(
     path: str | os.PathLike,
     data: str | bytes,
@@ -98,7 +113,7 @@ def write_file_atomic(
     tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_PARTIAL_PREFIX.format(out.name), suffix=_PARTIAL_SUFFIX, dir=out.parent)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
@@ -164,6 +179,7 @@ def _remove(tmp: str | None) -> None:
 
 __all__ = [
     "check_output_path",
+    "discard_partial_write",
     "free_bytes",
     "free_path",
     "holds_weights",

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from test_blocks import JAMBA, JAMBA_3, tiny
 
+from oomdoctor import cache
 from oomdoctor.cache import CACHE_ENV
 from oomdoctor.diagnose.report import diagnose
 from oomdoctor.engines import block_pool, blocks
@@ -58,6 +59,19 @@ def test_busy_cores_sees_a_process_that_spins():
         spinner.wait()
 
 
+def test_nothing_to_measure_costs_no_look_at_the_machine(monkeypatch, tiny_config):
+    """A model the formulas price (or whose measurements are cached) never waits for :func:`busy_cores`."""
+    from oomdoctor.diagnose.matrix import enumerate_plans
+
+    def watched():
+        raise AssertionError("sampled the machine")
+
+    monkeypatch.delenv(block_pool.WORKERS_ENV, raising=False)
+    monkeypatch.setattr(block_pool, "busy_cores", watched)
+    spec = spec_from_config(dict(tiny_config), name="tiny-llama")
+    assert block_pool.prefetch(spec, enumerate_plans({"seq_len": 64})) == 0
+
+
 def test_pending_lists_each_uncached_measurement_once(monkeypatch, tmp_path):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     spec = spec_from_config(tiny("jamba", **JAMBA), name="jamba")
@@ -68,8 +82,9 @@ def test_pending_lists_each_uncached_measurement_once(monkeypatch, tmp_path):
     assert len(plans) == 4 and [p.gradient_checkpointing for p in todo.values()] == [False, True]
     assert all(blocks.cache_key(spec, p) == k for k, p in todo.items())
     key = next(iter(todo))
-    blocks.entry_path(key).parent.mkdir(parents=True)
-    blocks.entry_path(key).write_text("{damaged")  # measured again, as the serial path would
+    entry = cache.entry_path("blocks", key)
+    entry.parent.mkdir(parents=True)
+    entry.write_text("{damaged")  # measured again, as the serial path would
     assert list(block_pool.pending(spec, plans)) == list(todo)
     blocks.PREFETCHED[key] = None  # a model a worker could not measure: not tried again
     try:

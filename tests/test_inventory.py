@@ -150,7 +150,7 @@ def test_a_built_inventory_is_read_back_from_the_cache_on_disk(monkeypatch, tmp_
         raise AssertionError("built again")
 
     inventory._on_disk.cache_clear()
-    monkeypatch.setattr(inventory, "_cached", not_again)
+    monkeypatch.setattr(inventory, "_built", not_again)
     read = spec_from_transformers(cfg, "second")
     assert read == type(built)(**{**built.__dict__, "name": "second"}) and read.config == built.config
     entry.write_text("{damaged")

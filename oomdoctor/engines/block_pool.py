@@ -102,6 +102,8 @@ def prefetch(spec: "ModelSpec", plans: Iterable["Plan"]) -> int:
     """Make the measurements :func:`pending` for ``plans`` in worker processes when two or more are missing and
     more than one process may run (:func:`worker_count`); returns how many the workers made."""
     todo = pending(spec, plans)
+    if len(todo) < 2:  # before counting idle cores: that watches the machine for a moment
+        return 0
     workers = min(worker_count(), len(todo))
     if workers < 2:
         return 0

@@ -21,24 +21,22 @@ selective scan: ~125 ops a token forward and backward, 80 % of a cold Jamba diag
 found by the ops they dispatch (:data:`LOOP_BUDGET`, then their growth between two short lengths) and measured on
 the plan's tokens cut into sequences of :data:`LOOP_SEQ_LEN` (and of twice it, and on twice as many sequences:
 :func:`along_the_sequence` takes out what grows with the number of sequences); the other blocks still run at the
-plan's length. Results are cached in memory and on disk (``blocks/`` under ``$OOMDOCTOR_CACHE``, else
-``$XDG_CACHE_HOME/oomdoctor``, else ``~/.cache/oomdoctor``), keyed by the model config, the plan's settings at
-micro-batch 1 and the versions of torch, transformers and peft (``diagnose`` and ``tune`` make the measurements their
-plans need first, in worker processes: ``engines/block_pool``). Each replay run of a measurement is reported
-(``oomdoctor.progress``, task ``blocks``: the CLI draws it on stderr).
+plan's length. Results are cached in memory and on disk (``oomdoctor.cache``, kind ``blocks``), keyed by the model
+config, the plan's settings at micro-batch 1 and the versions of torch, transformers and peft (``diagnose`` and
+``tune`` make the measurements their plans need first, in worker processes: ``engines/block_pool``). Each replay run
+of a measurement is reported (``oomdoctor.progress``, task ``blocks``: the CLI draws it on stderr).
 """
 
 from __future__ import annotations
 
 import json
-from contextlib import suppress
 from dataclasses import replace
 from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from oomdoctor import cache
 from oomdoctor.engines.kinds import extend
+from oomdoctor.files import discard_partial_write
 from oomdoctor.memory.measured import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 from oomdoctor.progress import report
@@ -112,17 +110,10 @@ def measured_seq_len(seq_len: int) -> int:
 def cache_key(spec: "ModelSpec", plan: "Plan") -> str:
     """The cache key of ``spec``'s measurement under ``plan`` (a :func:`measured_plan`): the model config and depth,
     the plan's settings, :data:`VERSION` and the versions of the libraries whose code decides what is saved."""
-    from importlib.metadata import version
-
-    libs = {lib: version(lib) for lib in ("torch", "transformers", "peft")}  # their code decides what is saved
+    libs = cache.versions("torch", "transformers", "peft")  # their code decides what is saved
     return cache.key_of(
         {"v": VERSION, "libs": libs, "config": spec.config, "layers": spec.num_layers, "plan": plan.settings()}
     )
-
-
-def cache_dir() -> Path:
-    """The directory of the block measurements (``oomdoctor.cache``)."""
-    return cache.cache_dir("blocks")
 
 
 def block_saves(spec: "ModelSpec", plan: "Plan") -> BlockSaves | None:
@@ -170,17 +161,9 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     return measure_entry(spec, plan)
 
 
-def entry_path(key: str) -> Path:
-    """The cache file of the measurement keyed ``key`` (:func:`cache_key`)."""
-    return cache.entry_path("blocks", key)
-
-
 def discard_partial(key: str) -> None:
-    """Remove the temporary file a writer of the entry keyed ``key`` left when it was killed before renaming it
-    (``files.write_file_atomic``)."""
-    with suppress(OSError):
-        for tmp in cache_dir().glob(f".{entry_path(key).name}.*.tmp"):
-            tmp.unlink(missing_ok=True)
+    """Remove the temporary file a writer of the entry keyed ``key`` left when it was killed before renaming it."""
+    discard_partial_write(cache.entry_path("blocks", key))
 
 
 def read_entry(key: str) -> BlockSaves | None:

@@ -415,8 +415,8 @@ def _top_k(tc, n_exp: int, name: str) -> int:
     return 2
 
 
-@lru_cache(maxsize=32)
-def _cached(cfg_items: tuple, name: str) -> ModelSpec:
+def _built(cfg_items: tuple, name: str) -> ModelSpec:
+    """The spec of the model transformers builds on the meta device from the config ``cfg_items[0]`` (JSON)."""
     import json
 
     cfg = json.loads(cfg_items[0])
@@ -484,15 +484,14 @@ SPEC_CACHE_VERSION = 1
 
 @lru_cache(maxsize=32)
 def _on_disk(cfg_items: tuple, name: str) -> ModelSpec:
-    """:func:`_cached`, kept in oomdoctor's cache (``oomdoctor.cache``, kind ``specs``) by the config and the
+    """:func:`_built`, kept in oomdoctor's cache (``oomdoctor.cache``, kind ``specs``) by the config and the
     versions of transformers and torch that build the model: a later run reads the inventory instead of importing
     the model's code and building it (seconds)."""
     from dataclasses import asdict, replace
-    from importlib.metadata import version
 
     from oomdoctor import cache
 
-    libs = {lib: version(lib) for lib in ("torch", "transformers")}
+    libs = cache.versions("torch", "transformers")
     key = cache.key_of({"v": SPEC_CACHE_VERSION, "libs": libs, "config": cfg_items[0]})
     doc = cache.read_json("specs", key)
     if doc is not None:
@@ -500,7 +499,7 @@ def _on_disk(cfg_items: tuple, name: str) -> ModelSpec:
             return _spec_of(doc, cfg_items, name)
         except (KeyError, TypeError, ValueError):  # damaged: built again
             pass
-    spec = _cached(cfg_items, name)
+    spec = _built(cfg_items, name)
     cache.write_json("specs", key, {k: v for k, v in asdict(replace(spec, name="")).items() if k != "config"})
     return spec
 
