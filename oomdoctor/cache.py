@@ -35,11 +35,18 @@ def cache_dir(kind: str) -> Path:
 
 @functools.cache
 def versions(*libs: str) -> dict[str, str]:
-    """The installed versions of ``libs`` (whose code decides an entry), looked up once per process (~1 ms each: a
-    tune prices hundreds of plans)."""
-    from importlib.metadata import version
+    """The installed versions of ``libs`` (whose code decides an entry) and of oomdoctor (whose code reads it), looked
+    up once per process (~1 ms each: a tune prices hundreds of plans); ``""`` for one not installed as a
+    distribution (a source tree on ``PYTHONPATH``)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {lib: version(lib) for lib in libs}
+    def of(lib: str) -> str:
+        try:
+            return version(lib)
+        except PackageNotFoundError:
+            return ""
+
+    return {lib: of(lib) for lib in ("oomdoctor", *libs)}
 
 
 def key_of(doc: dict) -> str:

@@ -13,7 +13,6 @@ import pytest
 from test_blocks import JAMBA, JAMBA_3, tiny
 
 from oomdoctor import cache
-from oomdoctor.cache import CACHE_ENV
 from oomdoctor.diagnose.report import diagnose
 from oomdoctor.engines import block_pool, blocks
 from oomdoctor.errors import BadInput
@@ -73,7 +72,7 @@ def test_nothing_to_measure_costs_no_look_at_the_machine(monkeypatch, tiny_confi
 
 
 def test_pending_lists_each_uncached_measurement_once(monkeypatch, tmp_path):
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
     spec = spec_from_config(tiny("jamba", **JAMBA), name="jamba")
     from oomdoctor.diagnose.matrix import enumerate_plans
 
@@ -101,7 +100,7 @@ def test_pending_lists_each_uncached_measurement_once(monkeypatch, tmp_path):
 def _cold(monkeypatch, tmp_path: Path, workers: str, during=None) -> tuple[str, list]:
     """A cold diagnose of the tiny three-block Jamba (fresh cache directory and memory) with ``workers``: its JSON
     document and the progress it reported; ``during(report)`` runs on each report."""
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(block_pool.WORKERS_ENV, workers)
     blocks._cached.cache_clear()
     blocks._LOOPING.clear()

@@ -114,7 +114,9 @@ def _in_pool(spec: "ModelSpec", todo: dict[str, "Plan"], workers: int) -> int:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from oomdoctor.engines.blocks import PREFETCHED, discard_partial
+    from oomdoctor.cache import entry_path
+    from oomdoctor.engines.blocks import PREFETCHED
+    from oomdoctor.files import discard_partial_write
 
     message = (
         f"measuring what {spec.model_type} blocks save under {len(todo)} sets of knobs in {workers} "
@@ -134,7 +136,7 @@ def _in_pool(spec: "ModelSpec", todo: dict[str, "Plan"], workers: int) -> int:
                 PREFETCHED[key] = future.result()
                 made += 1
             except Exception:  # noqa: BLE001 - a worker lost (killed, out of memory): the serial path measures it
-                discard_partial(key)
+                discard_partial_write(entry_path("blocks", key))  # what a killed worker was writing
             report("blocks", message, done, len(todo))
     except BaseException:  # an interrupt: end the workers now, not after their measurement
         for process in list(getattr(pool, "_processes", {}).values()):  # no public way before Python 3.14

@@ -22,9 +22,10 @@ found by the ops they dispatch (:data:`LOOP_BUDGET`, then their growth between t
 the plan's tokens cut into sequences of :data:`LOOP_SEQ_LEN` (and of twice it, and on twice as many sequences:
 :func:`along_the_sequence` takes out what grows with the number of sequences); the other blocks still run at the
 plan's length. Results are cached in memory and on disk (``oomdoctor.cache``, kind ``blocks``), keyed by the model
-config, the plan's settings at micro-batch 1 and the versions of torch, transformers and peft (``diagnose`` and
-``tune`` make the measurements their plans need first, in worker processes: ``engines/block_pool``). Each replay run
-of a measurement is reported (``oomdoctor.progress``, task ``blocks``: the CLI draws it on stderr).
+config, the plan's settings at micro-batch 1 and the versions of oomdoctor, torch, transformers and peft
+(``diagnose`` and ``tune`` make the measurements their plans need first, in worker processes:
+``engines/block_pool``). Each replay run of a measurement is reported (``oomdoctor.progress``, task ``blocks``: the
+CLI draws it on stderr).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from typing import TYPE_CHECKING
 
 from oomdoctor import cache
 from oomdoctor.engines.kinds import extend
-from oomdoctor.files import discard_partial_write
 from oomdoctor.memory.measured import BlockBytes, BlockSaves
 from oomdoctor.plan import Plan
 from oomdoctor.progress import report
@@ -159,11 +159,6 @@ def _cached(spec: "ModelSpec", plan: "Plan", _config: str) -> BlockSaves | None:
     if key in PREFETCHED:
         return PREFETCHED[key]
     return measure_entry(spec, plan)
-
-
-def discard_partial(key: str) -> None:
-    """Remove the temporary file a writer of the entry keyed ``key`` left when it was killed before renaming it."""
-    discard_partial_write(cache.entry_path("blocks", key))
 
 
 def read_entry(key: str) -> BlockSaves | None:

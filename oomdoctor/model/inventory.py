@@ -485,8 +485,8 @@ SPEC_CACHE_VERSION = 1
 @lru_cache(maxsize=32)
 def _on_disk(cfg_items: tuple, name: str) -> ModelSpec:
     """:func:`_built`, kept in oomdoctor's cache (``oomdoctor.cache``, kind ``specs``) by the config and the
-    versions of transformers and torch that build the model: a later run reads the inventory instead of importing
-    the model's code and building it (seconds)."""
+    versions of transformers and torch that build the model (and of oomdoctor, that reads it): a later run reads the
+    inventory instead of importing the model's code and building it (seconds)."""
     from dataclasses import asdict, replace
 
     from oomdoctor import cache
